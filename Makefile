@@ -1,0 +1,61 @@
+# cas-operator — `make help` lists the targets.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+
+##@ Quick start
+
+run: setup bins ## Local control plane, operator, sample fleet, live view until Ctrl-C
+	$(PY) -m e2e.run_local
+
+test: setup bins ## Unit, engine and end-to-end tests (what CI runs)
+	$(PY) -m pytest -q tests
+
+##@ Development
+
+help: ## Show this help
+	@awk 'BEGIN {FS = ":.*##"} /^##@/ {printf "\n\033[1m%s\033[0m\n", substr($$0, 5)} /^[a-zA-Z0-9_-]+:.*##/ {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+setup: $(STAMP) ## Create .venv and install the project with all extras
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev,operator,engine]'
+	@rm -f $(VENV)/.installed-* && touch $@
+
+crds: setup ## Generate crds/ from the typed models in cas_operator/api
+	$(PY) -m cas_operator.api.crdgen crds/
+
+verify: setup ## Regenerate the CRDs and fail on drift
+	$(PY) -m cas_operator.api.crdgen --check crds/
+
+lint: setup ## ruff and import-linter contracts
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check operator engine
+	$(VENV)/bin/lint-imports
+
+typecheck: setup ## mypy (strict on cas_operator)
+	$(VENV)/bin/mypy
+
+unit: setup ## Unit and engine tests only (no cluster)
+	$(PY) -m pytest -q tests/unit tests/engine
+
+##@ Local stack
+
+bins: ## Build (or reuse) kube-apiserver, controller-manager, scheduler, kubectl, etcd, kwok, lws
+	e2e/build-bins.sh
+
+cluster-up: setup bins ## Start the local control plane as processes
+	$(PY) -m e2e.cluster up
+
+cluster-down: setup ## Stop exactly the processes cluster-up started
+	$(PY) -m e2e.cluster down
+
+##@ Benchmarks
+
+bench: setup ## All benchmarks (never part of make test)
+	@echo "benchmarks: see bench/"
+
+.PHONY: run test help setup crds verify lint typecheck unit bins cluster-up cluster-down bench
