@@ -31,7 +31,7 @@ Pure Python, engine-agnostic, no GPU, no threads, no clock of its own. API (all 
     tracker.begin(room, gen) -> bool            # pins source pages; False: aborted already
     tracker.try_issue(room, gen) -> bool        # before each chunk; False: skip it
     tracker.write_done(room, gen, ok=True) -> ReclaimAck | None   # send the ack if not None
-    tracker.seal(room, gen)                     # all chunks posted
+    tracker.seal(room, gen) -> ReclaimAck | None  # all chunks posted
     tracker.on_abort(notice) -> ReclaimAck | None                 # send the ack if not None
     tracker.on_endpoint_closed()                # decode endpoint gone: unpin everything
     tracker.is_pinned(room, gen) -> bool        # source pages must stay untouched while True

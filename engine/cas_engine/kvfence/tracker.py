@@ -95,13 +95,13 @@ class WriteTracker:
             self.metrics.poisoned.inc()
         return self._settle(key, state)
 
-    def seal(self, room: int, generation: int) -> None:
+    def seal(self, room: int, generation: int) -> ReclaimAck | None:
         """No further chunk of this room will be issued (its transfer is fully posted)."""
         state = self._rooms.get((room, generation))
         if state is None:
-            return
+            return None
         state.sealed = True
-        self._settle((room, generation), state)
+        return self._settle((room, generation), state)
 
     def on_abort(self, notice: AbortNotice) -> ReclaimAck | None:
         """Mark the room aborted; the ack if nothing of it is outstanding (never if poisoned)."""
