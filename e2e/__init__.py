@@ -1,0 +1,1 @@
+"""The local Kubernetes stack (real control plane as processes) and its end-to-end harness."""

@@ -1,0 +1,147 @@
+"""Pure builders of the objects and config files the local stack needs (no I/O beyond reading
+the manifests shipped next to the LWS binary).
+
+- :func:`gpu_nodes`: the fake GPU nodes KWOK manages (capacity, pool label, a pod CIDR inside
+  127.0.0.0/8 so a later process runner can bind a pod's IP on loopback).
+- :func:`kwok_config`: KWOK's default node and pod stages as one multi-document file.
+- :func:`lws_config`: the LWS controller's configuration (webhook server on loopback with our
+  certificate, no leader election, no internal cert rotation).
+- :func:`lws_webhooks`: LWS's webhook configurations with its kustomize patches applied and the
+  in-cluster Service reference replaced by a loopback URL plus our CA bundle.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+KWOK_NODE_LABEL = "type"
+KWOK_NODE_LABEL_VALUE = "kwok"
+NODE_POOL_LABEL = "cas.dev/node-pool"
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
+@dataclass(frozen=True)
+class NodeShape:
+    """What every fake node advertises."""
+
+    count: int = 4
+    gpus: int = 8
+    cpu: str = "64"
+    memory: str = "512Gi"
+    pods: int = 110
+    pool: str = "gpu-h200"
+    name_prefix: str = "kwok-gpu"
+
+
+def node_pod_cidr(index: int) -> str:
+    """Pod CIDR of node ``index``: ``127.10.<index>.0/24`` (loopback, one /24 per node)."""
+    return f"127.10.{index}.0/24"
+
+
+def gpu_nodes(shape: NodeShape, kubelet_version: str) -> list[dict[str, Any]]:
+    """Node objects (with status capacity) for KWOK to take over and mark Ready."""
+    nodes = []
+    for i in range(shape.count):
+        name = f"{shape.name_prefix}-{i}"
+        resources = {
+            "cpu": shape.cpu,
+            "memory": shape.memory,
+            "pods": str(shape.pods),
+            "ephemeral-storage": "1Ti",
+            GPU_RESOURCE: str(shape.gpus),
+        }
+        nodes.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {
+                    "name": name,
+                    "labels": {
+                        KWOK_NODE_LABEL: KWOK_NODE_LABEL_VALUE,
+                        NODE_POOL_LABEL: shape.pool,
+                        "kubernetes.io/hostname": name,
+                        "kubernetes.io/os": "linux",
+                        "kubernetes.io/arch": "amd64",
+                        "node.kubernetes.io/instance-type": f"fake-{shape.pool}",
+                    },
+                    "annotations": {"kwok.x-k8s.io/node": "fake"},
+                },
+                "spec": {"podCIDR": node_pod_cidr(i), "podCIDRs": [node_pod_cidr(i)]},
+                "status": {
+                    "capacity": resources,
+                    "allocatable": dict(resources),
+                    "addresses": [
+                        {"type": "InternalIP", "address": f"127.9.0.{i + 1}"},
+                        {"type": "Hostname", "address": name},
+                    ],
+                    "nodeInfo": {
+                        "architecture": "amd64",
+                        "operatingSystem": "linux",
+                        "kubeletVersion": kubelet_version,
+                        "kubeProxyVersion": kubelet_version,
+                    },
+                },
+            }
+        )
+    return nodes
+
+
+def kwok_config(stages_dir: Path) -> str:
+    """KWOK's default stages (copied from its module by build-bins.sh) as one YAML stream."""
+    files = sorted(stages_dir.glob("*.yaml"))
+    if not files:
+        raise FileNotFoundError(f"no KWOK stages in {stages_dir} (run e2e/build-bins.sh)")
+    return "\n---\n".join(f.read_text().strip() for f in files) + "\n"
+
+
+def lws_config(*, webhook_port: int, cert_dir: Path, metrics_port: int, health_port: int) -> str:
+    """The LWS controller's Configuration: loopback listeners, our certs, no leader election."""
+    cfg = {
+        "apiVersion": "config.lws.x-k8s.io/v1alpha1",
+        "kind": "Configuration",
+        "leaderElection": {"leaderElect": False},
+        "internalCertManagement": {"enable": False},
+        "webhook": {"host": "127.0.0.1", "port": webhook_port, "certDir": str(cert_dir)},
+        "metrics": {"bindAddress": f"127.0.0.1:{metrics_port}"},
+        "health": {"healthProbeBindAddress": f"127.0.0.1:{health_port}"},
+    }
+    return yaml.safe_dump(cfg, sort_keys=False)
+
+
+def _apply_patch(doc: dict[str, Any], ops: list[dict[str, Any]]) -> None:
+    """Apply the JSON-patch ``replace``/``add`` ops on ``/webhooks/<i>`` that LWS ships."""
+    for op in ops:
+        parts = op["path"].strip("/").split("/")
+        if op["op"] not in ("replace", "add") or len(parts) != 2 or parts[0] != "webhooks":
+            raise ValueError(f"unsupported webhook patch op: {op}")
+        doc["webhooks"][int(parts[1])] = copy.deepcopy(op["value"])
+
+
+def lws_webhooks(webhook_dir: Path, *, port: int, ca_pem: bytes) -> list[dict[str, Any]]:
+    """LWS's Mutating/ValidatingWebhookConfigurations pointed at ``https://127.0.0.1:<port>``.
+
+    The kustomize patches (which add an objectSelector so only LWS pods hit the pod webhooks)
+    are applied first; then each ``clientConfig.service`` becomes a ``url`` on loopback with
+    ``caBundle`` set to our CA, and names get an ``lws-`` prefix.
+    """
+    docs = [d for d in yaml.safe_load_all((webhook_dir / "manifests.yaml").read_text()) if d]
+    patches = {
+        "MutatingWebhookConfiguration": webhook_dir / "mutating-patch.yaml",
+        "ValidatingWebhookConfiguration": webhook_dir / "validating-patch.yaml",
+    }
+    ca_bundle = base64.b64encode(ca_pem).decode()
+    for doc in docs:
+        patch = patches.get(doc["kind"])
+        if patch is not None and patch.exists():
+            _apply_patch(doc, yaml.safe_load(patch.read_text()))
+        doc["metadata"]["name"] = f"lws-{doc['metadata']['name']}"
+        for hook in doc["webhooks"]:
+            path = hook["clientConfig"]["service"]["path"]
+            hook["clientConfig"] = {"url": f"https://127.0.0.1:{port}{path}", "caBundle": ca_bundle}
+    return docs
