@@ -1,0 +1,171 @@
+"""Safety properties of the replica controller ``next_replicas`` (Auto mode)."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cas_operator.planning.ratio import (
+    Bounds,
+    ControlConfig,
+    ControlState,
+    CurrentReplicas,
+    RatioRecommendation,
+    next_replicas,
+)
+
+TICK = 30.0
+
+
+def _rec(n_p: int, n_d: int) -> RatioRecommendation:
+    return RatioRecommendation(
+        n_prefill=n_p,
+        n_decode=n_d,
+        gpus=0,
+        ttft_p90_s=1.0,
+        itl_ms=10.0,
+        hit_rate=0.9,
+        goodput_rps=1.0,
+        meets_slo=True,
+        reason="test",
+    )
+
+
+@dataclass
+class World:
+    """Pods appear at once (Pending still holds GPUs) and leave ``drain_s`` after scale-down."""
+
+    prefill: int
+    decode: int
+    drain_s: float
+    leaving: list[tuple[float, str]] = field(default_factory=list)
+
+    def pods(self, now: float) -> CurrentReplicas:
+        self.leaving = [(t, r) for t, r in self.leaving if t > now]
+        lp = sum(1 for _, r in self.leaving if r == "p")
+        ld = sum(1 for _, r in self.leaving if r == "d")
+        return CurrentReplicas(self.prefill, self.decode, self.prefill + lp, self.decode + ld)
+
+    def apply(self, p: int, d: int, now: float) -> None:
+        self.leaving += [(now + self.drain_s, "p")] * max(0, self.prefill - p)
+        self.leaving += [(now + self.drain_s, "d")] * max(0, self.decode - d)
+        self.prefill, self.decode = p, d
+
+
+def _run(world: World, recs: list[tuple[int, int]], cfg: ControlConfig, ticks_per: int):
+    state, now, history = ControlState(), 0.0, []
+    for n_p, n_d in recs:
+        for _ in range(ticks_per):
+            cur = world.pods(now)
+            dec = next_replicas(cur, _rec(n_p, n_d), state, now, cfg)
+            world.apply(dec.prefill, dec.decode, now)
+            state = dec.state
+            history.append((now, dec, world.pods(now)))
+            now += TICK
+    return history
+
+
+BOUNDS = Bounds(min_prefill=2, max_prefill=40, min_decode=2, max_decode=40, gpu_budget=320)
+CFG = ControlConfig(
+    prefill_gpus=8, decode_gpus=8, bounds=BOUNDS, pod_start_s=120.0, down_stable_s=120.0
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    recs=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 60)), min_size=1, max_size=8),
+    start=st.tuples(st.integers(2, 20), st.integers(2, 20)),
+    drain=st.floats(0.0, 400.0),
+)
+def test_budget_and_floors_hold_for_any_recommendations(recs, start, drain) -> None:
+    """Guards budget and floor safety: whatever the planner asks for, GPUs held by existing
+    pods (including draining ones) never exceed the budget and replicas stay within bounds."""
+    world = World(prefill=start[0], decode=start[1], drain_s=drain)
+    for _, dec, pods in _run(world, recs, CFG, ticks_per=12):
+        assert (pods.prefill_pods + pods.decode_pods) * 8 <= BOUNDS.gpu_budget
+        assert BOUNDS.min_prefill <= dec.prefill <= BOUNDS.max_prefill
+        assert BOUNDS.min_decode <= dec.decode <= BOUNDS.max_decode
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    target=st.tuples(st.integers(2, 25), st.integers(2, 15)),
+    start=st.tuples(st.integers(2, 20), st.integers(2, 20)),
+)
+def test_constant_load_converges_without_oscillation(target, start) -> None:
+    """Guards against oscillation: a constant recommendation moves each pool monotonically
+    (never up then down) and the fleet stops changing."""
+    world = World(prefill=start[0], decode=start[1], drain_s=60.0)
+    hist = _run(world, [target], CFG, ticks_per=200)
+    for pool in ("prefill", "decode"):
+        values = [getattr(dec, pool) for _, dec, _ in hist]
+        steps = [b - a for a, b in itertools.pairwise(values) if b != a]
+        assert all(s > 0 for s in steps) or all(s < 0 for s in steps)
+    tail = [(dec.prefill, dec.decode) for _, dec, _ in hist[-20:]]
+    assert len(set(tail)) == 1
+
+
+def test_cooldown_at_least_pod_start_between_changes() -> None:
+    """Guards the cooldown: consecutive changes of one pool are at least the pod start time
+    apart, even when the configured cooldown is shorter."""
+    cfg = ControlConfig(
+        prefill_gpus=8,
+        decode_gpus=8,
+        bounds=Bounds(max_prefill=100, max_decode=100),
+        pod_start_s=300.0,
+        cooldown_s=10.0,
+    )
+    world = World(prefill=4, decode=4, drain_s=0.0)
+    hist = _run(world, [(40, 40)], cfg, ticks_per=100)
+    times = [
+        t
+        for (t, dec, _), (_, prev, _) in zip(hist[1:], hist, strict=False)
+        if dec.prefill != prev.prefill
+    ]
+    assert len(times) >= 3
+    assert all(b - a >= 300.0 for a, b in itertools.pairwise(times))
+
+
+def test_drain_confirm_then_grow_at_budget_cap() -> None:
+    """Guards the rebalance order at the cap: moving from 20P:20D to 28P:12D, prefill grows
+    only after the decode pods removed to make room have actually gone."""
+    bounds = Bounds(min_prefill=1, max_prefill=40, min_decode=1, max_decode=40, gpu_budget=320)
+    cfg = ControlConfig(
+        prefill_gpus=8,
+        decode_gpus=8,
+        bounds=bounds,
+        pod_start_s=60.0,
+        down_stable_s=0.0,
+        max_step_fraction=1.0,
+    )
+    world = World(prefill=20, decode=20, drain_s=200.0)
+    hist = _run(world, [(28, 12)], cfg, ticks_per=40)
+    first_decode_down = next(t for t, dec, _ in hist if dec.decode < 20)
+    first_prefill_up = next(t for t, dec, _ in hist if dec.prefill > 20)
+    assert first_prefill_up >= first_decode_down + 200.0
+    assert hist[-1][1].prefill == 28 and hist[-1][1].decode == 12
+
+
+def test_scale_down_waits_for_stable_lower_target_and_is_bounded() -> None:
+    """Guards hysteresis on the way down: a brief dip in the recommendation does not remove
+    pods, a lasting one does, one bounded step at a time."""
+    cfg = ControlConfig(
+        prefill_gpus=8,
+        decode_gpus=8,
+        bounds=Bounds(),
+        pod_start_s=60.0,
+        down_stable_s=300.0,
+        max_step_fraction=0.25,
+    )
+    world = World(prefill=20, decode=20, drain_s=0.0)
+    hist = _run(world, [(10, 10)] * 1 + [(20, 20)], cfg, ticks_per=5)  # 150 s dip
+    assert all(dec.prefill == 20 for _, dec, _ in hist)
+    world = World(prefill=20, decode=20, drain_s=0.0)
+    hist = _run(world, [(10, 10)], cfg, ticks_per=40)
+    values = [dec.prefill for _, dec, _ in hist]
+    assert values[-1] == 10
+    assert all(a - b <= 5 for a, b in itertools.pairwise(values))
+    assert next(i for i, v in enumerate(values) if v < 20) * TICK >= 300.0

@@ -1,0 +1,239 @@
+"""Unit tests of the P:D ratio model's pieces against hand-computed cases."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from cas_operator.planning import profiles as pf
+from cas_operator.planning.ratio import (
+    Bounds,
+    InstanceProfile,
+    ObservedSignals,
+    SloInputs,
+    WorkloadInputs,
+    _decode_state,
+    _kv_need,
+    erlang_c,
+    evaluate,
+    hit_probabilities,
+    recommend,
+)
+
+SPEC = pf.load_spec("glm5-fp8-h200")
+PREFILL = pf.prefill_profile(SPEC, cp=1)
+DECODE = pf.decode_profile(SPEC)
+SLO = SloInputs(ttft_s=3.0, itl_ms=50.0)
+WL = WorkloadInputs(request_rate=20.0, avg_input_tokens=64_000, avg_output_tokens=400)
+
+
+def _toy(**kw: float) -> InstanceProfile:
+    base = dict(
+        name="toy",
+        gpus=8,
+        cp=1,
+        layer_split=False,
+        kv_bytes_per_token=1000.0,
+        kv_capacity_tokens=1e6,
+        host_cache_tokens=0.0,
+        prefill_overhead_s=0.0,
+        prefill_s_per_token=1e-4,
+        prefill_attn_s_per_token_pair=0.0,
+        host_load_s_per_token=0.0,
+        decode_step_base_s=0.02,
+        decode_step_per_seq_s=0.0,
+        decode_step_per_ctx_token_s=0.0,
+        accept_length=1.0,
+        max_running=10_000,
+        nic_bytes_per_s=1e12,
+        pod_start_s=60.0,
+        drain_s=10.0,
+    )
+    base.update(kw)
+    return InstanceProfile(**base)  # type: ignore[arg-type]
+
+
+def test_erlang_c_hand_values() -> None:
+    """Guards the waiting probability: M/M/1 waits with prob rho; M/M/2 at a=1 waits 1/3."""
+    assert erlang_c(1, 0.5) == pytest.approx(0.5)
+    assert erlang_c(2, 1.0) == pytest.approx(1.0 / 3.0)
+    assert erlang_c(4, 4.0) == 1.0
+    assert erlang_c(3, 0.0) == 0.0
+
+
+def test_hit_rate_is_capacity_over_working_set_without_churn() -> None:
+    """Guards Che's approximation: with no finished sessions lingering, a cache holding half of
+    the live sessions' contexts hits half of the returning turns (a constant hit rate fails)."""
+    wl = WorkloadInputs(
+        request_rate=10.0, avg_input_tokens=900, avg_output_tokens=100, first_turn_fraction=1e-12
+    )
+    # live sessions = 10 req/s * 10 s = 100, each 1000 tokens -> working set 100K tokens
+    p_gpu, p_any = hit_probabilities(wl, gpu_tokens=50_000, host_tokens=25_000, cycle_s=10.0)
+    assert p_gpu == pytest.approx(0.5, abs=1e-6)
+    assert p_any == pytest.approx(0.75, abs=1e-6)
+
+
+def test_finished_sessions_take_cache_space() -> None:
+    """Guards the churn term: sessions that ended still occupy LRU space until evicted, so the
+    hit probability is below capacity/working-set when sessions end."""
+    wl = WorkloadInputs(
+        request_rate=10.0, avg_input_tokens=900, avg_output_tokens=100, first_turn_fraction=0.2
+    )
+    p_gpu, _ = hit_probabilities(wl, gpu_tokens=50_000, host_tokens=0.0, cycle_s=10.0)
+    assert 0.2 < p_gpu < 0.5
+
+
+def test_decode_fixed_point_constant_step() -> None:
+    """Guards Little's law on decode: 10 req/s x 100 tokens x 20 ms over 2 instances = 10 active
+    per instance, ITL 20 ms."""
+    toy = _toy()
+    wl = WorkloadInputs(request_rate=10.0, avg_input_tokens=1000, avg_output_tokens=100)
+    active, step = _decode_state(wl, toy, n_decode=2)
+    assert active == pytest.approx(10.0)
+    assert step == pytest.approx(0.02)
+
+
+def test_decode_fixed_point_with_batch_dependent_step() -> None:
+    """Guards the closed form c = X*base / (1 - X*slope): X = 10*100/2 = 500, slope 1e-4 ->
+    c = 500*0.02/(1-0.05) = 10.526 and step = 0.02 + 1e-4*c."""
+    toy = _toy(decode_step_per_seq_s=1e-4)
+    wl = WorkloadInputs(request_rate=10.0, avg_input_tokens=1000, avg_output_tokens=100)
+    active, step = _decode_state(wl, toy, n_decode=2)
+    assert active == pytest.approx(10.0 / 0.95)
+    assert step == pytest.approx(0.02 + 1e-4 * 10.0 / 0.95)
+    overloaded, _ = _decode_state(replace(wl, request_rate=1e6), toy, n_decode=2)
+    assert math.isinf(overloaded)
+
+
+def test_kv_need_uses_p95_not_mean() -> None:
+    """Guards sizing decode KV on the tail: 4 requests, mean 1100 ctx, p95 input 1000 above the
+    mean -> 4*1100 + 1.645*2*(1000/1.645) = 6400 tokens (mean-only sizing would say 4400)."""
+    wl = WorkloadInputs(
+        request_rate=1.0, avg_input_tokens=1000, avg_output_tokens=100, p95_input_tokens=2000
+    )
+    assert _kv_need(wl, 4.0) == pytest.approx(6400.0)
+
+
+def test_layer_split_capacity_factor() -> None:
+    """Guards LayerSplit capacity: cp=8 with a 1/8 replicated indexer caches 1/(7/64+1/8) =
+    4.27x one rank; without LayerSplit a CP group caches no more than one rank."""
+    assert pf.layer_split_capacity_factor(8, 0.125) == pytest.approx(1 / (0.875 / 8 + 0.125))
+    assert pf.layer_split_capacity_factor(1, 0.125) == 1.0
+    ls = pf.prefill_profile(SPEC, cp=8, layer_split=True)
+    no = pf.prefill_profile(SPEC, cp=8, layer_split=False)
+    assert ls.kv_capacity_tokens / no.kv_capacity_tokens == pytest.approx(4.2667, rel=1e-3)
+    assert ls.gpus == 64
+
+
+def test_profiles_have_sources_and_published_anchors() -> None:
+    """Guards the calibration anchors: 61 KB/token GLM-5, ~70 KB DeepSeek-V3, and the fitted
+    cookbook figures (TTFT 282 ms at 1K input, TPOT 7.54 ms) within 15%."""
+    assert SPEC.kv_bytes_per_token == pytest.approx(61_000, rel=0.02)
+    ds = pf.load_spec("deepseek-v3-bf16kv-h200")
+    assert ds.kv_bytes_per_token == 61 * 576 * 2
+    ttft_1k = PREFILL.prefill_time(1000, 0) + DECODE.decode_step(1, 1000)
+    assert ttft_1k == pytest.approx(0.282, rel=0.15)
+    assert DECODE.decode_step(1, 1000) / DECODE.accept_length == pytest.approx(0.00754, rel=0.15)
+    assert set(pf.available()) >= {"glm5-fp8-h200", "deepseek-v3-bf16kv-h200"}
+
+
+def test_single_class_no_wait_ttft_is_service_plus_transfer() -> None:
+    """Guards the TTFT composition: at negligible load, p90 TTFT = prefill + transfer + one
+    decode step (first turns only, nothing cached)."""
+    toy = _toy(kv_bytes_per_token=1000.0, nic_bytes_per_s=1e9)
+    wl = WorkloadInputs(
+        request_rate=1e-6,
+        avg_input_tokens=10_000,
+        avg_output_tokens=10,
+        first_turn_fraction=1.0,
+        first_turn_input_tokens=10_000,
+        shared_prefix_tokens=0.0,
+    )
+    ev = evaluate(wl, SLO, toy, toy, 1, 1)
+    # 10K tokens * 1e-4 s + 10K * 1000 B / 1e9 B/s + 20 ms
+    assert ev.ttft_p90_s == pytest.approx(1.0 + 0.01 + 0.02, rel=1e-3)
+    assert ev.hit_rate == 0.0
+
+
+def test_more_prefill_never_hurts_hit_rate_or_ttft() -> None:
+    """Guards plan-dependent hit rate: without HiCache, more prefill instances cache more
+    sessions; TTFT p90 never rises with more prefill."""
+    small = replace(PREFILL, host_cache_tokens=0.0)
+    prev_hit, prev_ttft = -1.0, math.inf
+    for n_p in (14, 20, 40, 80, 160):
+        ev = evaluate(WL, SLO, small, DECODE, n_p, 8)
+        assert ev.hit_rate >= prev_hit - 1e-12
+        assert ev.ttft_p90_s <= prev_ttft + 1e-9
+        prev_hit, prev_ttft = ev.hit_rate, ev.ttft_p90_s
+    assert prev_hit > evaluate(WL, SLO, small, DECODE, 14, 8).hit_rate + 0.05
+
+
+def test_longer_tool_pauses_lower_hit_rate_at_same_request_rate() -> None:
+    """Guards the working-set effect a constant-hit-rate planner misses: 10x longer tool pauses
+    at the same request rate mean 10x more live sessions and fewer hits."""
+    short = evaluate(WL, SLO, PREFILL, DECODE, 12, 6)
+    long = evaluate(replace(WL, tool_pause_s=400.0), SLO, PREFILL, DECODE, 12, 6)
+    assert long.hit_rate < short.hit_rate - 0.05
+
+
+def test_recommendation_is_feasible_and_locally_minimal() -> None:
+    """Guards the search: the plan meets both SLOs and removing one instance of either pool
+    breaks one."""
+    rec = recommend(WL, SLO, PREFILL, DECODE)
+    assert rec.meets_slo
+    assert evaluate(WL, SLO, PREFILL, DECODE, rec.n_prefill, rec.n_decode).feasible
+    assert not evaluate(WL, SLO, PREFILL, DECODE, rec.n_prefill - 1, rec.n_decode).feasible
+    assert not evaluate(WL, SLO, PREFILL, DECODE, rec.n_prefill, rec.n_decode - 1).feasible
+    assert rec.gpus == rec.n_prefill * 8 + rec.n_decode * 8
+    assert rec.reason.startswith(f"{rec.n_prefill}P:{rec.n_decode}D")
+
+
+def test_budget_cap_maximises_goodput_within_budget() -> None:
+    """Guards the capped mode: under a budget below the SLO plan the recommendation uses at
+    most the budget and reports a goodput below the offered rate."""
+    full = recommend(WL, SLO, PREFILL, DECODE)
+    budget = full.gpus // 2
+    rec = recommend(WL, SLO, PREFILL, DECODE, Bounds(gpu_budget=budget))
+    assert rec.gpus <= budget
+    assert not rec.meets_slo
+    assert 0.0 < rec.goodput_rps < WL.request_rate
+    assert rec.gpus >= budget - 8  # the leftover is spent
+
+
+def test_bounds_are_respected() -> None:
+    """Guards the replica bounds: a max_decode below the need is never exceeded."""
+    rec = recommend(WL, SLO, PREFILL, DECODE, Bounds(max_decode=2, max_prefill=30))
+    assert rec.n_decode <= 2 and rec.n_prefill <= 30
+    assert not rec.meets_slo
+
+
+def test_cp_hint_for_long_cold_first_turns() -> None:
+    """Guards the CP hint: 150K-token cold first turns under a 4 s TTFT need a larger CP group;
+    the hint names it while the recommendation stays on the running shape."""
+    wl = replace(
+        WL, first_turn_input_tokens=150_000, avg_input_tokens=160_000, first_turn_fraction=0.15
+    )
+    alts = [pf.prefill_profile(SPEC, cp=c) for c in (2, 4, 8)]
+    rec = recommend(
+        wl, SloInputs(ttft_s=4.0, itl_ms=50.0), PREFILL, DECODE, prefill_alternatives=alts
+    )
+    assert rec.cp_hint is not None and rec.cp_hint > 1
+    assert "CP" in rec.reason
+
+
+def test_observed_hit_rate_recalibrates_the_model() -> None:
+    """Guards the observed-signal path: a fleet measuring a lower hit rate than modelled needs
+    at least as many prefill GPUs; a higher observed arrival rate replaces the declared one."""
+    small = replace(PREFILL, host_cache_tokens=0.0)
+    base = recommend(WL, SLO, small, DECODE)
+    obs = ObservedSignals(hit_rate=0.8, prefill_replicas=base.n_prefill)
+    worse = recommend(WL, SLO, small, DECODE, observed=obs)
+    assert worse.n_prefill > base.n_prefill
+    hopeless = recommend(
+        WL, SLO, small, DECODE, observed=ObservedSignals(hit_rate=0.5, prefill_replicas=78)
+    )
+    assert not hopeless.meets_slo and 0.0 < hopeless.goodput_rps < WL.request_rate
+    busier = recommend(WL, SLO, PREFILL, DECODE, observed=ObservedSignals(arrival_rate=40.0))
+    assert busier.gpus > recommend(WL, SLO, PREFILL, DECODE).gpus
