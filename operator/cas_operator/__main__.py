@@ -1,0 +1,43 @@
+"""`python -m cas_operator` / `cas-operator`: run the operator against the current kubeconfig."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import kopf
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="cas-operator", description=__doc__)
+    parser.add_argument(
+        "-n", "--namespace", action="append", default=[],
+        help="watch only this namespace (repeatable); default: all namespaces",
+    )  # fmt: skip
+    parser.add_argument(
+        "--liveness", default="http://0.0.0.0:8080/healthz",
+        help="liveness endpoint URL ('' to disable)",
+    )  # fmt: skip
+    parser.add_argument("-v", "--verbose", action="store_true")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger("kubernetes").setLevel(logging.WARNING)
+    import cas_operator.handlers  # noqa: F401  (registers the handlers)
+
+    kopf.run(
+        standalone=True,
+        clusterwide=not args.namespace,
+        namespaces=args.namespace,
+        liveness_endpoint=args.liveness or None,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Names shared by the operator, its children and its users: API identity, labels, conditions."""
+
+from typing import Final
+
+GROUP: Final = "serving.cas.dev"
+VERSION: Final = "v1alpha1"
+KIND: Final = "CodingAgentServing"
+PLURAL: Final = "codingagentservings"
+SINGULAR: Final = "codingagentserving"
+SHORT_NAMES: Final = ("cas",)
+FIELD_MANAGER: Final = "cas-operator"
+
+# Labels on every child. Never app.kubernetes.io/instance: Argo CD tracks applications by it.
+LABEL_APP_NAME: Final = "app.kubernetes.io/name"
+LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
+LABEL_PART_OF: Final = "app.kubernetes.io/part-of"
+LABEL_NAME: Final = "cas.dev/name"
+LABEL_ROLE: Final = "cas.dev/role"
+LABEL_REVISION: Final = "cas.dev/revision"
+LABEL_SERVING: Final = "cas.dev/serving"
+MANAGED_BY: Final = "cas-operator"
+APP_ENGINE: Final = "cas-engine"
+APP_ROUTER: Final = "cas-router"
+
+# Annotations.
+ANNOTATION_SPEC_HASH: Final = "cas.dev/spec-hash"
+ANNOTATION_BOOTSTRAP_PORT: Final = "sglang.ai/bootstrap-port"
+
+ROLE_PREFILL: Final = "prefill"
+ROLE_DECODE: Final = "decode"
+ROLE_ROUTER: Final = "router"
+
+# Ports the engine and the router listen on inside their pods.
+ENGINE_PORT: Final = 30000
+BOOTSTRAP_PORT: Final = 8998
+DIST_INIT_PORT: Final = 20000
+ROUTER_PORT: Final = 8000
+ROUTER_METRICS_PORT: Final = 29000
+
+# Condition types and reasons (Kubernetes conventions: CamelCase reasons).
+COND_READY: Final = "Ready"
+COND_PROGRESSING: Final = "Progressing"
+COND_DEGRADED: Final = "Degraded"
+
+REASON_INVALID_SPEC: Final = "InvalidSpec"
+REASON_LWS_MISSING: Final = "LeaderWorkerSetNotInstalled"
+REASON_APPLY_FAILED: Final = "ApplyFailed"
+REASON_ALL_READY: Final = "AllPoolsReady"
+REASON_WAITING: Final = "WaitingForPools"
+REASON_ROLLING: Final = "RollingOutRevision"
+REASON_RECONCILED: Final = "Reconciled"
+REASON_AS_EXPECTED: Final = "AsExpected"
+
+LWS_API_VERSION: Final = "leaderworkerset.x-k8s.io/v1"

@@ -1,0 +1,335 @@
+"""Typed models of the CodingAgentServing spec: the single source of truth of the CRD schema.
+
+`crdgen` turns these models into the OpenAPI v3 structural schema in `crds/`; the operator parses
+the live object's spec with the same models (`CodingAgentServingSpec.model_validate`), so a field
+is defined once. Cross-field rules live twice on purpose: as CEL (`x-kubernetes-validations`, so
+the API server rejects bad specs at `kubectl apply`) and as Python checks in `planning.validate`
+(for clusters that predate CEL and for the operator's own defence); tests keep them in step.
+
+GitOps rule: no schema defaults inside list items (they make Argo CD report perpetual drift).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+
+def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
+    """One CEL validation rule with the message users see when it fails."""
+    entry = {"rule": rule, "message": message}
+    if field_path:
+        entry["fieldPath"] = field_path
+    return entry
+
+
+def _config(*rules: dict[str, str], title: str | None = None) -> ConfigDict:
+    extra: dict[str, Any] = {}
+    if rules:
+        extra["x-kubernetes-validations"] = list(rules)
+    return ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        json_schema_extra=extra or None,
+        title=title,
+        use_enum_values=False,
+    )
+
+
+class Spec(BaseModel):
+    """Base of every spec model: camelCase on the wire, unknown fields rejected."""
+
+    model_config = _config()
+
+
+# ---------------------------------------------------------------------------------------------
+# Enums
+# ---------------------------------------------------------------------------------------------
+
+
+class KvReclaim(StrEnum):
+    STRICT = "Strict"
+    UPSTREAM = "Upstream"
+
+
+class TransferBackend(StrEnum):
+    MOONCAKE = "mooncake"
+    NIXL = "nixl"
+
+
+class SpeculativeAlgorithm(StrEnum):
+    EAGLE = "EAGLE"
+    EAGLE3 = "EAGLE3"
+    NEXTN = "NEXTN"
+
+
+class RatioMode(StrEnum):
+    FIXED = "Fixed"
+    RECOMMEND = "Recommend"
+    AUTO = "Auto"
+
+
+class StorageBackend(StrEnum):
+    NONE = "none"
+    FILE = "file"
+    MOONCAKE = "mooncake"
+
+
+class RouterPolicy(StrEnum):
+    CACHE_AWARE = "cache_aware"
+    ROUND_ROBIN = "round_robin"
+    POWER_OF_TWO = "power_of_two"
+    RANDOM = "random"
+
+
+class GuardAction(StrEnum):
+    DRAIN = "Drain"
+    REPLACE = "Replace"
+    OBSERVE = "Observe"
+
+
+class RolloutStrategy(StrEnum):
+    ROLLING = "Rolling"
+    CANARY = "Canary"
+
+
+# ---------------------------------------------------------------------------------------------
+# Kubernetes pass-through types (kept small and list-item defaults free)
+# ---------------------------------------------------------------------------------------------
+
+Quantity = Annotated[str | int, Field(json_schema_extra={"x-kubernetes-int-or-string": True})]
+
+
+class Resources(Spec):
+    """Container resources beyond the GPUs the pool shape implies (nvidia.com/gpu is set)."""
+
+    requests: dict[str, Quantity] | None = None
+    limits: dict[str, Quantity] | None = None
+
+
+class Toleration(Spec):
+    key: str | None = None
+    operator: str | None = Field(default=None, json_schema_extra={"enum": ["Exists", "Equal"]})
+    value: str | None = None
+    effect: str | None = Field(
+        default=None, json_schema_extra={"enum": ["NoSchedule", "PreferNoSchedule", "NoExecute"]}
+    )
+    toleration_seconds: int | None = None
+
+
+class EnvVar(Spec):
+    name: str = Field(min_length=1)
+    value: str | None = None
+    value_from: dict[str, Any] | None = Field(
+        default=None, json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Spec sections
+# ---------------------------------------------------------------------------------------------
+
+
+class ModelSpec(Spec):
+    """What to serve. `numLayers` overrides the built-in table used to plan LayerSplit shards."""
+
+    name: str = Field(min_length=1, description="Model name, e.g. zai-org/GLM-5-FP8.")
+    path: str | None = Field(default=None, description="Path inside the pod (defaults to name).")
+    served_model_name: str | None = None
+    num_layers: int | None = Field(default=None, ge=1, le=1024)
+    pvc_name: str | None = Field(
+        default=None, description="PersistentVolumeClaim holding the weights, mounted at /models."
+    )
+
+
+class SpeculativeSpec(Spec):
+    algorithm: SpeculativeAlgorithm
+    draft_model_path: str | None = None
+    num_steps: int = Field(default=3, ge=1, le=16)
+    eagle_topk: int = Field(default=1, ge=1, le=16)
+    num_draft_tokens: int = Field(default=4, ge=1, le=64)
+
+
+class EngineSpec(Spec):
+    model_config = _config(
+        cel(
+            "!has(self.speculative) || self.speculative.algorithm == 'NEXTN' "
+            "|| has(self.speculative.draftModelPath)",
+            "speculative.draftModelPath is required for EAGLE and EAGLE3 (NEXTN uses the "
+            "model's own MTP layers)",
+        )
+    )
+
+    image: str = Field(default="cas-engine:sglang-v0.5.23", min_length=1)
+    version: str = Field(default="0.5.23", description="SGLang version inside the image.")
+    args: list[str] | None = Field(default=None, description="Extra SGLang arguments, appended.")
+    env: list[EnvVar] | None = None
+    kv_reclaim: KvReclaim = Field(
+        default=KvReclaim.STRICT,
+        description="Strict: decode reuses an aborted request's KV only after prefill acks.",
+    )
+    transfer_backend: TransferBackend = TransferBackend.MOONCAKE
+    speculative: SpeculativeSpec | None = None
+
+
+class WorkloadSpec(Spec):
+    """Expected traffic: the ratio planner's inputs."""
+
+    avg_input_tokens: int = Field(default=70000, ge=1)
+    avg_output_tokens: int = Field(default=600, ge=1)
+    prefix_cache_hit_rate: float = Field(default=0.9, ge=0.0, le=1.0)
+    request_rate: float | None = Field(default=None, ge=0.0, description="Requests per second.")
+
+
+class SloSpec(Spec):
+    ttft_seconds: float = Field(default=4.0, gt=0.0)
+    itl_milliseconds: float = Field(default=50.0, gt=0.0)
+
+
+POOL_RULES = (
+    cel(
+        "self.tensorParallel <= self.gpusPerNode || self.tensorParallel % self.gpusPerNode == 0",
+        "tensorParallel above gpusPerNode must be a multiple of gpusPerNode",
+        ".tensorParallel",
+    ),
+)
+
+
+class PoolSpec(Spec):
+    """Fields shared by the prefill and the decode pool."""
+
+    replicas: int | None = Field(
+        default=None, ge=0, le=10000, description="Instances; unset = from ratio / the planner."
+    )
+    tensor_parallel: int = Field(default=8, ge=1, le=256)
+    gpus_per_node: int = Field(default=8, ge=1, le=16)
+    resources: Resources | None = None
+    node_selector: dict[str, str] | None = None
+    tolerations: list[Toleration] | None = None
+
+
+class PrefillPoolSpec(PoolSpec):
+    model_config = _config(
+        *POOL_RULES,
+        cel(
+            "self.tensorParallel % self.contextParallel == 0",
+            "contextParallel must divide tensorParallel",
+            ".contextParallel",
+        ),
+        cel(
+            "!has(self.layerSplit) || !self.layerSplit || self.contextParallel > 1",
+            "layerSplit requires contextParallel > 1",
+            ".layerSplit",
+        ),
+    )
+
+    context_parallel: int = Field(default=1, ge=1, le=64)
+    layer_split: bool | None = Field(default=None, description="Default: on when cp > 1.")
+    timeout_seconds: int = Field(
+        default=60, ge=1, le=3600, description="Prefill time budget before decode aborts."
+    )
+
+
+class DecodePoolSpec(PoolSpec):
+    model_config = _config(*POOL_RULES)
+
+
+class RatioSpec(Spec):
+    """P:D ratio. Fixed: replicas from the pools (or prefill:decode here)."""
+
+    model_config = _config(
+        cel("!has(self.min) || !has(self.max) || self.min <= self.max", "ratio.min must be <= max"),
+    )
+
+    mode: RatioMode = RatioMode.FIXED
+    prefill: int = Field(default=1, ge=1, le=10000, description="Prefill instances per unit.")
+    decode: int = Field(default=1, ge=1, le=10000, description="Decode instances per unit.")
+    min: float | None = Field(default=None, gt=0.0, description="Lowest prefill/decode ratio.")
+    max: float | None = Field(default=None, gt=0.0, description="Highest prefill/decode ratio.")
+    gpu_budget: int | None = Field(default=None, ge=1, description="Most GPUs of both pools.")
+
+
+class HiCacheSpec(Spec):
+    model_config = _config(
+        cel(
+            "!self.enabled || self.hostMemoryRatio >= 1.0",
+            "hicache.hostMemoryRatio must be >= 1.0 when HiCache is enabled",
+            ".hostMemoryRatio",
+        )
+    )
+
+    enabled: bool = False
+    host_memory_ratio: float = Field(default=2.0, ge=0.0, le=64.0)
+    storage_backend: StorageBackend = StorageBackend.NONE
+    write_policy: str = Field(
+        default="write_through",
+        json_schema_extra={"enum": ["write_through", "write_through_selective", "write_back"]},
+    )
+
+
+class RouterSpec(Spec):
+    image: str | None = Field(default=None, description="Default: the engine image.")
+    replicas: int = Field(default=1, ge=0, le=64)
+    policy: RouterPolicy = RouterPolicy.CACHE_AWARE
+    retries: int = Field(default=3, ge=0, le=16)
+    resources: Resources | None = None
+
+
+class AnomalyGuardSpec(Spec):
+    enabled: bool = True
+    min_generated_tokens: int = Field(default=128, ge=1)
+    min_accept_length: float = Field(default=1.4, ge=0.0)
+    max_accept_rate: float = Field(default=0.96, ge=0.0, le=1.0)
+    pod_anomaly_rate_threshold: float = Field(default=0.001, ge=0.0, le=1.0)
+    window_seconds: int = Field(default=300, ge=10, le=86400)
+    action: GuardAction = GuardAction.REPLACE
+    max_draining_percent: int = Field(default=25, ge=0, le=100)
+
+
+class CanaryStep(Spec):
+    weight: int = Field(ge=0, le=100)
+    pause_seconds: int | None = Field(default=None, ge=0)
+
+
+class AnalysisSpec(Spec):
+    max_anomaly_rate: float | None = Field(default=None, ge=0.0, le=1.0)
+    max_ttft_seconds: float | None = Field(default=None, gt=0.0)
+
+
+class RolloutSpec(Spec):
+    model_config = _config(
+        cel(
+            "self.strategy != 'Canary' || (has(self.steps) && size(self.steps) > 0)",
+            "rollout.steps must list at least one step for a Canary rollout",
+            ".steps",
+        ),
+    )
+
+    strategy: RolloutStrategy = RolloutStrategy.ROLLING
+    steps: list[CanaryStep] | None = Field(default=None, max_length=32)
+    analysis: AnalysisSpec | None = None
+
+
+class CodingAgentServingSpec(Spec):
+    """The whole spec. Sections with defaults are defaulted by the API server (default {})."""
+
+    model: ModelSpec
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    workload: WorkloadSpec = Field(default_factory=WorkloadSpec)
+    slo: SloSpec = Field(default_factory=SloSpec)
+    prefill: PrefillPoolSpec = Field(default_factory=PrefillPoolSpec)
+    decode: DecodePoolSpec = Field(default_factory=DecodePoolSpec)
+    ratio: RatioSpec = Field(default_factory=RatioSpec)
+    hicache: HiCacheSpec = Field(default_factory=HiCacheSpec)
+    router: RouterSpec = Field(default_factory=RouterSpec)
+    anomaly_guard: AnomalyGuardSpec = Field(default_factory=AnomalyGuardSpec)
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+
+
+def parse_spec(raw: dict[str, Any]) -> CodingAgentServingSpec:
+    """Parse a live object's spec (camelCase) into the typed model; raises pydantic errors."""
+    return CodingAgentServingSpec.model_validate(raw)

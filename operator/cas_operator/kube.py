@@ -1,0 +1,155 @@
+"""The only module that talks to the API server (kopf's own watching and patching aside).
+
+Server-side apply with one field manager (`cas-operator`), forcing ownership of the fields we
+set; listing children by label; deleting stale children. Paths are computed from a small table
+of the kinds we manage, so no discovery round trips are needed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
+from cas_operator.api import constants as c
+
+log = logging.getLogger(__name__)
+Manifest = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class KindInfo:
+    api_version: str
+    plural: str
+
+    def base_path(self, namespace: str) -> str:
+        prefix = "/api" if "/" not in self.api_version else "/apis"
+        return f"{prefix}/{self.api_version}/namespaces/{namespace}/{self.plural}"
+
+
+KINDS: dict[str, KindInfo] = {
+    "ServiceAccount": KindInfo("v1", "serviceaccounts"),
+    "ConfigMap": KindInfo("v1", "configmaps"),
+    "Service": KindInfo("v1", "services"),
+    "Pod": KindInfo("v1", "pods"),
+    "Event": KindInfo("v1", "events"),
+    "Role": KindInfo("rbac.authorization.k8s.io/v1", "roles"),
+    "RoleBinding": KindInfo("rbac.authorization.k8s.io/v1", "rolebindings"),
+    "PodDisruptionBudget": KindInfo("policy/v1", "poddisruptionbudgets"),
+    "Deployment": KindInfo("apps/v1", "deployments"),
+    "LeaderWorkerSet": KindInfo(c.LWS_API_VERSION, "leaderworkersets"),
+    c.KIND: KindInfo(f"{c.GROUP}/{c.VERSION}", c.PLURAL),
+}
+# Kinds that carry a revision label and are deleted once a newer revision is ready.
+REVISIONED_KINDS = ("Deployment", "LeaderWorkerSet", "Service", "PodDisruptionBudget")
+
+
+class KindNotInstalled(Exception):
+    """The API server does not serve this kind (e.g. the LeaderWorkerSet CRD is missing)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(f"{kind} is not served by this cluster")
+        self.kind = kind
+
+
+def load_api_client() -> client.ApiClient:
+    """In-cluster config when running in a pod, else KUBECONFIG / ~/.kube/config."""
+    try:
+        config.load_incluster_config()  # type: ignore[no-untyped-call]
+    except config.ConfigException:
+        config.load_kube_config()  # type: ignore[no-untyped-call]
+    return client.ApiClient()
+
+
+class Kube:
+    """Thin synchronous API access; safe to share between kopf's handler threads."""
+
+    def __init__(self, api_client: client.ApiClient | None = None) -> None:
+        self.api = api_client or load_api_client()
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Manifest | None = None,
+        content_type: str = "application/json",
+        query: list[tuple[str, str]] | None = None,
+    ) -> Any:
+        """One request; non-2xx answers raise ApiException with the server's status body."""
+        method, url, headers, payload, _ = self.api.param_serialize(
+            method=method,
+            resource_path=path,
+            query_params=query or [],
+            header_params={"Content-Type": content_type, "Accept": "application/json"},
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        response = self.api.call_api(
+            method, url, header_params=headers, body=payload, _request_timeout=30
+        )
+        raw: bytes = response.read()  # type: ignore[no-untyped-call]
+        if not 200 <= response.status < 300:
+            raise ApiException(status=response.status, reason=response.reason, body=raw.decode())
+        return json.loads(raw) if raw else None
+
+    def apply(self, manifest: Manifest) -> Manifest:
+        """Server-side apply; raises KindNotInstalled when the kind is not served."""
+        kind = manifest["kind"]
+        meta = manifest["metadata"]
+        path = f"{KINDS[kind].base_path(meta['namespace'])}/{meta['name']}"
+        try:
+            result: Manifest = self._call(
+                "PATCH",
+                path,
+                body=manifest,
+                content_type="application/apply-patch+yaml",
+                query=[("fieldManager", c.FIELD_MANAGER), ("force", "true")],
+            )
+        except ApiException as exc:
+            if exc.status == 404 and _is_missing_kind(exc):
+                raise KindNotInstalled(kind) from exc
+            raise
+        return result
+
+    def list(self, kind: str, namespace: str, selector: dict[str, str]) -> list[Manifest]:
+        """Objects of `kind` matching every label of `selector`; [] when the kind is not served."""
+        query = [("labelSelector", ",".join(f"{k}={v}" for k, v in selector.items()))]
+        try:
+            result = self._call("GET", KINDS[kind].base_path(namespace), query=query)
+        except ApiException as exc:
+            if exc.status == 404:
+                return []
+            raise
+        items: list[Manifest] = result.get("items", [])
+        return items
+
+    def delete(self, kind: str, namespace: str, name: str) -> None:
+        """Delete with background propagation; a missing object is not an error."""
+        body = {"propagationPolicy": "Background"}
+        try:
+            self._call("DELETE", f"{KINDS[kind].base_path(namespace)}/{name}", body=body)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+    def patch(self, kind: str, namespace: str, name: str, patch: Manifest) -> Manifest:
+        """JSON merge patch (used for labels and status of objects we own)."""
+        path = f"{KINDS[kind].base_path(namespace)}/{name}"
+        result: Manifest = self._call(
+            "PATCH", path, body=patch, content_type="application/merge-patch+json"
+        )
+        return result
+
+
+def _is_missing_kind(exc: ApiException) -> bool:
+    """A 404 for the resource type itself (vs. a missing namespace, which says 'namespaces')."""
+    try:
+        details = json.loads(exc.body or "{}").get("details", {})
+    except ValueError:
+        return True
+    return bool(details.get("kind") != "namespaces")

@@ -1,0 +1,135 @@
+"""The resolved plan of one CodingAgentServing: everything the builders need, computed purely.
+
+`build_plan(name, namespace, spec)` validates the spec and resolves the revision, instance
+shapes, replica counts and the LayerSplit layout. It raises `InvalidSpec` with every problem at
+once; it never reads the cluster or the clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cas_operator.api import constants as c
+from cas_operator.api.models import CodingAgentServingSpec, RatioMode
+from cas_operator.planning.layersplit import (
+    KvFootprint,
+    LayerShard,
+    kv_bytes_per_token_per_rank,
+    layer_shards,
+    lookup_model,
+)
+from cas_operator.planning.replicas import ReplicaPlan, budget_errors, fixed_replicas
+from cas_operator.planning.revision import revision_of
+from cas_operator.planning.shapes import InstanceShape, instance_shape
+from cas_operator.planning.validate import SpecError, layer_split_enabled, validate
+
+
+class InvalidSpec(ValueError):
+    """The spec cannot be planned; `errors` name each field."""
+
+    def __init__(self, errors: list[SpecError]) -> None:
+        super().__init__("; ".join(str(e) for e in errors))
+        self.errors = errors
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    role: str
+    workload_name: str
+    replicas: int
+    shape: InstanceShape
+
+    @property
+    def gpus(self) -> int:
+        return self.replicas * self.shape.gpus
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """LayerSplit (or replicated) KV layout of one prefill instance's CP ranks."""
+
+    enabled: bool
+    num_layers: int
+    shards: tuple[LayerShard, ...]
+    footprint: KvFootprint
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    namespace: str
+    revision: str
+    spec: CodingAgentServingSpec
+    prefill: PoolPlan
+    decode: PoolPlan
+    replicas: ReplicaPlan
+    layout: LayerLayout | None
+
+    @property
+    def router_name(self) -> str:
+        return f"{self.name}-router-{self.revision}"
+
+    @property
+    def model_path(self) -> str:
+        return self.spec.model.path or self.spec.model.name
+
+    @property
+    def served_model_name(self) -> str:
+        return self.spec.model.served_model_name or self.spec.model.name
+
+    @property
+    def pools(self) -> tuple[PoolPlan, PoolPlan]:
+        return (self.prefill, self.decode)
+
+
+def _layout(spec: CodingAgentServingSpec) -> LayerLayout | None:
+    cp = spec.prefill.context_parallel
+    profile = lookup_model(spec.model.name, spec.model.num_layers)
+    if profile is None or cp <= 1:
+        return None
+    return LayerLayout(
+        enabled=layer_split_enabled(spec.prefill),
+        num_layers=profile.num_layers,
+        shards=tuple(layer_shards(profile.num_layers, cp)),
+        footprint=kv_bytes_per_token_per_rank(profile, cp),
+    )
+
+
+def replica_plan(spec: CodingAgentServingSpec) -> ReplicaPlan:
+    """Fixed mode today. Recommend keeps the Fixed counts; Auto arrives with the planner."""
+    plan = fixed_replicas(spec)
+    if spec.ratio.mode == RatioMode.FIXED:
+        return plan
+    return ReplicaPlan(plan.prefill, plan.decode, f"{plan.reason} ({spec.ratio.mode.value} mode)")
+
+
+def build_plan(name: str, namespace: str, spec: CodingAgentServingSpec) -> Plan:
+    """Validate and resolve; raises InvalidSpec listing every error."""
+    errors = validate(spec)
+    if errors:
+        raise InvalidSpec(errors)
+    revision = revision_of(spec)
+    prefill_shape = instance_shape(
+        tensor_parallel=spec.prefill.tensor_parallel,
+        gpus_per_node=spec.prefill.gpus_per_node,
+        context_parallel=spec.prefill.context_parallel,
+    )
+    decode_shape = instance_shape(
+        tensor_parallel=spec.decode.tensor_parallel, gpus_per_node=spec.decode.gpus_per_node
+    )
+    replicas = replica_plan(spec)
+    errors = budget_errors(spec, replicas, prefill_shape.gpus, decode_shape.gpus)
+    if errors:
+        raise InvalidSpec(errors)
+    return Plan(
+        name=name,
+        namespace=namespace,
+        revision=revision,
+        spec=spec,
+        prefill=PoolPlan(
+            c.ROLE_PREFILL, f"{name}-prefill-{revision}", replicas.prefill, prefill_shape
+        ),
+        decode=PoolPlan(c.ROLE_DECODE, f"{name}-decode-{revision}", replicas.decode, decode_shape),
+        replicas=replicas,
+        layout=_layout(spec),
+    )

@@ -1,0 +1,143 @@
+"""One level-based, idempotent reconcile of a CodingAgentServing.
+
+Called from create, update, resume and a timer (handlers.py). It reads like the steps it takes:
+1. parse and validate the spec; plan it (pure);
+2. build every child manifest (pure);
+3. apply them with server-side apply, skipping workloads whose spec-hash already matches;
+4. observe the workloads; retire children of older revisions once the current one is ready;
+5. compute the status (pure) and hand back only what changed.
+Per-child failures are collected, never abort the pass, and end up in the Degraded condition.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from cas_operator.api import constants as c
+from cas_operator.api.models import CodingAgentServingSpec, parse_spec
+from cas_operator.kube import REVISIONED_KINDS, KindNotInstalled, Kube
+from cas_operator.planning.plan import InvalidSpec, Plan, build_plan
+from cas_operator.planning.validate import SpecError
+from cas_operator.resources import build_all
+from cas_operator.resources.meta import Owner
+from cas_operator.status import ObservedWorkload, Problem, Status, compute_status, invalid_status
+
+WORKLOAD_KINDS = ("Deployment", "LeaderWorkerSet")
+
+
+@dataclass
+class Outcome:
+    """What one pass produced: the desired status, events to emit, and the spec error if any."""
+
+    status: Status
+    events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
+    invalid: InvalidSpec | None = None
+    applied: int = 0
+
+
+def pydantic_errors(exc: ValidationError) -> list[SpecError]:
+    """Pydantic's errors in the user's terms: `spec.prefill.tensorParallel: ...`."""
+    errors = []
+    for err in exc.errors():
+        path = ".".join(str(p) for p in err["loc"]) or "(root)"
+        errors.append(SpecError(path, err["msg"]))
+    return errors
+
+
+def plan_for(name: str, namespace: str, raw_spec: dict[str, Any]) -> Plan:
+    """Steps 1: parse + validate + plan; raises InvalidSpec naming every bad field."""
+    try:
+        spec: CodingAgentServingSpec = parse_spec(raw_spec)
+    except ValidationError as exc:
+        raise InvalidSpec(pydantic_errors(exc)) from exc
+    return build_plan(name, namespace, spec)
+
+
+def observe(kube: Kube, namespace: str, name: str) -> list[ObservedWorkload]:
+    """Step 4a: the workloads (all revisions) and routers of this resource."""
+    selector = {c.LABEL_NAME: name, c.LABEL_MANAGED_BY: c.MANAGED_BY}
+    found = []
+    for kind in WORKLOAD_KINDS:
+        for obj in kube.list(kind, namespace, selector):
+            obj.setdefault("kind", kind)
+            found.append(ObservedWorkload.from_object(obj))
+    return found
+
+
+def apply_children(
+    kube: Kube, manifests: list[dict[str, Any]], observed: list[ObservedWorkload], full: bool
+) -> tuple[int, list[Problem]]:
+    """Step 3: apply in order; a workload with an unchanged spec-hash is skipped unless `full`."""
+    current_hashes = {(w.kind, w.name): w.spec_hash for w in observed}
+    applied, problems = 0, []
+    for manifest in manifests:
+        key = (manifest["kind"], manifest["metadata"]["name"])
+        wanted = manifest["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH]
+        if not full and current_hashes.get(key) == wanted:
+            continue
+        if not full and manifest["kind"] not in WORKLOAD_KINDS:
+            continue
+        try:
+            kube.apply(manifest)
+            applied += 1
+        except KindNotInstalled as exc:
+            problems.append(
+                Problem(
+                    c.REASON_LWS_MISSING,
+                    f"{exc.kind} API ({c.LWS_API_VERSION}) is not installed: multi-node "
+                    f"instances need the LeaderWorkerSet controller ({key[1]} not created)",
+                )
+            )
+        except Exception as exc:
+            problems.append(Problem(c.REASON_APPLY_FAILED, f"{key[0]} {key[1]}: {exc}"))
+    return applied, problems
+
+
+def retire_stale(
+    kube: Kube, plan: Plan, observed: list[ObservedWorkload]
+) -> list[tuple[str, str, str]]:
+    """Step 4b: once the current revision is fully ready, delete older revisions' children."""
+    events: list[tuple[str, str, str]] = []
+    stale = sorted({w.revision for w in observed if w.revision != plan.revision})
+    for revision in stale:
+        selector = {c.LABEL_NAME: plan.name, c.LABEL_REVISION: revision}
+        for kind in REVISIONED_KINDS:
+            for obj in kube.list(kind, plan.namespace, selector):
+                kube.delete(kind, plan.namespace, obj["metadata"]["name"])
+        events.append(
+            ("Normal", "RevisionRetired", f"revision {revision} replaced by {plan.revision}")
+        )
+    return events
+
+
+def reconcile(
+    kube: Kube,
+    *,
+    name: str,
+    namespace: str,
+    uid: str,
+    generation: int,
+    raw_spec: dict[str, Any],
+    full_apply: bool,
+) -> Outcome:
+    """One pass; see the module docstring for the steps."""
+    try:
+        plan = plan_for(name, namespace, raw_spec)
+    except InvalidSpec as exc:
+        return Outcome(status=invalid_status(str(exc), generation), invalid=exc)
+    manifests = build_all(Owner(name, namespace, uid), plan)
+    observed = observe(kube, namespace, name)
+    applied, problems = apply_children(kube, manifests, observed, full_apply)
+    if applied:
+        observed = observe(kube, namespace, name)
+    status = compute_status(plan, observed, problems, generation)
+    events = []
+    current_ready = status["conditions"][0]["status"] == "True"
+    if current_ready and any(w.revision != plan.revision for w in observed):
+        events = retire_stale(kube, plan, observed)
+        observed = [w for w in observed if w.revision == plan.revision]
+        status = compute_status(plan, observed, problems, generation)
+    return Outcome(status=status, events=events, applied=applied)

@@ -1,0 +1,182 @@
+"""Status of a CodingAgentServing, computed purely from the plan and the observed children.
+
+Conditions follow Kubernetes conventions: `lastTransitionTime` changes only when a condition's
+status flips, every condition carries `observedGeneration`, and `status_patch` returns only the
+keys that changed so an unchanged resource gets no status write at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from cas_operator.api import constants as c
+from cas_operator.planning.plan import Plan, PoolPlan
+from cas_operator.resources.config import plan_summary
+
+Status = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ObservedWorkload:
+    """A Deployment or LeaderWorkerSet child as last read from the API server."""
+
+    kind: str
+    name: str
+    role: str
+    revision: str
+    replicas: int
+    ready_replicas: int
+    spec_hash: str | None
+    up_to_date: bool  # the controller has observed the latest generation
+
+    @classmethod
+    def from_object(cls, obj: dict[str, Any]) -> ObservedWorkload:
+        meta, spec, status = obj["metadata"], obj.get("spec", {}), obj.get("status") or {}
+        labels = meta.get("labels", {})
+        observed_generation = status.get("observedGeneration")
+        return cls(
+            kind=obj.get("kind", "Deployment"),
+            name=meta["name"],
+            role=labels.get(c.LABEL_ROLE, ""),
+            revision=labels.get(c.LABEL_REVISION, ""),
+            replicas=int(spec.get("replicas", 0)),
+            ready_replicas=int(status.get("readyReplicas", 0) or 0),
+            spec_hash=(meta.get("annotations") or {}).get(c.ANNOTATION_SPEC_HASH),
+            up_to_date=observed_generation is None or observed_generation >= meta["generation"],
+        )
+
+    @property
+    def ready(self) -> bool:
+        return self.up_to_date and self.ready_replicas >= self.replicas
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Something that makes the resource Degraded: a reason and a message naming the cause."""
+
+    reason: str
+    message: str
+
+
+def condition(type_: str, ok: bool, reason: str, message: str, generation: int) -> dict[str, Any]:
+    return {
+        "type": type_,
+        "status": "True" if ok else "False",
+        "reason": reason,
+        "message": message,
+        "observedGeneration": generation,
+    }
+
+
+def merge_conditions(
+    old: list[dict[str, Any]], new: list[dict[str, Any]], now: str
+) -> list[dict[str, Any]]:
+    """Carry `lastTransitionTime` over unless the status flipped; keep conditions we don't own."""
+    previous = {cond["type"]: cond for cond in old}
+    merged = []
+    for cond in new:
+        before = previous.pop(cond["type"], None)
+        unchanged = before is not None and before.get("status") == cond["status"]
+        stamp = before.get("lastTransitionTime", now) if unchanged and before else now
+        merged.append({**cond, "lastTransitionTime": stamp})
+    merged.extend(previous.values())
+    return merged
+
+
+def pool_status(plan: Plan, pool: PoolPlan, observed: list[ObservedWorkload]) -> dict[str, Any]:
+    current = [w for w in observed if w.role == pool.role and w.revision == plan.revision]
+    ready = sum(w.ready_replicas for w in current)
+    selector = f"{c.LABEL_NAME}={plan.name},{c.LABEL_ROLE}={pool.role}"
+    return {
+        "replicas": pool.replicas,
+        "readyReplicas": min(ready, pool.replicas),
+        "summary": f"{min(ready, pool.replicas)}/{pool.replicas}",
+        "gpusPerInstance": pool.shape.gpus,
+        "selector": selector,
+    }
+
+
+def _readiness(plan: Plan, observed: list[ObservedWorkload]) -> tuple[bool, list[str], list[str]]:
+    """Whether the current revision is ready, what it waits for, and stale revisions left."""
+    waiting = []
+    for pool in plan.pools:
+        current = [w for w in observed if w.role == pool.role and w.revision == plan.revision]
+        if not current:
+            waiting.append(f"{pool.role} workload not created yet")
+        elif not all(w.ready for w in current):
+            ready = sum(w.ready_replicas for w in current)
+            waiting.append(f"{pool.role} {ready}/{pool.replicas} ready")
+    routers = [w for w in observed if w.role == c.ROLE_ROUTER and w.revision == plan.revision]
+    if not routers or not all(w.ready for w in routers):
+        waiting.append("router not ready")
+    stale = sorted({w.revision for w in observed if w.revision != plan.revision})
+    return not waiting, waiting, stale
+
+
+def compute_status(
+    plan: Plan, observed: list[ObservedWorkload], problems: list[Problem], generation: int
+) -> Status:
+    """The full desired status (without conditions' transition times)."""
+    ready, waiting, stale = _readiness(plan, observed)
+    ready = ready and not problems
+    summary = plan_summary(plan)
+    if problems:
+        degraded = condition(
+            c.COND_DEGRADED, True, problems[0].reason,
+            "; ".join(p.message for p in problems), generation,
+        )  # fmt: skip
+    else:
+        degraded = condition(c.COND_DEGRADED, False, c.REASON_AS_EXPECTED, "", generation)
+    if ready:
+        ready_cond = condition(
+            c.COND_READY, True, c.REASON_ALL_READY, "all pools ready", generation
+        )
+    else:
+        message = "; ".join(waiting) or "see Degraded"
+        ready_cond = condition(c.COND_READY, False, c.REASON_WAITING, message, generation)
+    if stale:
+        progressing = condition(
+            c.COND_PROGRESSING, True, c.REASON_ROLLING,
+            f"rolling to revision {plan.revision} from {', '.join(stale)}", generation,
+        )  # fmt: skip
+    elif waiting:
+        progressing = condition(
+            c.COND_PROGRESSING, True, c.REASON_WAITING, "; ".join(waiting), generation
+        )
+    else:
+        progressing = condition(
+            c.COND_PROGRESSING, False, c.REASON_RECONCILED, "up to date", generation
+        )
+    return {
+        "observedGeneration": generation,
+        "revision": plan.revision,
+        "conditions": [ready_cond, progressing, degraded],
+        "prefill": pool_status(plan, plan.prefill, observed),
+        "decode": pool_status(plan, plan.decode, observed),
+        "ratio": {
+            "mode": plan.spec.ratio.mode.value,
+            "current": plan.replicas.ratio,
+            "reason": plan.replicas.reason,
+        },
+        "layerSplit": summary.get("layerSplit"),
+        "gpus": summary["gpus"],
+    }
+
+
+def invalid_status(message: str, generation: int) -> Status:
+    """Status for a spec that cannot be planned: Degraded/InvalidSpec, not Ready."""
+    return {
+        "observedGeneration": generation,
+        "conditions": [
+            condition(c.COND_READY, False, c.REASON_INVALID_SPEC, message, generation),
+            condition(c.COND_PROGRESSING, False, c.REASON_INVALID_SPEC, message, generation),
+            condition(c.COND_DEGRADED, True, c.REASON_INVALID_SPEC, message, generation),
+        ],
+    }
+
+
+def status_patch(old: Status, new: Status, now: str) -> Status:
+    """Only the top-level keys whose values differ; conditions keep their transition times."""
+    new = {**new, "conditions": merge_conditions(old.get("conditions", []), new["conditions"], now)}
+    return {key: value for key, value in new.items() if old.get(key) != value}
