@@ -1,0 +1,375 @@
+"""Prefill/decode KV hand-off of the sim: bootstrap rendezvous, transfers, the KV fence.
+
+Protocol for one request (the router sends the same body, with ``bootstrap_host``,
+``bootstrap_port`` and ``bootstrap_room``, to a prefill and a decode worker at once)::
+
+    decode                                   prefill (bootstrap server on bootstrap_port)
+    alloc slot; ledger.track(room)
+    POST /sim/kv/dest {room, generation, ---> dest of the room (waits until the prefill
+         session, addr, nbytes, notify}       request has "computed" its KV)
+                                              tracker.begin/try_issue; [stall fault]
+                                     <------- transfer engine WRITE into the decode's slot
+                                              tracker.write_done/seal
+    /sim/kv/done {room, generation, ok} <---- POST notify
+    ledger.transfer_done; check slot == expected_kv(prompt); decode
+
+    budget exceeded before done: ledger.abort(room) -> free per mode (Immediate: now)
+    POST /sim/kv/abort {notice}  ----------> tracker.on_abort; answers with the ack once no
+                                              write of the room can land any more
+    ledger.on_ack(ack) -> free the slot (Strict / Upstream); Upstream also frees on its timer
+
+Transfers use mooncake's TransferEngine over TCP (``P2PHANDSHAKE``: the session id is the
+decode's ``host:rpc_port``, no metadata server); :class:`HttpTransport` is the fallback where
+mooncake is not installed (same semantics, bytes carried in an HTTP body).
+
+Ownership: :class:`DecodeKv` owns the decode pool's free list and the ledger; :class:`PrefillKv`
+owns the staging pool, the write tracker and the per-room rendezvous. Both run on the worker's
+event loop (single-threaded), so the ledger and the tracker need no lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import aiohttp
+import numpy as np
+
+from cas_engine.kvfence import AbortNotice, ReclaimAck, ReclaimLedger, WriteTracker
+from cas_engine.sim.faults import Faults
+from cas_engine.sim.kvpool import KvPool, corrupt, expected_kv
+
+log = logging.getLogger("cas_engine.sim.pd")
+
+PREFILL_RANK = 0
+_MAX_ROOMS = 65536
+
+
+class Transport(Protocol):
+    """Writes bytes from local registered memory into a peer's registered memory."""
+
+    session_id: str
+
+    def register(self, pool: KvPool) -> None: ...
+
+    async def write(self, session: str, src: int, dst: int, nbytes: int) -> bool: ...
+
+
+class MooncakeTransport:
+    """mooncake TransferEngine over TCP; the write runs in a thread (it blocks)."""
+
+    def __init__(self, host: str) -> None:
+        os.environ.setdefault("GLOG_minloglevel", "2")
+        from mooncake.engine import TransferEngine
+
+        self._engine = TransferEngine()
+        rc = self._engine.initialize(host, "P2PHANDSHAKE", "tcp", "")
+        if rc != 0:
+            raise RuntimeError(f"mooncake TransferEngine.initialize failed: {rc}")
+        self.session_id = f"{host}:{self._engine.get_rpc_port()}"
+
+    def register(self, pool: KvPool) -> None:
+        rc = self._engine.register_memory(pool.base_addr, pool.nbytes)
+        if rc != 0:
+            raise RuntimeError(f"mooncake register_memory failed: {rc}")
+
+    async def write(self, session: str, src: int, dst: int, nbytes: int) -> bool:
+        loop = asyncio.get_running_loop()
+        rc = await loop.run_in_executor(
+            None, self._engine.transfer_sync_write, session, src, dst, nbytes)
+        return rc == 0
+
+
+class HttpTransport:
+    """Fallback without mooncake: bytes travel to ``{session}/sim/kv/write`` (the decode URL)."""
+
+    def __init__(self, self_url: str, http: Callable[[], aiohttp.ClientSession]) -> None:
+        self.session_id = self_url
+        self._http = http
+        self._pools: list[KvPool] = []
+
+    def register(self, pool: KvPool) -> None:
+        self._pools.append(pool)
+
+    def local_write(self, dst: int, data: bytes) -> None:
+        """Apply a remote write to the registered pool holding ``dst``."""
+        for pool in self._pools:
+            if pool.base_addr <= dst < pool.base_addr + pool.nbytes:
+                off = dst - pool.base_addr
+                pool.buf.reshape(-1)[off:off + len(data)] = np.frombuffer(data, dtype=np.uint8)
+                return
+        raise ValueError("address outside registered memory")
+
+    async def write(self, session: str, src: int, dst: int, nbytes: int) -> bool:
+        data = _read_local(self._pools, src, nbytes)
+        async with self._http().post(f"{session}/sim/kv/write", data=data,
+                                     headers={"X-Sim-Addr": str(dst)}) as resp:
+            return resp.status == 200
+
+
+def _read_local(pools: list[KvPool], addr: int, nbytes: int) -> bytes:
+    for pool in pools:
+        if pool.base_addr <= addr < pool.base_addr + pool.nbytes:
+            off = addr - pool.base_addr
+            return pool.buf.reshape(-1)[off:off + nbytes].tobytes()
+    raise ValueError("address outside registered memory")
+
+
+def make_transport(host: str, self_url: str,
+                   http: Callable[[], aiohttp.ClientSession]) -> Transport:
+    """mooncake when importable, else the HTTP fallback."""
+    try:
+        return MooncakeTransport(host)
+    except ImportError:
+        log.warning("mooncake not installed: KV transfers use the HTTP fallback")
+        return HttpTransport(self_url, http)
+
+
+@dataclass(frozen=True, slots=True)
+class Dest:
+    """Where the prefill writes a room's KV, and whom it tells."""
+
+    room: int
+    generation: int
+    session: str
+    addr: int
+    nbytes: int
+    notify: str
+
+
+class DecodeKv:
+    """Decode side: slot allocation, rendezvous with the prefill, fence, content checks."""
+
+    def __init__(self, *, pool: KvPool, transport: Transport, ledger: ReclaimLedger,
+                 http: Callable[[], aiohttp.ClientSession], self_url: str) -> None:
+        self.pool = pool
+        self.transport = transport
+        self.ledger = ledger
+        self._http = http
+        self._self_url = self_url
+        self._done: dict[int, asyncio.Future[bool]] = {}
+        self.transfer_queue = 0
+        self.bg: set[asyncio.Task[None]] = set()
+
+    async def acquire(self, room: int, host: str, port: int, timeout: float) -> int | None:
+        """Allocate a slot for ``room``, track it and register it with the prefill."""
+        slot = await self.pool.alloc(timeout)
+        if slot is None:
+            return None
+        try:
+            lease = self.ledger.track(room, [slot], [PREFILL_RANK])
+        except ValueError:
+            self.pool.free([slot])
+            raise
+        self._done[room] = asyncio.get_running_loop().create_future()
+        dest = {"room": room, "generation": lease.generation,
+                "session": self.transport.session_id, "addr": self.pool.addr(slot),
+                "nbytes": self.pool.slot_bytes, "notify": self._self_url}
+        try:
+            async with self._http().post(f"http://{host}:{port}/sim/kv/dest", json=dest) as r:
+                r.raise_for_status()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("room %s: bootstrap registration failed: %s", room, exc)
+            self._abort_now(room)
+            return None
+        return slot
+
+    async def wait_done(self, room: int, timeout: float) -> bool:
+        """True once the prefill reported the room's transfer complete within ``timeout``."""
+        fut = self._done[room]
+        self.transfer_queue += 1
+        try:
+            ok = await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except TimeoutError:
+            ok = False
+        finally:
+            self.transfer_queue -= 1
+            self._done.pop(room, None)
+        if ok:
+            self.ledger.transfer_done(room)
+        return ok
+
+    def on_done(self, room: int, generation: int, ok: bool) -> None:
+        """The prefill's transfer notification (HTTP ``/sim/kv/done``)."""
+        lease = self.ledger.lease(room)
+        fut = self._done.get(room)
+        if lease is None or lease.generation != generation or fut is None or fut.done():
+            return
+        fut.set_result(ok)
+
+    def finish(self, room: int) -> None:
+        """Normal end of a room whose transfer completed: its slot goes back at once."""
+        self.pool.free(self.ledger.finish(room).slots)
+
+    def abort(self, room: int, host: str, port: int) -> None:
+        """Abort ``room`` (budget missed, client gone, guard trip before transfer)."""
+        notice = self._abort_now(room)
+        if notice is not None:
+            task = asyncio.get_running_loop().create_task(self._send_abort(notice, host, port))
+            self.bg.add(task)
+            task.add_done_callback(self.bg.discard)
+
+    def poll(self) -> None:
+        """Periodic tick: Upstream's timer releases."""
+        for reclaim in self.ledger.poll():
+            self.pool.free(reclaim.slots)
+
+    def _abort_now(self, room: int) -> AbortNotice | None:
+        ab = self.ledger.abort(room)
+        for reclaim in ab.released:
+            self.pool.free(reclaim.slots)
+        return ab.notice
+
+    async def _send_abort(self, notice: AbortNotice, host: str, port: int) -> None:
+        """Deliver the notice; the prefill answers with the ack once no write can land."""
+        for _ in range(600):  # bounded: 600 attempts of up to 60 s each
+            try:
+                async with self._http().post(f"http://{host}:{port}/sim/kv/abort",
+                                             json={**notice.to_dict(),
+                                                   "session": self.transport.session_id},
+                                             timeout=aiohttp.ClientTimeout(total=60)) as r:
+                    body: dict[str, Any] = await r.json()
+                if body.get("ack"):
+                    for reclaim in self.ledger.on_ack(ReclaimAck.from_dict(body["ack"])):
+                        self.pool.free(reclaim.slots)
+                    return
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                log.info("abort notice for room %s not delivered yet: %s", notice.room, exc)
+                await asyncio.sleep(0.5)
+
+
+class PrefillKv:
+    """Prefill side: rendezvous per room, staged writes under the write tracker."""
+
+    def __init__(self, *, staging: KvPool, transport: Transport, tracker: WriteTracker,
+                 http: Callable[[], aiohttp.ClientSession], faults: Faults,
+                 wall: Callable[[float], float], rng: np.random.Generator) -> None:
+        self.staging = staging
+        self.transport = transport
+        self.tracker = tracker
+        self._http = http
+        self._faults = faults
+        self._wall = wall
+        self._rng = rng
+        self._dests: OrderedDict[int, asyncio.Future[Dest | None]] = OrderedDict()
+        self._acks: dict[tuple[int, int], asyncio.Future[ReclaimAck]] = {}
+        self._fence_gen: OrderedDict[tuple[str, int], int] = OrderedDict()
+        self._gen_counter = 0
+        self.inflight = 0
+        self.bootstrap_queue = 0
+        self.stalled_writes = 0
+
+    def _dest_future(self, room: int) -> asyncio.Future[Dest | None]:
+        fut = self._dests.get(room)
+        if fut is None:
+            fut = asyncio.get_running_loop().create_future()
+            self._dests[room] = fut
+            while len(self._dests) > _MAX_ROOMS:
+                self._dests.popitem(last=False)
+        return fut
+
+    def on_dest(self, data: dict[str, Any]) -> None:
+        """A decode registered where the room's KV goes (bootstrap ``/sim/kv/dest``)."""
+        dest = Dest(room=int(data["room"]), generation=int(data["generation"]),
+                    session=str(data["session"]), addr=int(data["addr"]),
+                    nbytes=int(data["nbytes"]), notify=str(data["notify"]))
+        fut = self._dest_future(dest.room)
+        if not fut.done():
+            fut.set_result(dest)
+
+    async def transfer(self, room: int, tokens: np.ndarray, timeout: float) -> bool:
+        """Send the room's KV to its decode; False when no decode registered in time."""
+        self.bootstrap_queue += 1
+        try:
+            dest = await asyncio.wait_for(asyncio.shield(self._dest_future(room)), timeout)
+        except TimeoutError:
+            return False
+        finally:
+            self.bootstrap_queue -= 1
+            self._dests.pop(room, None)
+        if dest is None:
+            return False  # the decode aborted the room before it was computed
+        gen = self._local_gen(dest.session, dest.generation)
+        if not self.tracker.begin(room, gen):
+            return False  # aborted before we began: nothing may be written
+        ok = True
+        if self.tracker.try_issue(room, gen):
+            ok = await self._write(dest, expected_kv(tokens, dest.nbytes))
+            self._deliver(self.tracker.write_done(room, gen, ok=ok))
+        self.tracker.seal(room, gen)
+        await self._notify(dest, ok)
+        return ok
+
+    async def _write(self, dest: Dest, content: bytes) -> bool:
+        """One issued write: [stall], then the transfer engine write from a staging slot."""
+        f = self._faults
+        if f.corruption_rate and self._rng.random() < f.corruption_rate:
+            content = corrupt(content)
+        slot = await self.staging.alloc(timeout=60.0)
+        if slot is None:
+            return False
+        self.inflight += 1
+        try:
+            self.staging.write(slot, content[: self.staging.slot_bytes])
+            if f.kv_write_stall_rate and self._rng.random() < f.kv_write_stall_rate:
+                self.stalled_writes += 1
+                await asyncio.sleep(self._wall(f.kv_write_stall_s))
+            return await self.transport.write(dest.session, self.staging.addr(slot),
+                                              dest.addr, min(dest.nbytes, self.staging.slot_bytes))
+        except Exception as exc:  # a failed write may still land: the tracker poisons the room
+            log.warning("room %s: KV write failed: %s", dest.room, exc)
+            return False
+        finally:
+            self.inflight -= 1
+            self.staging.free([slot])
+
+    async def _notify(self, dest: Dest, ok: bool) -> None:
+        body = {"room": dest.room, "generation": dest.generation, "ok": ok}
+        try:
+            async with self._http().post(f"{dest.notify}/sim/kv/done", json=body) as r:
+                await r.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.info("room %s: done notification failed: %s", dest.room, exc)
+
+    def _local_gen(self, session: str, generation: int) -> int:
+        """Tracker generation of a decode's (session, generation): decode ledgers number
+        their generations independently, so a router retry of the same room on another decode
+        must not collide with the first attempt's tombstone."""
+        key = (session, generation)
+        gen = self._fence_gen.get(key)
+        if gen is None:
+            self._gen_counter += 1
+            gen = self._fence_gen[key] = self._gen_counter
+            while len(self._fence_gen) > _MAX_ROOMS:
+                self._fence_gen.popitem(last=False)
+        return gen
+
+    def _deliver(self, ack: ReclaimAck | None) -> None:
+        if ack is None:
+            return
+        fut = self._acks.pop((ack.room, ack.generation), None)
+        if fut is not None and not fut.done():
+            fut.set_result(ack)
+
+    async def on_abort(self, data: dict[str, Any], timeout: float) -> ReclaimAck | None:
+        """An abort notice; returns the ack as soon as no write of the room can land."""
+        remote = AbortNotice.from_dict(data)
+        local = self._local_gen(str(data.get("session", "")), remote.generation)
+        notice = AbortNotice(room=remote.room, generation=local)
+        fut = self._dest_future(notice.room)
+        if not fut.done():
+            fut.set_result(None)  # a prefill still waiting for this room's dest stops waiting
+        ack = self.tracker.on_abort(notice)
+        if ack is None:
+            key = (notice.room, notice.generation)
+            waiter = self._acks.setdefault(key, asyncio.get_running_loop().create_future())
+            try:
+                ack = await asyncio.wait_for(asyncio.shield(waiter), timeout)
+            except TimeoutError:
+                return None
+        return ReclaimAck(room=ack.room, generation=remote.generation, rank=ack.rank)

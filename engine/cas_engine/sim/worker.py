@@ -1,0 +1,472 @@
+"""The sim worker's scheduler: prefill queue, PD hand-off, the decode batch loop, the guard.
+
+Data flow for one request (the HTTP layer in :mod:`.server` parses it into a :class:`GenRequest`
+and reads :class:`Event` objects from the returned :class:`Run`'s queue until a final one):
+
+- ``null`` mode: prefill (prefix cache + cost model, one prefill at a time) -> decode batch.
+- ``prefill`` mode: prefill -> KV write to the decode named by the bootstrap room -> final event.
+- ``decode`` mode: KV slot + bootstrap registration -> wait for the transfer (prefill budget)
+  -> content check -> decode batch.
+
+The decode loop (one asyncio task) paces steps by the cost model: each step every running
+request draws its accepted draft tokens (a seeded chain of Bernoulli trials: healthy, collapsed
+when its KV slot no longer holds its content, near 1 when it degenerates into repetition), emits
+accepted + 1 tokens, and the whole batch goes through the real :class:`GuardMonitor` in one call;
+tripped requests end with the guard's retryable error. Ownership: the worker owns every
+:class:`Run` until its final event; the HTTP handler only reads the queue (and may cancel).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import numpy as np
+from prometheus_client import CollectorRegistry
+
+from cas_engine.guard import GuardConfig, GuardMetrics, GuardMonitor, GuardTrip
+from cas_engine.kvfence import KvFenceMetrics, ReclaimLedger, ReclaimMode, WriteTracker
+from cas_engine.sim.config import SimConfig
+from cas_engine.sim.faults import Faults, parse_faults
+from cas_engine.sim.kvpool import KvPool, expected_kv
+from cas_engine.sim.metrics import SimMetrics
+from cas_engine.sim.pd import DecodeKv, PrefillKv, make_transport
+from cas_engine.sim.prefix_cache import PrefixCache
+from cas_engine.sim.textgen import TokenStream, request_seed
+from cas_engine.sim.timing import decode_step_seconds, prefill_seconds
+
+log = logging.getLogger("cas_engine.sim.worker")
+
+CORRUPTED_ACCEPT_PROB = 0.05
+REPEAT_ACCEPT_PROB = 0.998
+
+
+@dataclass(frozen=True, slots=True)
+class GenRequest:
+    """A parsed generation request (any endpoint)."""
+
+    rid: str
+    tokens: np.ndarray
+    max_new_tokens: int
+    sampling_seed: int | None = None
+    bootstrap: tuple[str, int, int] | None = None  # host, port, room
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """``tokens`` (pieces), ``finish`` (reason), ``trip`` (guard) or ``error`` (status, msg)."""
+
+    kind: str
+    pieces: tuple[str, ...] = ()
+    reason: str = ""
+    status: int = 0
+    message: str = ""
+    trip: GuardTrip | None = None
+
+
+@dataclass(slots=True, eq=False)
+class Run:
+    """One request in flight; the worker owns it until it puts a final event."""
+
+    req: GenRequest
+    out: asyncio.Queue[Event]
+    stream: TokenStream
+    spec: random.Random
+    accept_prob: float
+    t_start: float
+    cached_tokens: int = 0
+    generated: int = 0
+    verify_ct: int = 0
+    accepted: int = 0
+    guard_slot: int = -1
+    kv_slot: int | None = None
+    expected: bytes = b""
+    corrupted: bool = False
+    cancelled: bool = False
+    num_draft: int = 3
+    t_first: float = 0.0
+    t_last: float = 0.0
+    final: bool = False
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def kv_tokens(self) -> int:
+        return len(self.req.tokens) + self.generated
+
+    def meta_info(self) -> dict[str, Any]:
+        """SGLang ``meta_info`` fields (plus ``simulated``)."""
+        steps = self.verify_ct
+        return {
+            "id": self.req.rid,
+            "prompt_tokens": len(self.req.tokens),
+            "completion_tokens": self.generated,
+            "cached_tokens": self.cached_tokens,
+            "spec_verify_ct": steps,
+            "spec_accept_length": (self.accepted + steps) / steps if steps else None,
+            "spec_accept_rate": (self.accepted / (steps * self.num_draft)
+                                 if steps and self.num_draft else None),
+            "e2e_latency": time.monotonic() - self.t_start,
+            "simulated": True,
+            **self.meta,
+        }
+
+
+class SimWorker:
+    """Scheduler and state of one simulated SGLang worker."""
+
+    def __init__(self, cfg: SimConfig, registry: CollectorRegistry | None = None) -> None:
+        self.cfg = cfg
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.faults: Faults = parse_faults(cfg.fault)
+        self.metrics = SimMetrics(self.registry, cfg.model_name, cfg.mode)
+        self.m = cfg.model_name
+        self.cache = PrefixCache(cfg.timing.block_size, cfg.timing.kv_capacity_tokens)
+        self.guard = self._make_guard()
+        self.rng = np.random.default_rng(cfg.seed)
+        self.fence_metrics = KvFenceMetrics(self.registry)
+        self._prefill_lock = asyncio.Lock()
+        self._prefill_waiting = 0
+        self._waiting: list[Run] = []
+        self._running: list[Run] = []
+        self._wake = asyncio.Event()
+        self._kv_used = 0
+        self._http: aiohttp.ClientSession | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.decode_kv: DecodeKv | None = None
+        self.prefill_kv: PrefillKv | None = None
+        self.stats: dict[str, int] = {"requests": 0, "finished": 0, "aborted": 0,
+                                      "guard_trips": 0, "kv_corrupted": 0, "kv_timeouts": 0,
+                                      "generated_tokens": 0}
+        self._last_step_tokens = 0.0
+        self._last_accept = (float("nan"), float("nan"))
+
+    def _make_guard(self) -> GuardMonitor:
+        from cas_engine.guard import guard_config_from_args
+
+        gcfg = (guard_config_from_args(self.cfg.guard_args) if self.cfg.guard_args is not None
+                else GuardConfig.from_env())
+        capacity = self.cfg.max_running_requests + 64
+        return GuardMonitor(gcfg, capacity, metrics=GuardMetrics.create(self.registry, gcfg))
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def http(self) -> aiohttp.ClientSession:
+        assert self._http is not None, "worker not started"
+        return self._http
+
+    async def start(self) -> None:
+        """Create the HTTP client, the KV parts of the mode and the decode loop."""
+        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120))
+        url = f"http://{self.cfg.host}:{self.cfg.port}"
+        if self.cfg.mode == "decode":
+            transport = make_transport(self.cfg.host, url, self.http)
+            pool = KvPool(self.cfg.kv_slots, self.cfg.kv_slot_bytes)
+            transport.register(pool)
+            ledger = ReclaimLedger(mode=ReclaimMode.parse(self.cfg.kv_reclaim),
+                                   upstream_timeout_s=self.cfg.upstream_release_timeout_s,
+                                   metrics=self.fence_metrics, clock=self.sim_clock)
+            self.decode_kv = DecodeKv(pool=pool, transport=transport, ledger=ledger,
+                                      http=self.http, self_url=url)
+        elif self.cfg.mode == "prefill":
+            transport = make_transport(self.cfg.host, url, self.http)
+            staging = KvPool(self.cfg.kv_slots, self.cfg.kv_slot_bytes)
+            transport.register(staging)
+            self.prefill_kv = PrefillKv(staging=staging, transport=transport,
+                                        tracker=WriteTracker(0, metrics=self.fence_metrics),
+                                        http=self.http, faults=self.faults, wall=self.cfg.wall,
+                                        rng=self.rng)
+        self._spawn(self._decode_loop())
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._http is not None:
+            await self._http.close()
+
+    def sim_clock(self) -> float:
+        """Modelled seconds (wall clock x speedup), the kvfence ledger's clock."""
+        return time.monotonic() * self.cfg.speedup
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # ---- submission -----------------------------------------------------------------------
+
+    def submit(self, req: GenRequest) -> Run:
+        """Start ``req``; read its events from ``run.out``."""
+        seed = request_seed(req.tokens, req.sampling_seed, self.cfg.seed)
+        run = Run(req=req, out=asyncio.Queue(), stream=TokenStream(seed),
+                  spec=random.Random(seed ^ 0x5EED), accept_prob=self.cfg.spec_accept_prob,
+                  t_start=time.monotonic(), num_draft=self.cfg.spec_num_steps)
+        self.stats["requests"] += 1
+        self.metrics.prompt_tokens.labels(self.m).inc(len(req.tokens))
+        if self.faults.repetition_rate and self.rng.random() < self.faults.repetition_rate:
+            run.stream.set_style("repeat")
+            run.accept_prob = REPEAT_ACCEPT_PROB
+        self._spawn(self._serve(run))
+        return run
+
+    async def _serve(self, run: Run) -> None:
+        try:
+            if self.cfg.mode == "prefill":
+                await self._serve_prefill(run)
+            elif self.cfg.mode == "decode":
+                await self._serve_decode(run)
+            else:
+                await self._prefill(run)
+                self._enqueue(run)
+        except Exception as exc:  # one request's failure never stops the worker
+            log.exception("request %s failed", run.req.rid)
+            self._final(run, Event("error", status=500, message=f"sim internal error: {exc}"))
+
+    async def _prefill(self, run: Run) -> None:
+        """Prefix cache lookup and the modelled prefill time (one prefill at a time)."""
+        self._prefill_waiting += 1
+        try:
+            await self._prefill_lock.acquire()
+        finally:
+            self._prefill_waiting -= 1
+        try:
+            while self.faults.hang:
+                await asyncio.sleep(0.05)
+            tokens = run.req.tokens
+            hit = self.cache.match_and_insert(tokens)
+            run.cached_tokens = hit
+            self.metrics.cached_tokens.labels(self.m).inc(hit)
+            t = prefill_seconds(self.cfg.timing, len(tokens) - hit, len(tokens))
+            await asyncio.sleep(self.cfg.wall(t))
+        finally:
+            self._prefill_lock.release()
+
+    async def _serve_prefill(self, run: Run) -> None:
+        assert self.prefill_kv is not None
+        if run.req.bootstrap is None:
+            self._final(run, Event("error", status=400,
+                                   message="prefill worker needs bootstrap_room/host/port"))
+            return
+        await self._prefill(run)
+        room = run.req.bootstrap[2]
+        ok = await self.prefill_kv.transfer(room, run.req.tokens,
+                                            self.cfg.wall(self.cfg.prefill_budget_s))
+        run.meta["kv_transferred"] = ok
+        self._final(run, Event("finish", reason="length"))
+
+    async def _serve_decode(self, run: Run) -> None:
+        kv = self.decode_kv
+        assert kv is not None
+        if run.req.bootstrap is None:
+            self._final(run, Event("error", status=400,
+                                   message="decode worker needs bootstrap_room/host/port"))
+            return
+        host, port, room = run.req.bootstrap
+        budget = self.cfg.wall(self.cfg.prefill_budget_s)
+        slot = await kv.acquire(room, host, port, budget)
+        if slot is None:
+            self._fail_transfer(run, "no KV slot or bootstrap registration within the budget")
+            return
+        if not await kv.wait_done(room, budget):
+            kv.abort(room, host, port)
+            self._fail_transfer(run, "KV transfer missed the prefill time budget")
+            return
+        run.kv_slot = slot
+        run.expected = expected_kv(run.req.tokens, kv.pool.slot_bytes)
+        self._check_kv(run)
+        self._enqueue(run)
+
+    def _fail_transfer(self, run: Run, why: str) -> None:
+        self.stats["kv_timeouts"] += 1
+        self._final(run, Event("error", status=503, message=f"sim decode abort: {why}"))
+
+    # ---- decode batch ---------------------------------------------------------------------
+
+    def _enqueue(self, run: Run) -> None:
+        self._waiting.append(run)
+        self._wake.set()
+
+    def _admit(self) -> None:
+        cap = self.cfg.timing.kv_capacity_tokens
+        still: list[Run] = []
+        for run in self._waiting:
+            if run.cancelled:
+                self._final(run, Event("error", status=499, message="client disconnected"))
+            elif (len(self._running) < self.cfg.max_running_requests
+                  and (self._kv_used + run.kv_tokens <= cap or not self._running)):
+                run.guard_slot = self.guard.allocate(run.req.rid)
+                self._kv_used += len(run.req.tokens)
+                self._running.append(run)
+            else:
+                still.append(run)
+        self._waiting = still
+
+    async def _decode_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_at = loop.time()
+        while True:
+            if self.decode_kv is not None:
+                self.decode_kv.poll()
+            if self.faults.hang:
+                await asyncio.sleep(0.05)
+                continue
+            self._admit()
+            self._refresh_gauges()
+            if not self._running:
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), 0.5)
+                next_at = loop.time()
+                continue
+            dt = decode_step_seconds(self.cfg.timing, len(self._running), self._kv_used)
+            next_at = max(next_at, loop.time() - 0.05) + self.cfg.wall(dt * self.faults.slow_decode)
+            await asyncio.sleep(max(0.0, next_at - loop.time()))
+            self._step()
+
+    def _check_kv(self, run: Run) -> None:
+        """Collapse the request's statistics once its KV slot stops holding its content."""
+        kv = self.decode_kv
+        if run.corrupted or kv is None or run.kv_slot is None:
+            return
+        if not kv.pool.holds(run.kv_slot, run.expected):
+            run.corrupted = True
+            run.stream.set_style("garbled")
+            run.accept_prob = CORRUPTED_ACCEPT_PROB
+            self.stats["kv_corrupted"] += 1
+            self.metrics.kv_corrupted.labels(self.m).inc()
+            log.warning("request %s: KV slot %s does not hold its content (corrupted)",
+                        run.req.rid, run.kv_slot)
+
+    def _step(self) -> None:
+        """One decode/verify step of the whole batch."""
+        now = time.monotonic()
+        steps = self.cfg.spec_num_steps
+        slots: list[int] = []
+        accepted: list[int] = []
+        done: list[Run] = []
+        emitted = 0
+        for run in self._running:
+            if run.cancelled:
+                done.append(run)
+                continue
+            self._check_kv(run)
+            acc = 0
+            while acc < steps and run.spec.random() < run.accept_prob:
+                acc += 1
+            n = min(acc + 1, run.req.max_new_tokens - run.generated)
+            self._emit(run, run.stream.take(n), now)
+            emitted += n
+            run.verify_ct += 1
+            run.accepted += acc
+            slots.append(run.guard_slot)
+            accepted.append(acc)
+            if run.generated >= run.req.max_new_tokens:
+                done.append(run)
+        self._account_step(accepted, steps, emitted)
+        for trip in self.guard.observe(slots, accepted, [steps] * len(slots)):
+            self._trip(trip)
+        for run in done:
+            if not run.final:
+                reason = "abort" if run.cancelled else "length"
+                self._end(run, Event("finish", reason=reason))
+
+    def _emit(self, run: Run, pieces: list[str], now: float) -> None:
+        if run.generated == 0:
+            run.t_first = now
+            self.metrics.ttft.labels(self.m).observe(now - run.t_start)
+        else:
+            self.metrics.itl.labels(self.m).observe((now - run.t_last) / max(1, len(pieces)))
+        run.t_last = now
+        run.generated += len(pieces)
+        self._kv_used += len(pieces)
+        run.out.put_nowait(Event("tokens", pieces=tuple(pieces)))
+
+    def _account_step(self, accepted: list[int], steps: int, emitted: int) -> None:
+        self.stats["generated_tokens"] += emitted
+        self.metrics.generation_tokens.labels(self.m).inc(emitted)
+        if accepted:
+            mean_acc = sum(accepted) / len(accepted)
+            self._last_accept = (mean_acc + 1.0, mean_acc / steps)
+        self._last_step_tokens = emitted
+
+    def _trip(self, trip: GuardTrip) -> None:
+        for run in self._running:
+            if run.guard_slot == trip.slot and not run.final:
+                log.warning("guard trip: %s", trip.message())
+                self.stats["guard_trips"] += 1
+                self._end(run, Event("trip", trip=trip))
+                return
+
+    def _end(self, run: Run, event: Event) -> None:
+        """Remove a running request, release its guard slot and KV, post its final event."""
+        self._running.remove(run)
+        self._kv_used -= run.kv_tokens
+        self.guard.finish(run.guard_slot)
+        if self.decode_kv is not None and run.req.bootstrap is not None:
+            self.decode_kv.finish(run.req.bootstrap[2])
+        self._final(run, event)
+
+    def _final(self, run: Run, event: Event) -> None:
+        if run.final:
+            return
+        run.final = True
+        self.metrics.requests.labels(self.m).inc()
+        if event.kind == "finish" and event.reason == "length":
+            self.stats["finished"] += 1
+            self.metrics.e2e.labels(self.m).observe(time.monotonic() - run.t_start)
+        else:
+            self.stats["aborted"] += 1
+            self.metrics.aborted.labels(self.m).inc()
+        run.out.put_nowait(event)
+
+    def _refresh_gauges(self) -> None:
+        m, lab = self.metrics, self.m
+        m.running.labels(lab).set(len(self._running))
+        m.queued.labels(lab).set(len(self._waiting) + self._prefill_waiting)
+        m.used_tokens.labels(lab).set(self._kv_used)
+        m.token_usage.labels(lab).set(self._kv_used / self.cfg.timing.kv_capacity_tokens)
+        if self.cache.total_tokens:
+            m.cache_hit_rate.labels(lab).set(self.cache.hit_tokens / self.cache.total_tokens)
+        length, rate = self._last_accept
+        if length == length:
+            m.accept_length.labels(lab).set(length)
+            m.accept_rate.labels(lab).set(rate)
+        if self.decode_kv is not None:
+            m.decode_prealloc.labels(lab).set(self.decode_kv.pool.waiting)
+            m.decode_transfer.labels(lab).set(self.decode_kv.transfer_queue)
+        if self.prefill_kv is not None:
+            m.prefill_prealloc.labels(lab).set(self.prefill_kv.bootstrap_queue)
+            m.prefill_inflight.labels(lab).set(self.prefill_kv.inflight)
+
+    def cancel(self, run: Run) -> None:
+        """The client went away: the request ends at the next step."""
+        run.cancelled = True
+
+    def snapshot(self) -> dict[str, Any]:
+        """JSON-able counters for ``/sim/stats`` and ``/get_server_info``."""
+        out: dict[str, Any] = dict(self.stats)
+        out.update(running=len(self._running), waiting=len(self._waiting),
+                   kv_used_tokens=self._kv_used, faults=self.faults.as_dict(),
+                   cache_hit_rate=(self.cache.hit_tokens / self.cache.total_tokens
+                                   if self.cache.total_tokens else 0.0))
+        if self.decode_kv is not None:
+            ledger = self.decode_kv.ledger
+            out.update(kv_free_slots=self.decode_kv.pool.free_slots,
+                       kv_quarantined_slots=ledger.quarantined_slots,
+                       kv_reclaim_mode=ledger.mode.value)
+        if self.prefill_kv is not None:
+            out.update(stalled_writes=self.prefill_kv.stalled_writes,
+                       pinned_rooms=self.prefill_kv.tracker.pinned_rooms)
+        return out
+
+
+def new_rid(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
