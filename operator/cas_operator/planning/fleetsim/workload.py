@@ -1,0 +1,163 @@
+"""Workload generators for the fleet simulator: coding-agent sessions and JSONL trace replay.
+
+Sessions (closed loop): a session starts (Poisson, rate from :class:`SessionMix` and its
+modifiers), sends its first turn with a cold context, and after each answer waits a tool pause,
+then sends the next turn whose context grew by the previous output plus the tool result. It ends
+after its turn count or when the context would pass ``max_context``. Modifiers change one thing
+over a time window: a session-start storm, longer tool pauses, an output-length shift.
+
+Trace replay (open loop): one JSON object per line with ``timestamp`` (seconds or ms),
+``input_length``, ``output_length`` and ``hash_ids`` (prefix block ids, e.g. 512 tokens each);
+requests whose first block id matches belong to one conversation, and the cached prefix of a
+request is the common block prefix with that conversation's previous request.
+
+Pure apart from :func:`read_trace`, which reads a file the caller names; numpy only.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SessionMix:
+    """Distribution of coding-agent sessions (lognormal sizes given by mean and sigma)."""
+
+    session_rate: float  # session starts per second
+    mean_turns: float = 20.0
+    first_input_tokens: float = 32_000.0
+    first_input_sigma: float = 0.5
+    new_tokens_per_turn: float = 3_400.0
+    new_tokens_sigma: float = 1.0
+    output_tokens: float = 400.0
+    output_sigma: float = 0.8
+    tool_pause_s: float = 20.0
+    tool_pause_sigma: float = 1.0
+    max_context: float = 180_000.0
+    shared_prefix_tokens: float = 2_000.0
+
+    def request_rate(self) -> float:
+        """Steady-state requests per second (each session sends ``mean_turns`` requests)."""
+        return self.session_rate * self.mean_turns
+
+
+@dataclass(frozen=True)
+class Modifier:
+    """Multiply one parameter during [start_s, end_s): ``session_rate`` (storm),
+    ``tool_pause_s`` (longer pauses) or ``output_tokens`` (output-length shift)."""
+
+    field: str
+    factor: float
+    start_s: float
+    end_s: float = float("inf")
+
+
+@dataclass(frozen=True)
+class SessionWorkload:
+    mix: SessionMix
+    modifiers: tuple[Modifier, ...] = ()
+    seed: int = 0
+
+    def value(self, name: str, t: float) -> float:
+        """Parameter ``name`` of the mix at time ``t`` after modifiers."""
+        v = float(getattr(self.mix, name))
+        for m in self.modifiers:
+            if m.field == name and m.start_s <= t < m.end_s:
+                v *= m.factor
+        return v
+
+
+def lognormal(rng: np.random.Generator, mean: float, sigma: float, n: int) -> np.ndarray:
+    """``n`` lognormal samples with the given mean (not median) and log-sd ``sigma``."""
+    mu = np.log(max(mean, 1e-9)) - sigma * sigma / 2.0
+    return rng.lognormal(mu, sigma, n)
+
+
+@dataclass
+class Trace:
+    """Open-loop requests sorted by time; ``cached`` is the reusable prefix per request."""
+
+    arrival: np.ndarray
+    input_tokens: np.ndarray
+    output_tokens: np.ndarray
+    conversation: np.ndarray
+    cached_prefix: np.ndarray
+    block_tokens: int = 512
+    meta: dict[str, float] = field(default_factory=dict)
+
+
+def parse_trace(lines: Iterable[str], block_tokens: int = 512) -> Trace:
+    """Parse JSONL trace lines (see module doc); timestamps in ms are detected and converted."""
+    ts, inp, out, conv, cached = [], [], [], [], []
+    last_blocks: dict[int, list[int]] = {}
+    conv_ids: dict[int, int] = {}
+    for line in lines:
+        line = line.strip()
+        if not line:
+            continue
+        rec = json.loads(line)
+        blocks = [int(h) for h in rec.get("hash_ids", [])]
+        key = blocks[0] if blocks else -len(ts) - 1
+        cid = conv_ids.setdefault(key, len(conv_ids))
+        prev = last_blocks.get(cid, [])
+        common = 0
+        for a, b in zip(prev, blocks, strict=False):
+            if a != b:
+                break
+            common += 1
+        last_blocks[cid] = blocks
+        n_in = int(rec["input_length"])
+        ts.append(float(rec["timestamp"]))
+        inp.append(n_in)
+        out.append(max(1, int(rec["output_length"])))
+        conv.append(cid)
+        cached.append(min(common * block_tokens, max(n_in - 1, 0)))
+    arr = np.asarray(ts, dtype=np.float64)
+    if arr.size and arr.max() > 1e6:  # milliseconds
+        arr = arr / 1000.0
+    if arr.size:
+        arr = arr - arr.min()
+    order = np.argsort(arr, kind="stable")
+    return Trace(
+        arrival=arr[order],
+        input_tokens=np.asarray(inp, dtype=np.float64)[order],
+        output_tokens=np.asarray(out, dtype=np.float64)[order],
+        conversation=np.asarray(conv, dtype=np.int64)[order],
+        cached_prefix=np.asarray(cached, dtype=np.float64)[order],
+        block_tokens=block_tokens,
+    )
+
+
+def read_trace(path: str, block_tokens: int = 512) -> Trace:
+    """Read a JSONL trace file (the only I/O in this package)."""
+    with open(path, encoding="utf-8") as fh:
+        return parse_trace(fh, block_tokens)
+
+
+def synth_trace_lines(
+    n: int, rate: float, seed: int = 0, conversations: int = 50, block_tokens: int = 512
+) -> list[str]:
+    """A small synthetic trace in the replay format (for tests and examples)."""
+    rng = np.random.default_rng(seed)
+    t = np.cumsum(rng.exponential(1.0 / rate, n))
+    ctx = np.zeros(conversations, dtype=np.int64)
+    lines = []
+    for i in range(n):
+        c = int(rng.integers(conversations))
+        ctx[c] += int(rng.integers(500, 4000))
+        blocks = [c * 1_000_000 + b for b in range(int(ctx[c]) // block_tokens + 1)]
+        lines.append(
+            json.dumps(
+                {
+                    "timestamp": round(float(t[i]) * 1000.0, 3),
+                    "input_length": int(ctx[c]),
+                    "output_length": int(rng.integers(50, 800)),
+                    "hash_ids": blocks,
+                }
+            )
+        )
+    return lines

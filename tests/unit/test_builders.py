@@ -1,0 +1,231 @@
+"""Pure builders: golden manifests for the samples, and one test per SGLang flag family."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import yaml
+
+from cas_operator.api import constants as c
+from cas_operator.api.models import parse_spec
+from cas_operator.planning.plan import Plan, build_plan
+from cas_operator.resources import build_all
+from cas_operator.resources.engine_args import engine_args, engine_env
+from cas_operator.resources.meta import Owner
+from cas_operator.resources.router import router_args
+from tests.paths import ROOT, load_sample
+
+GOLDEN = ROOT / "tests" / "unit" / "golden"
+SAMPLE_FILES = ["minimal.yaml", "glm5-long-context.yaml", "multinode-decode.yaml"]
+WORKLOADS = ("Deployment", "LeaderWorkerSet")
+OWNER_UID = "00000000-0000-0000-0000-000000000001"
+
+
+def plan_sample(name: str) -> tuple[Owner, Plan]:
+    raw = load_sample(name)
+    owner = Owner(raw["metadata"]["name"], "default", OWNER_UID)
+    return owner, build_plan(owner.name, owner.namespace, parse_spec(raw["spec"]))
+
+
+def plan_of(**spec: Any) -> Plan:
+    raw: dict[str, Any] = {"model": {"name": "zai-org/GLM-5-FP8"}, **spec}
+    return build_plan("demo", "ns", parse_spec(raw))
+
+
+def flag(args: list[str], name: str) -> str | None:
+    """The value after a flag, or None when absent."""
+    return args[args.index(name) + 1] if name in args else None
+
+
+@pytest.mark.parametrize("sample_file", SAMPLE_FILES)
+def test_golden_manifests(sample_file: str) -> None:
+    """Regression: any change to a built manifest shows up as a reviewed golden-file diff.
+
+    Regenerate with UPDATE_GOLDEN=1 after reviewing the change by eye.
+    """
+    owner, plan = plan_sample(sample_file)
+    rendered = yaml.safe_dump_all(build_all(owner, plan), sort_keys=True)
+    golden = GOLDEN / sample_file
+    if os.environ.get("UPDATE_GOLDEN"):
+        golden.write_text(rendered)
+    assert golden.exists(), "run with UPDATE_GOLDEN=1 once and review the file"
+    assert rendered == golden.read_text()
+
+
+@pytest.mark.parametrize("sample_file", SAMPLE_FILES)
+def test_every_child_is_owned_labelled_and_hashed(sample_file: str) -> None:
+    """Regression: children without a controller owner reference leak on delete; children with
+    the parent's labels would be adopted by Argo CD's tracking."""
+    owner, plan = plan_sample(sample_file)
+    for manifest in build_all(owner, plan):
+        meta = manifest["metadata"]
+        (ref,) = meta["ownerReferences"]
+        assert ref["controller"] is True and ref["uid"] == OWNER_UID and ref["kind"] == c.KIND
+        assert meta["labels"][c.LABEL_MANAGED_BY] == c.MANAGED_BY
+        assert meta["labels"][c.LABEL_NAME] == owner.name
+        assert "app.kubernetes.io/instance" not in meta["labels"]
+        assert len(meta["annotations"][c.ANNOTATION_SPEC_HASH]) == 16
+        assert len(meta["name"]) <= 63
+
+
+def test_apply_order_puts_router_last_and_rbac_first() -> None:
+    owner, plan = plan_sample("minimal.yaml")
+    kinds = [m["kind"] for m in build_all(owner, plan)]
+    assert kinds[:3] == ["ServiceAccount", "Role", "RoleBinding"]
+    assert kinds.index("Deployment") > kinds.index("PodDisruptionBudget")
+    assert kinds[-2:] == ["Deployment", "Service"]
+
+
+def test_single_node_pools_are_deployments_multi_node_are_lws() -> None:
+    """Regression: TP16 on 8-GPU nodes must be a LeaderWorkerSet of size 2, leader serving."""
+    owner, plan = plan_sample("multinode-decode.yaml")
+    by_name = {m["metadata"]["name"]: m for m in build_all(owner, plan) if m["kind"] in WORKLOADS}
+    prefill = by_name[plan.prefill.workload_name]
+    decode = by_name[plan.decode.workload_name]
+    assert prefill["kind"] == "Deployment"
+    assert decode["kind"] == "LeaderWorkerSet"
+    template = decode["spec"]["leaderWorkerTemplate"]
+    assert template["size"] == 2
+    leader, worker = template["leaderTemplate"], template["workerTemplate"]
+    assert leader["metadata"]["labels"][c.LABEL_SERVING] == "true"
+    assert c.LABEL_SERVING not in worker["metadata"]["labels"]
+    assert "readinessProbe" not in worker["spec"]["containers"][0]
+    args = worker["spec"]["containers"][0]["args"]
+    assert flag(args, "--nnodes") == "2"
+    assert flag(args, "--node-rank") == "$(LWS_WORKER_INDEX)"
+    assert flag(args, "--dist-init-addr") == f"$(LWS_LEADER_ADDRESS):{c.DIST_INIT_PORT}"
+    gpu = worker["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+    assert gpu == "8"
+
+
+def test_disaggregation_flags_and_bootstrap_annotation() -> None:
+    plan = plan_of()
+    prefill, decode = engine_args(plan, plan.prefill), engine_args(plan, plan.decode)
+    assert flag(prefill, "--disaggregation-mode") == "prefill"
+    assert flag(decode, "--disaggregation-mode") == "decode"
+    assert flag(prefill, "--disaggregation-transfer-backend") == "mooncake"
+    assert flag(prefill, "--disaggregation-bootstrap-port") == str(c.BOOTSTRAP_PORT)
+    assert "--disaggregation-bootstrap-port" not in decode
+    owner = Owner("demo", "ns", OWNER_UID)
+    by_name = {m["metadata"]["name"]: m for m in build_all(owner, plan) if m["kind"] in WORKLOADS}
+    prefill_pod = by_name[plan.prefill.workload_name]["spec"]["template"]
+    decode_pod = by_name[plan.decode.workload_name]["spec"]["template"]
+    assert prefill_pod["metadata"]["annotations"][c.ANNOTATION_BOOTSTRAP_PORT] == "8998"
+    assert c.ANNOTATION_BOOTSTRAP_PORT not in decode_pod["metadata"]["annotations"]
+
+
+def test_server_flags_and_probes() -> None:
+    plan = plan_of(model={"name": "m", "path": "/models/m", "servedModelName": "coder"})
+    args = engine_args(plan, plan.decode)
+    assert flag(args, "--model-path") == "/models/m"
+    assert flag(args, "--served-model-name") == "coder"
+    assert flag(args, "--port") == str(c.ENGINE_PORT) and "--enable-metrics" in args
+    manifests = build_all(Owner("demo", "ns", OWNER_UID), plan)
+    (decode,) = [
+        m
+        for m in manifests
+        if m["metadata"]["name"] == plan.decode.workload_name and m["kind"] == "Deployment"
+    ]
+    container = decode["spec"]["template"]["spec"]["containers"][0]
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert container[probe]["httpGet"]["path"] == "/health"
+
+
+def test_parallel_flags_cp_and_layersplit_only_on_prefill() -> None:
+    """Regression: LayerSplit flags on decode would crash it; CP flags need cp > 1."""
+    plan = plan_of(prefill={"contextParallel": 4})
+    prefill, decode = engine_args(plan, plan.prefill), engine_args(plan, plan.decode)
+    assert flag(prefill, "--tp") == "8" and flag(decode, "--tp") == "8"
+    assert flag(prefill, "--attn-cp-size") == "4"
+    assert "--enable-prefill-cp" in prefill and "--enable-dsa-cache-layer-split" in prefill
+    assert "--attn-cp-size" not in decode and "--enable-dsa-cache-layer-split" not in decode
+    off = plan_of(prefill={"contextParallel": 4, "layerSplit": False})
+    assert "--enable-dsa-cache-layer-split" not in engine_args(off, off.prefill)
+    plain = plan_of()
+    assert "--attn-cp-size" not in engine_args(plain, plain.prefill)
+
+
+def test_hicache_flags() -> None:
+    assert "--enable-hierarchical-cache" not in engine_args(plan_of(), plan_of().decode)
+    plan = plan_of(hicache={"enabled": True, "hostMemoryRatio": 2.5, "storageBackend": "mooncake"})
+    args = engine_args(plan, plan.prefill)
+    assert "--enable-hierarchical-cache" in args
+    assert flag(args, "--hicache-ratio") == "2.5"
+    assert flag(args, "--hicache-storage-backend") == "mooncake"
+    assert flag(args, "--hicache-write-policy") == "write_through"
+    local = plan_of(hicache={"enabled": True, "hostMemoryRatio": 2})
+    assert flag(engine_args(local, local.prefill), "--hicache-ratio") == "2"
+    assert "--hicache-storage-backend" not in engine_args(local, local.prefill)
+
+
+def test_speculative_flags() -> None:
+    plan = plan_of(
+        engine={"speculative": {"algorithm": "EAGLE", "draftModelPath": "/d", "numSteps": 5}}
+    )
+    args = engine_args(plan, plan.decode)
+    assert flag(args, "--speculative-algorithm") == "EAGLE"
+    assert flag(args, "--speculative-draft-model-path") == "/d"
+    assert flag(args, "--speculative-num-steps") == "5"
+    assert flag(args, "--speculative-eagle-topk") == "1"
+    assert flag(args, "--speculative-num-draft-tokens") == "4"
+    nextn = plan_of(engine={"speculative": {"algorithm": "NEXTN"}})
+    assert "--speculative-draft-model-path" not in engine_args(nextn, nextn.decode)
+    assert "--speculative-algorithm" not in engine_args(plan_of(), plan_of().decode)
+
+
+def test_cas_flags_reclaim_and_guard() -> None:
+    """Regression: the guard needs speculative stats; its thresholds come from anomalyGuard."""
+    plan = plan_of(
+        engine={"speculative": {"algorithm": "NEXTN"}, "kvReclaim": "Upstream"},
+        anomalyGuard={"minGeneratedTokens": 64, "minAcceptLength": 1.5, "maxAcceptRate": 0.9},
+    )
+    decode, prefill = engine_args(plan, plan.decode), engine_args(plan, plan.prefill)
+    assert flag(decode, "--cas-kv-reclaim") == "upstream"
+    assert flag(prefill, "--cas-kv-reclaim") == "upstream"
+    assert flag(decode, "--cas-guard") == "on" and "--cas-guard" not in prefill
+    assert flag(decode, "--cas-guard-min-generated-tokens") == "64"
+    assert flag(decode, "--cas-guard-min-accept-length") == "1.5"
+    assert flag(decode, "--cas-guard-max-accept-rate") == "0.9"
+    no_spec = plan_of()
+    assert flag(engine_args(no_spec, no_spec.decode), "--cas-guard") == "off"
+    assert flag(engine_args(no_spec, no_spec.decode), "--cas-kv-reclaim") == "strict"
+
+
+def test_user_args_come_last_and_env_carries_prefill_budget() -> None:
+    plan = plan_of(
+        engine={"args": ["--tp", "4"], "env": [{"name": "X", "value": "1"}]},
+        prefill={"timeoutSeconds": 45},
+    )
+    args = engine_args(plan, plan.decode)
+    assert args[-2:] == ["--tp", "4"]
+    env = {e["name"]: e.get("value") for e in engine_env(plan)}
+    assert env["SGLANG_DISAGGREGATION_WAITING_TIMEOUT"] == "45"
+    assert env["SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"] == "45"
+    assert env["X"] == "1"
+
+
+def test_router_discovers_its_revision_in_pd_mode() -> None:
+    """Regression: a router selecting by role only would pair prefill and decode pods of
+    different revisions during a roll."""
+    plan = plan_of(router={"policy": "round_robin", "retries": 5})
+    args = router_args(plan)
+    assert "--pd-disaggregation" in args and "--service-discovery" in args
+    prefill_sel = args[args.index("--prefill-selector") + 1 : args.index("--decode-selector")]
+    assert f"{c.LABEL_REVISION}={plan.revision}" in prefill_sel
+    assert f"{c.LABEL_ROLE}=prefill" in prefill_sel and f"{c.LABEL_SERVING}=true" in prefill_sel
+    assert flag(args, "--policy") == "round_robin"
+    assert flag(args, "--retry-max-retries") == "5"
+    assert flag(args, "--service-discovery-namespace") == "ns"
+    assert "--disable-retries" in router_args(plan_of(router={"retries": 0}))
+
+
+def test_workload_selector_excludes_serving_label() -> None:
+    """Regression: with `serving` in the selector, a drain would orphan the pod instead of
+    taking it out of rotation."""
+    owner = Owner("demo", "ns", OWNER_UID)
+    plan = plan_of()
+    for manifest in build_all(owner, plan):
+        if manifest["kind"] == "Deployment":
+            assert c.LABEL_SERVING not in manifest["spec"]["selector"]["matchLabels"]

@@ -1,0 +1,181 @@
+"""Pure planning: instance shapes, LayerSplit shards and KV footprint, replicas, revision, rules."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from cas_operator.api.models import CodingAgentServingSpec, parse_spec
+from cas_operator.planning.layersplit import (
+    KNOWN_MODELS,
+    kv_bytes_per_token_per_rank,
+    layer_shards,
+    lookup_model,
+)
+from cas_operator.planning.plan import InvalidSpec, build_plan
+from cas_operator.planning.replicas import fixed_replicas
+from cas_operator.planning.revision import revision_of
+from cas_operator.planning.shapes import instance_shape
+from cas_operator.planning.validate import validate
+from tests.paths import load_sample
+
+
+def spec_of(**overrides: Any) -> CodingAgentServingSpec:
+    raw: dict[str, Any] = {"model": {"name": "zai-org/GLM-5-FP8"}}
+    raw.update(overrides)
+    return parse_spec(raw)
+
+
+@pytest.mark.parametrize(
+    ("tp", "per_node", "nodes", "gpus_per_pod"),
+    [(1, 8, 1, 1), (4, 8, 1, 4), (8, 8, 1, 8), (16, 8, 2, 8), (32, 8, 4, 8), (8, 4, 2, 4)],
+)
+def test_instance_shape(tp: int, per_node: int, nodes: int, gpus_per_pod: int) -> None:
+    """Regression: a TP16 instance on 8-GPU nodes must span 2 pods of 8, not one pod of 16."""
+    shape = instance_shape(tensor_parallel=tp, gpus_per_node=per_node)
+    assert (shape.nodes, shape.gpus_per_pod, shape.gpus) == (nodes, gpus_per_pod, tp)
+    assert shape.multi_node == (nodes > 1)
+
+
+def test_instance_shape_rejects_partial_nodes() -> None:
+    """Regression: TP12 on 8-GPU nodes cannot be placed on whole nodes."""
+    with pytest.raises(ValueError, match="not a multiple"):
+        instance_shape(tensor_parallel=12, gpus_per_node=8)
+
+
+@pytest.mark.parametrize(
+    ("layers", "cp", "counts"),
+    [
+        (78, 4, [20, 20, 19, 19]),
+        (61, 8, [8, 8, 8, 8, 8, 7, 7, 7]),
+        (8, 8, [1] * 8),
+        (10, 3, [4, 3, 3]),
+    ],
+)
+def test_layer_shards_are_contiguous_and_balanced(layers: int, cp: int, counts: list[int]) -> None:
+    """Regression: shards must cover every layer once, in order, differing by at most one."""
+    shards = layer_shards(layers, cp)
+    assert [s.count for s in shards] == counts
+    assert shards[0].first_layer == 0 and shards[-1].last_layer == layers - 1
+    for before, after in zip(shards, shards[1:], strict=False):
+        assert after.first_layer == before.last_layer + 1
+
+
+def test_layer_shards_reject_more_ranks_than_layers() -> None:
+    with pytest.raises(ValueError):
+        layer_shards(4, 8)
+
+
+def test_kv_footprint_glm5_cp4() -> None:
+    """LayerSplit keeps 20 of 78 layers' KV per rank plus the replicated indexer (hand-computed)."""
+    footprint = kv_bytes_per_token_per_rank(KNOWN_MODELS["glm-5"], 4)
+    assert footprint.replicated == 78 * (656 + 132)  # 61,464 B: the ~61 KB/token published
+    assert footprint.layer_split == 20 * 656 + 78 * 132  # 23,416 B
+    assert 0.6 < footprint.saving < 0.65
+
+
+def test_kv_footprint_without_indexer_scales_with_cp() -> None:
+    footprint = kv_bytes_per_token_per_rank(KNOWN_MODELS["deepseek-v3"], 61)
+    assert footprint.layer_split * 61 == footprint.replicated
+
+
+def test_lookup_model_prefers_explicit_layers() -> None:
+    """Regression: `model.numLayers` must override the table, and unknown models need it."""
+    assert lookup_model("zai-org/GLM-5-FP8", None) == KNOWN_MODELS["glm-5"]
+    assert lookup_model("zai-org/GLM-5-FP8", 80).num_layers == 80  # type: ignore[union-attr]
+    assert lookup_model("acme/unknown-coder", None) is None
+    assert lookup_model("acme/unknown-coder", 40).num_layers == 40  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode", "ratio", "expected"),
+    [
+        ({}, {}, {}, (1, 1)),
+        ({}, {}, {"prefill": 3, "decode": 2}, (3, 2)),
+        ({"replicas": 4}, {"replicas": 1}, {"prefill": 3, "decode": 2}, (4, 1)),
+        ({}, {"replicas": 4}, {"prefill": 3, "decode": 2}, (6, 4)),
+        ({"replicas": 3}, {}, {"prefill": 3, "decode": 1}, (3, 1)),
+        ({"replicas": 0}, {"replicas": 0}, {}, (0, 0)),
+    ],
+)
+def test_fixed_replicas(
+    prefill: dict[str, Any],
+    decode: dict[str, Any],
+    ratio: dict[str, Any],
+    expected: tuple[int, int],
+) -> None:
+    """Regression: explicit pool replicas win; a missing side follows the ratio."""
+    plan = fixed_replicas(spec_of(prefill=prefill, decode=decode, ratio=ratio))
+    assert (plan.prefill, plan.decode) == expected
+
+
+def test_revision_changes_with_either_role_but_not_with_replicas() -> None:
+    """Regression: a decode-only engine change must roll prefill too (they exchange KV),
+    and scaling must not restart engines."""
+    base = revision_of(spec_of())
+    assert revision_of(spec_of()) == base
+    assert revision_of(spec_of(decode={"tensorParallel": 4})) != base
+    assert revision_of(spec_of(prefill={"timeoutSeconds": 30})) != base
+    assert revision_of(spec_of(engine={"image": "other:1"})) != base
+    assert revision_of(spec_of(prefill={"replicas": 7}, decode={"replicas": 9})) == base
+    assert revision_of(spec_of(router={"replicas": 3})) == base
+    assert revision_of(spec_of(anomalyGuard={"maxDrainingPercent": 50})) == base
+    assert revision_of(spec_of(anomalyGuard={"minAcceptLength": 1.2})) != base
+
+
+RULES = [
+    ({"prefill": {"tensorParallel": 12}}, "prefill.tensorParallel"),
+    ({"decode": {"tensorParallel": 12}}, "decode.tensorParallel"),
+    ({"prefill": {"tensorParallel": 8, "contextParallel": 3}}, "prefill.contextParallel"),
+    ({"prefill": {"layerSplit": True}}, "prefill.layerSplit"),
+    ({"ratio": {"min": 2.0, "max": 1.0}}, "ratio.min"),
+    ({"engine": {"speculative": {"algorithm": "EAGLE"}}}, "engine.speculative.draftModelPath"),
+    ({"hicache": {"enabled": True, "hostMemoryRatio": 0.5}}, "hicache.hostMemoryRatio"),
+    ({"rollout": {"strategy": "Canary"}}, "rollout.steps"),
+    ({"rollout": {"steps": [{"weight": 50}, {"weight": 10}]}}, "rollout.steps"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "field"), RULES)
+def test_each_rule_names_its_field(overrides: dict[str, Any], field: str) -> None:
+    """Regression: every invalid spec is reported with the field the user must fix."""
+    errors = validate(spec_of(**overrides))
+    assert [e.field for e in errors] == [field]
+    with pytest.raises(InvalidSpec, match=field.replace(".", r"\.")):
+        build_plan("x", "ns", spec_of(**overrides))
+
+
+def test_unknown_model_with_layersplit_needs_num_layers() -> None:
+    raw = {"model": {"name": "acme/coder"}, "prefill": {"contextParallel": 2}}
+    assert [e.field for e in validate(parse_spec(raw))] == ["model.numLayers"]
+    raw["model"]["numLayers"] = 40  # type: ignore[index]
+    assert validate(parse_spec(raw)) == []
+
+
+def test_gpu_budget_and_ratio_bounds() -> None:
+    """Regression: a plan above the GPU budget or outside ratio bounds is refused by field."""
+    over = spec_of(prefill={"replicas": 4}, decode={"replicas": 4}, ratio={"gpuBudget": 56})
+    with pytest.raises(InvalidSpec, match=r"ratio\.gpuBudget.*64 GPUs"):
+        build_plan("x", "ns", over)
+    skew = spec_of(prefill={"replicas": 5}, decode={"replicas": 1}, ratio={"max": 4})
+    with pytest.raises(InvalidSpec, match=r"ratio\.max"):
+        build_plan("x", "ns", skew)
+
+
+def test_glm5_sample_plan() -> None:
+    """The GLM-5 sample: 3 prefill (TP8/CP4, LayerSplit 20-20-19-19) + 2 decode = 40 GPUs."""
+    raw = load_sample("glm5-long-context.yaml")
+    plan = build_plan("glm5-agents", "default", parse_spec(raw["spec"]))
+    assert (plan.prefill.replicas, plan.decode.replicas) == (3, 2)
+    assert plan.prefill.gpus + plan.decode.gpus == 40
+    assert plan.layout is not None and plan.layout.enabled
+    assert [s.count for s in plan.layout.shards] == [20, 20, 19, 19]
+    assert plan.prefill.workload_name == f"glm5-agents-prefill-{plan.revision}"
+
+
+def test_layersplit_defaults_on_with_cp() -> None:
+    plan = build_plan("x", "ns", spec_of(prefill={"contextParallel": 2}))
+    assert plan.layout is not None and plan.layout.enabled
+    plan = build_plan("x", "ns", spec_of(prefill={"contextParallel": 2, "layerSplit": False}))
+    assert plan.layout is not None and not plan.layout.enabled

@@ -1,0 +1,120 @@
+"""The reconcile pass over an in-memory API seam (the real API server is in tests/e2e)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from cas_operator.api import constants as c
+from cas_operator.kube import KindNotInstalled
+from cas_operator.reconcile import reconcile
+
+
+class MemoryKube:
+    """A fake of `Kube`'s four calls: objects keyed by (kind, name); workloads become ready."""
+
+    def __init__(self, *, lws: bool = True, ready: bool = True) -> None:
+        self.objects: dict[tuple[str, str], dict[str, Any]] = {}
+        self.applies: list[tuple[str, str]] = []
+        self.deleted: list[tuple[str, str]] = []
+        self.lws, self.ready = lws, ready
+
+    def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        kind, name = manifest["kind"], manifest["metadata"]["name"]
+        if kind == "LeaderWorkerSet" and not self.lws:
+            raise KindNotInstalled(kind)
+        obj = {**manifest, "metadata": {**manifest["metadata"], "generation": 1}}
+        replicas = manifest.get("spec", {}).get("replicas", 0)
+        obj["status"] = {"observedGeneration": 1, "readyReplicas": replicas if self.ready else 0}
+        self.objects[(kind, name)] = obj
+        self.applies.append((kind, name))
+        return obj
+
+    def list(self, kind: str, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
+        return [
+            obj
+            for (k, _), obj in self.objects.items()
+            if k == kind and all(obj["metadata"]["labels"].get(a) == b for a, b in selector.items())
+        ]
+
+    def delete(self, kind: str, namespace: str, name: str) -> None:
+        self.objects.pop((kind, name), None)
+        self.deleted.append((kind, name))
+
+
+def run(kube: MemoryKube, spec: dict[str, Any], *, full: bool = True, generation: int = 1) -> Any:
+    return reconcile(
+        kube,  # type: ignore[arg-type]
+        name="demo", namespace="ns", uid="uid-1", generation=generation,
+        raw_spec=spec, full_apply=full,
+    )  # fmt: skip
+
+
+SPEC = {"model": {"name": "glm-5"}}
+
+
+def ready_of(outcome: Any) -> str:
+    return str(outcome.status["conditions"][0]["status"])
+
+
+def test_first_pass_applies_everything_and_reports_ready() -> None:
+    kube = MemoryKube()
+    outcome = run(kube, SPEC)
+    kinds = [kind for kind, _ in kube.applies]
+    assert kinds.count("Deployment") == 3 and "Service" in kinds and "PodDisruptionBudget" in kinds
+    assert ready_of(outcome) == "True" and outcome.invalid is None
+
+
+def test_timer_pass_skips_unchanged_children() -> None:
+    """Regression: re-applying every child on every timer tick costs N API writes per tick."""
+    kube = MemoryKube()
+    run(kube, SPEC)
+    kube.applies.clear()
+    outcome = run(kube, SPEC, full=False)
+    assert kube.applies == [] and outcome.applied == 0
+
+
+def test_timer_pass_reapplies_a_drifted_workload() -> None:
+    kube = MemoryKube()
+    run(kube, SPEC)
+    key = next(k for k in kube.objects if k[0] == "Deployment")
+    kube.objects[key]["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH] = "tampered"
+    kube.applies.clear()
+    run(kube, SPEC, full=False)
+    assert kube.applies == [key]
+
+
+def test_invalid_spec_reports_field_and_applies_nothing() -> None:
+    kube = MemoryKube()
+    outcome = run(kube, {"model": {"name": "glm-5"}, "prefill": {"tensorParallel": 0}})
+    assert outcome.invalid is not None and "prefill.tensorParallel" in str(outcome.invalid)
+    degraded = outcome.status["conditions"][2]
+    assert degraded["reason"] == c.REASON_INVALID_SPEC and degraded["status"] == "True"
+    assert kube.applies == []
+
+
+def test_missing_lws_api_is_degraded_not_a_crash() -> None:
+    """Regression: a multi-node pool on a cluster without LWS must say so in a condition."""
+    kube = MemoryKube(lws=False)
+    outcome = run(kube, {"model": {"name": "glm-5"}, "decode": {"tensorParallel": 16}})
+    degraded = outcome.status["conditions"][2]
+    assert degraded["status"] == "True" and degraded["reason"] == c.REASON_LWS_MISSING
+    assert ("Deployment", next(n for k, n in kube.applies if k == "Deployment")) in kube.applies
+
+
+@pytest.mark.parametrize("ready", [True, False])
+def test_old_revision_is_retired_only_once_the_new_one_is_ready(ready: bool) -> None:
+    """Regression: deleting the old pools before the new ones serve drops traffic."""
+    kube = MemoryKube()
+    run(kube, SPEC)
+    old = {k for k in kube.objects if k[0] == "Deployment"}
+    kube.ready = ready
+    outcome = run(kube, {**SPEC, "engine": {"image": "engine:v2"}}, generation=2)
+    remaining = {k for k in kube.objects if k[0] == "Deployment"}
+    if ready:
+        assert not (old & remaining) and outcome.events
+        assert {k for k in kube.deleted if k[0] == "Service"}  # pool Services went too
+    else:
+        assert old <= remaining and not kube.deleted
+        assert outcome.status["conditions"][1]["reason"] == c.REASON_ROLLING
