@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
+from tests.paths import load_sample
 
 from cas_operator.api.models import CodingAgentServingSpec, parse_spec
 from cas_operator.planning.layersplit import (
@@ -18,7 +20,6 @@ from cas_operator.planning.replicas import fixed_replicas
 from cas_operator.planning.revision import revision_of
 from cas_operator.planning.shapes import instance_shape
 from cas_operator.planning.validate import validate
-from tests.paths import load_sample
 
 
 def spec_of(**overrides: Any) -> CodingAgentServingSpec:
@@ -58,7 +59,7 @@ def test_layer_shards_are_contiguous_and_balanced(layers: int, cp: int, counts: 
     shards = layer_shards(layers, cp)
     assert [s.count for s in shards] == counts
     assert shards[0].first_layer == 0 and shards[-1].last_layer == layers - 1
-    for before, after in zip(shards, shards[1:], strict=False):
+    for before, after in itertools.pairwise(shards):
         assert after.first_layer == before.last_layer + 1
 
 
