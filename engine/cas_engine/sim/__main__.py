@@ -8,6 +8,7 @@ Data flow: argv -> :func:`cas_engine.sim.config.parse_args` -> :class:`SimWorker
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -23,8 +24,9 @@ from cas_engine.sim.worker import SimWorker
 log = logging.getLogger("cas_engine.sim")
 
 
-async def serve(cfg: SimConfig, ready: asyncio.Event | None = None,
-                stop: asyncio.Event | None = None) -> None:
+async def serve(
+    cfg: SimConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None
+) -> None:
     """Start the worker and its HTTP servers; return when ``stop`` is set (or on a signal)."""
     worker = SimWorker(cfg)
     await worker.start()
@@ -39,14 +41,18 @@ async def serve(cfg: SimConfig, ready: asyncio.Event | None = None,
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
+        with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
             loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):  # not the main thread
-            pass
-    log.warning("%s: mode=%s listening on http://%s:%s%s (speedup %sx, reclaim %s)",
-                SIMULATOR_NOTICE, cfg.mode, cfg.host, cfg.port,
-                f", bootstrap :{cfg.bootstrap_port}" if cfg.mode == "prefill" else "",
-                cfg.speedup, cfg.kv_reclaim)
+    log.warning(
+        "%s: mode=%s listening on http://%s:%s%s (speedup %sx, reclaim %s)",
+        SIMULATOR_NOTICE,
+        cfg.mode,
+        cfg.host,
+        cfg.port,
+        f", bootstrap :{cfg.bootstrap_port}" if cfg.mode == "prefill" else "",
+        cfg.speedup,
+        cfg.kv_reclaim,
+    )
     if worker.faults.crash:
         log.error("sim fault crash=1: exiting")
         os._exit(70)
@@ -61,8 +67,9 @@ async def serve(cfg: SimConfig, ready: asyncio.Event | None = None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     install_log_filter()
     cfg = parse_args(argv)
     logging.getLogger().setLevel(cfg_log_level(argv))

@@ -99,37 +99,93 @@ def _add_sglang_arguments(p: argparse.ArgumentParser) -> None:
 def _add_sim_arguments(p: argparse.ArgumentParser) -> None:
     d = TimingParams()
     g = p.add_argument_group("simulator options")
-    g.add_argument("--sim-speedup", type=float, default=1.0,
-                   help="divide every modelled duration by this on the wall clock")
-    g.add_argument("--sim-prefill-tps", type=float, default=d.prefill_tokens_per_s,
-                   help="uncached prompt tokens/s of one prefill instance")
-    g.add_argument("--sim-prefill-attn-ctx", type=float, default=d.prefill_attn_ctx_tokens,
-                   help="context length at which a prefill token costs twice as much")
-    g.add_argument("--sim-decode-step-ms", type=float, default=d.decode_step_base_ms,
-                   help="decode step time at batch size 1 (ms)")
-    g.add_argument("--sim-decode-per-seq-ms", type=float, default=d.decode_per_seq_ms,
-                   help="extra decode step time per running request (ms)")
-    g.add_argument("--sim-decode-per-mtok-ms", type=float, default=d.decode_per_mtok_ms,
-                   help="extra decode step time per million KV tokens in the batch (ms)")
-    g.add_argument("--sim-kv-capacity", type=int, default=d.kv_capacity_tokens,
-                   help="KV capacity in tokens (prefix cache + running requests)")
-    g.add_argument("--sim-block-size", type=int, default=d.block_size,
-                   help="prefix cache block size in tokens")
-    g.add_argument("--sim-kv-slots", type=int, default=512,
-                   help="decode KV pool slots (registered memory receiving transfers)")
-    g.add_argument("--sim-kv-slot-bytes", type=int, default=256,
-                   help="bytes per KV slot (a digest of the prompt's KV, not real KV)")
-    g.add_argument("--sim-kv-reclaim", choices=RECLAIM_MODES, default="Strict",
-                   help="when an aborted request's KV slot may be reused")
-    g.add_argument("--sim-prefill-budget", type=float, default=60.0,
-                   help="decode aborts a request whose KV has not arrived after this (sim s)")
-    g.add_argument("--sim-upstream-release-timeout", type=float, default=30.0,
-                   help="Upstream mode: release an aborted slot after this without ack (sim s)")
-    g.add_argument("--sim-spec-accept-prob", type=float, default=0.75,
-                   help="healthy per-draft acceptance probability (chained)")
-    g.add_argument("--sim-fault", default="",
-                   help="faults, e.g. 'kv_write_stall=0.2:5,corruption=0.01,repetition=0,"
-                   "slow_decode=1,crash=0,hang=0' (see cas_engine.sim.faults)")
+    g.add_argument(
+        "--sim-speedup",
+        type=float,
+        default=1.0,
+        help="divide every modelled duration by this on the wall clock",
+    )
+    g.add_argument(
+        "--sim-prefill-tps",
+        type=float,
+        default=d.prefill_tokens_per_s,
+        help="uncached prompt tokens/s of one prefill instance",
+    )
+    g.add_argument(
+        "--sim-prefill-attn-ctx",
+        type=float,
+        default=d.prefill_attn_ctx_tokens,
+        help="context length at which a prefill token costs twice as much",
+    )
+    g.add_argument(
+        "--sim-decode-step-ms",
+        type=float,
+        default=d.decode_step_base_ms,
+        help="decode step time at batch size 1 (ms)",
+    )
+    g.add_argument(
+        "--sim-decode-per-seq-ms",
+        type=float,
+        default=d.decode_per_seq_ms,
+        help="extra decode step time per running request (ms)",
+    )
+    g.add_argument(
+        "--sim-decode-per-mtok-ms",
+        type=float,
+        default=d.decode_per_mtok_ms,
+        help="extra decode step time per million KV tokens in the batch (ms)",
+    )
+    g.add_argument(
+        "--sim-kv-capacity",
+        type=int,
+        default=d.kv_capacity_tokens,
+        help="KV capacity in tokens (prefix cache + running requests)",
+    )
+    g.add_argument(
+        "--sim-block-size", type=int, default=d.block_size, help="prefix cache block size in tokens"
+    )
+    g.add_argument(
+        "--sim-kv-slots",
+        type=int,
+        default=512,
+        help="decode KV pool slots (registered memory receiving transfers)",
+    )
+    g.add_argument(
+        "--sim-kv-slot-bytes",
+        type=int,
+        default=256,
+        help="bytes per KV slot (a digest of the prompt's KV, not real KV)",
+    )
+    g.add_argument(
+        "--sim-kv-reclaim",
+        choices=RECLAIM_MODES,
+        default="Strict",
+        help="when an aborted request's KV slot may be reused",
+    )
+    g.add_argument(
+        "--sim-prefill-budget",
+        type=float,
+        default=60.0,
+        help="decode aborts a request whose KV has not arrived after this (sim s)",
+    )
+    g.add_argument(
+        "--sim-upstream-release-timeout",
+        type=float,
+        default=30.0,
+        help="Upstream mode: release an aborted slot after this without ack (sim s)",
+    )
+    g.add_argument(
+        "--sim-spec-accept-prob",
+        type=float,
+        default=0.75,
+        help="healthy per-draft acceptance probability (chained)",
+    )
+    g.add_argument(
+        "--sim-fault",
+        default="",
+        help="faults, e.g. 'kv_write_stall=0.2:5,corruption=0.01,repetition=0,"
+        "slow_decode=1,crash=0,hang=0' (see cas_engine.sim.faults)",
+    )
     g.add_argument("--sim-seed", type=int, default=None, help="seed (default --random-seed)")
 
 
@@ -138,8 +194,11 @@ def parse_args(argv: list[str] | None = None) -> SimConfig:
     parser = build_parser()
     ns, unknown = parser.parse_known_args(argv)
     if unknown:
-        log.info("sim: ignoring %d SGLang argument(s) it does not model: %s",
-                 len(unknown), " ".join(unknown))
+        log.info(
+            "sim: ignoring %d SGLang argument(s) it does not model: %s",
+            len(unknown),
+            " ".join(unknown),
+        )
     timing = TimingParams(
         prefill_tokens_per_s=ns.sim_prefill_tps,
         prefill_attn_ctx_tokens=ns.sim_prefill_attn_ctx,

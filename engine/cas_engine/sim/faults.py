@@ -80,8 +80,13 @@ def _set(f: Faults, name: str, value: Any) -> None:
         rate, _, seconds = str(value).partition(":")
         f.kv_write_stall_rate = _prob(rate)
         f.kv_write_stall_s = float(seconds or 0.0)
-    elif name in ("kv_write_stall_rate", "corruption", "corruption_rate", "repetition",
-                  "repetition_rate"):
+    elif name in (
+        "kv_write_stall_rate",
+        "corruption",
+        "corruption_rate",
+        "repetition",
+        "repetition_rate",
+    ):
         attr = {"corruption": "corruption_rate", "repetition": "repetition_rate"}.get(name, name)
         setattr(f, attr, _prob(value))
     elif name == "kv_write_stall_s":

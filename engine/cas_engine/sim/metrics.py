@@ -35,31 +35,67 @@ class SimMetrics:
         self.cache_hit_rate = gauge("sglang:cache_hit_rate", "Prefix cache hit rate")
         self.accept_length = gauge("sglang:spec_accept_length", "Speculative accept length")
         self.accept_rate = gauge("sglang:spec_accept_rate", "Speculative accept rate")
-        self.prefill_prealloc = gauge("sglang:num_prefill_prealloc_queue_reqs",
-                                      "PD prefill: requests waiting for their decode's bootstrap")
-        self.prefill_inflight = gauge("sglang:num_prefill_inflight_queue_reqs",
-                                      "PD prefill: requests whose KV transfer is in flight")
-        self.decode_prealloc = gauge("sglang:num_decode_prealloc_queue_reqs",
-                                     "PD decode: requests waiting for a KV slot")
-        self.decode_transfer = gauge("sglang:num_decode_transfer_queue_reqs",
-                                     "PD decode: requests waiting for their KV transfer")
+        self.prefill_prealloc = gauge(
+            "sglang:num_prefill_prealloc_queue_reqs",
+            "PD prefill: requests waiting for their decode's bootstrap",
+        )
+        self.prefill_inflight = gauge(
+            "sglang:num_prefill_inflight_queue_reqs",
+            "PD prefill: requests whose KV transfer is in flight",
+        )
+        self.decode_prealloc = gauge(
+            "sglang:num_decode_prealloc_queue_reqs", "PD decode: requests waiting for a KV slot"
+        )
+        self.decode_transfer = gauge(
+            "sglang:num_decode_transfer_queue_reqs",
+            "PD decode: requests waiting for their KV transfer",
+        )
         self.prompt_tokens = counter("sglang:prompt_tokens", "Prompt tokens processed")
         self.cached_tokens = counter("sglang:cached_tokens", "Prompt tokens served from cache")
         self.generation_tokens = counter("sglang:generation_tokens", "Generated tokens")
         self.requests = counter("sglang:num_requests", "Requests finished (any outcome)")
         self.aborted = counter("sglang:num_aborted_requests", "Requests aborted")
-        self.ttft = Histogram("sglang:time_to_first_token_seconds", "Time to first token",
-                              lbl, buckets=_TTFT_BUCKETS, registry=registry)
-        self.itl = Histogram("sglang:inter_token_latency_seconds", "Inter-token latency",
-                             lbl, buckets=_ITL_BUCKETS, registry=registry)
-        self.e2e = Histogram("sglang:e2e_request_latency_seconds", "End-to-end latency",
-                             lbl, buckets=_E2E_BUCKETS, registry=registry)
-        self.kv_corrupted = counter("cas_sim_kv_corrupted_requests",
-                                    "Requests whose KV slot did not hold their own content")
+        self.ttft = Histogram(
+            "sglang:time_to_first_token_seconds",
+            "Time to first token",
+            lbl,
+            buckets=_TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.itl = Histogram(
+            "sglang:inter_token_latency_seconds",
+            "Inter-token latency",
+            lbl,
+            buckets=_ITL_BUCKETS,
+            registry=registry,
+        )
+        self.e2e = Histogram(
+            "sglang:e2e_request_latency_seconds",
+            "End-to-end latency",
+            lbl,
+            buckets=_E2E_BUCKETS,
+            registry=registry,
+        )
+        self.kv_corrupted = counter(
+            "cas_sim_kv_corrupted_requests", "Requests whose KV slot did not hold their own content"
+        )
         self.info = Info("cas_sim", "Simulated worker (no model)", registry=registry)
-        self.info.info({"simulated": "true", "disaggregation_mode": mode,
-                        "model_name": model_name})
+        self.info.info({"simulated": "true", "disaggregation_mode": mode, "model_name": model_name})
         self.model = model_name
-        for metric in (self.aborted, self.kv_corrupted, self.requests, self.prompt_tokens,
-                       self.cached_tokens, self.generation_tokens):
+        for metric in (
+            self.aborted,
+            self.kv_corrupted,
+            self.requests,
+            self.prompt_tokens,
+            self.cached_tokens,
+            self.generation_tokens,
+            self.running,
+            self.queued,
+            self.used_tokens,
+            self.token_usage,
+            self.gen_throughput,
+            self.cache_hit_rate,
+            self.accept_length,
+            self.accept_rate,
+        ):
             metric.labels(model_name=model_name)  # export zeros from the start

@@ -81,7 +81,8 @@ class MooncakeTransport:
     async def write(self, session: str, src: int, dst: int, nbytes: int) -> bool:
         loop = asyncio.get_running_loop()
         rc = await loop.run_in_executor(
-            None, self._engine.transfer_sync_write, session, src, dst, nbytes)
+            None, self._engine.transfer_sync_write, session, src, dst, nbytes
+        )
         return rc == 0
 
 
@@ -101,14 +102,15 @@ class HttpTransport:
         for pool in self._pools:
             if pool.base_addr <= dst < pool.base_addr + pool.nbytes:
                 off = dst - pool.base_addr
-                pool.buf.reshape(-1)[off:off + len(data)] = np.frombuffer(data, dtype=np.uint8)
+                pool.buf.reshape(-1)[off : off + len(data)] = np.frombuffer(data, dtype=np.uint8)
                 return
         raise ValueError("address outside registered memory")
 
     async def write(self, session: str, src: int, dst: int, nbytes: int) -> bool:
         data = _read_local(self._pools, src, nbytes)
-        async with self._http().post(f"{session}/sim/kv/write", data=data,
-                                     headers={"X-Sim-Addr": str(dst)}) as resp:
+        async with self._http().post(
+            f"{session}/sim/kv/write", data=data, headers={"X-Sim-Addr": str(dst)}
+        ) as resp:
             return resp.status == 200
 
 
@@ -116,12 +118,13 @@ def _read_local(pools: list[KvPool], addr: int, nbytes: int) -> bytes:
     for pool in pools:
         if pool.base_addr <= addr < pool.base_addr + pool.nbytes:
             off = addr - pool.base_addr
-            return pool.buf.reshape(-1)[off:off + nbytes].tobytes()
+            return pool.buf.reshape(-1)[off : off + nbytes].tobytes()
     raise ValueError("address outside registered memory")
 
 
-def make_transport(host: str, self_url: str,
-                   http: Callable[[], aiohttp.ClientSession]) -> Transport:
+def make_transport(
+    host: str, self_url: str, http: Callable[[], aiohttp.ClientSession]
+) -> Transport:
     """mooncake when importable, else the HTTP fallback."""
     try:
         return MooncakeTransport(host)
@@ -145,8 +148,15 @@ class Dest:
 class DecodeKv:
     """Decode side: slot allocation, rendezvous with the prefill, fence, content checks."""
 
-    def __init__(self, *, pool: KvPool, transport: Transport, ledger: ReclaimLedger,
-                 http: Callable[[], aiohttp.ClientSession], self_url: str) -> None:
+    def __init__(
+        self,
+        *,
+        pool: KvPool,
+        transport: Transport,
+        ledger: ReclaimLedger,
+        http: Callable[[], aiohttp.ClientSession],
+        self_url: str,
+    ) -> None:
         self.pool = pool
         self.transport = transport
         self.ledger = ledger
@@ -167,9 +177,14 @@ class DecodeKv:
             self.pool.free([slot])
             raise
         self._done[room] = asyncio.get_running_loop().create_future()
-        dest = {"room": room, "generation": lease.generation,
-                "session": self.transport.session_id, "addr": self.pool.addr(slot),
-                "nbytes": self.pool.slot_bytes, "notify": self._self_url}
+        dest = {
+            "room": room,
+            "generation": lease.generation,
+            "session": self.transport.session_id,
+            "addr": self.pool.addr(slot),
+            "nbytes": self.pool.slot_bytes,
+            "notify": self._self_url,
+        }
         try:
             async with self._http().post(f"http://{host}:{port}/sim/kv/dest", json=dest) as r:
                 r.raise_for_status()
@@ -229,10 +244,11 @@ class DecodeKv:
         """Deliver the notice; the prefill answers with the ack once no write can land."""
         for _ in range(600):  # bounded: 600 attempts of up to 60 s each
             try:
-                async with self._http().post(f"http://{host}:{port}/sim/kv/abort",
-                                             json={**notice.to_dict(),
-                                                   "session": self.transport.session_id},
-                                             timeout=aiohttp.ClientTimeout(total=60)) as r:
+                async with self._http().post(
+                    f"http://{host}:{port}/sim/kv/abort",
+                    json={**notice.to_dict(), "session": self.transport.session_id},
+                    timeout=aiohttp.ClientTimeout(total=60),
+                ) as r:
                     body: dict[str, Any] = await r.json()
                 if body.get("ack"):
                     for reclaim in self.ledger.on_ack(ReclaimAck.from_dict(body["ack"])):
@@ -246,9 +262,17 @@ class DecodeKv:
 class PrefillKv:
     """Prefill side: rendezvous per room, staged writes under the write tracker."""
 
-    def __init__(self, *, staging: KvPool, transport: Transport, tracker: WriteTracker,
-                 http: Callable[[], aiohttp.ClientSession], faults: Faults,
-                 wall: Callable[[float], float], rng: np.random.Generator) -> None:
+    def __init__(
+        self,
+        *,
+        staging: KvPool,
+        transport: Transport,
+        tracker: WriteTracker,
+        http: Callable[[], aiohttp.ClientSession],
+        faults: Faults,
+        wall: Callable[[float], float],
+        rng: np.random.Generator,
+    ) -> None:
         self.staging = staging
         self.transport = transport
         self.tracker = tracker
@@ -275,9 +299,14 @@ class PrefillKv:
 
     def on_dest(self, data: dict[str, Any]) -> None:
         """A decode registered where the room's KV goes (bootstrap ``/sim/kv/dest``)."""
-        dest = Dest(room=int(data["room"]), generation=int(data["generation"]),
-                    session=str(data["session"]), addr=int(data["addr"]),
-                    nbytes=int(data["nbytes"]), notify=str(data["notify"]))
+        dest = Dest(
+            room=int(data["room"]),
+            generation=int(data["generation"]),
+            session=str(data["session"]),
+            addr=int(data["addr"]),
+            nbytes=int(data["nbytes"]),
+            notify=str(data["notify"]),
+        )
         fut = self._dest_future(dest.room)
         if not fut.done():
             fut.set_result(dest)
@@ -319,8 +348,12 @@ class PrefillKv:
             if f.kv_write_stall_rate and self._rng.random() < f.kv_write_stall_rate:
                 self.stalled_writes += 1
                 await asyncio.sleep(self._wall(f.kv_write_stall_s))
-            return await self.transport.write(dest.session, self.staging.addr(slot),
-                                              dest.addr, min(dest.nbytes, self.staging.slot_bytes))
+            return await self.transport.write(
+                dest.session,
+                self.staging.addr(slot),
+                dest.addr,
+                min(dest.nbytes, self.staging.slot_bytes),
+            )
         except Exception as exc:  # a failed write may still land: the tracker poisons the room
             log.warning("room %s: KV write failed: %s", dest.room, exc)
             return False

@@ -47,7 +47,7 @@ class PrefixCache:
         width = bs * tokens.itemsize
         parent, hit_blocks, matching = _ROOT, 0, True
         for i in range(n_blocks):
-            key = hash((parent, raw[i * width:(i + 1) * width]))
+            key = hash((parent, raw[i * width : (i + 1) * width]))
             if key in self._parent:
                 if matching:
                     hit_blocks += 1

@@ -62,13 +62,19 @@ class _DropHttp2Probe(logging.Filter):
 
 
 def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(body=dumps(obj), status=status, content_type="application/json",
-                        headers={**SIM_HEADER, **(headers or {})})
+    return web.Response(
+        body=dumps(obj),
+        status=status,
+        content_type="application/json",
+        headers={**SIM_HEADER, **(headers or {})},
+    )
 
 
 def _error(status: int, message: str, etype: str = "sim_error") -> web.Response:
-    return _json({"error": {"message": message, "type": etype, "code": status},
-                  "metadata": SIM_META}, status=status)
+    return _json(
+        {"error": {"message": message, "type": etype, "code": status}, "metadata": SIM_META},
+        status=status,
+    )
 
 
 def _chat_prompt(messages: list[dict[str, Any]]) -> str:
@@ -89,8 +95,11 @@ def _bootstrap(body: dict[str, Any]) -> tuple[str, int, int] | None:
         return None
     if isinstance(room, list):
         raise web.HTTPBadRequest(text="batched requests are not simulated")
-    return (str(body.get("bootstrap_host") or "127.0.0.1"),
-            int(body.get("bootstrap_port") or 8998), int(room))
+    return (
+        str(body.get("bootstrap_host") or "127.0.0.1"),
+        int(body.get("bootstrap_port") or 8998),
+        int(room),
+    )
 
 
 class SimServer:
@@ -138,14 +147,16 @@ class SimServer:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         text = body.get("text")
-        if isinstance(text, list) or (isinstance(body.get("input_ids"), list) and body[
-                "input_ids"] and isinstance(body["input_ids"][0], list)):
+        if isinstance(text, list) or (
+            isinstance(body.get("input_ids"), list)
+            and body["input_ids"]
+            and isinstance(body["input_ids"][0], list)
+        ):
             return _error(400, "batched /generate is not simulated")
         if text is None and body.get("input_ids") is not None:
             text = " ".join(str(t) for t in body["input_ids"])
         sp = body.get("sampling_params") or {}
-        greq = self._gen_request(body, text or "", sp.get("max_new_tokens"), sp.get("seed"),
-                                 "gen")
+        greq = self._gen_request(body, text or "", sp.get("max_new_tokens"), sp.get("seed"), "gen")
         run = self.worker.submit(greq)
         if body.get("stream"):
             return await self._stream(request, run, _GenerateShape(self, run))
@@ -176,13 +187,17 @@ class SimServer:
             return await self._stream(request, run, shape)
         return await self._complete(run, shape)
 
-    def _gen_request(self, body: dict[str, Any], text: str, max_tokens: Any, seed: Any,
-                     prefix: str) -> GenRequest:
+    def _gen_request(
+        self, body: dict[str, Any], text: str, max_tokens: Any, seed: Any, prefix: str
+    ) -> GenRequest:
         max_new = int(max_tokens) if max_tokens is not None else DEFAULT_MAX_TOKENS
-        return GenRequest(rid=str(body.get("rid") or new_rid(prefix)), tokens=tokenize(text),
-                          max_new_tokens=max(1, max_new),
-                          sampling_seed=None if seed is None else int(seed),
-                          bootstrap=_bootstrap(body))
+        return GenRequest(
+            rid=str(body.get("rid") or new_rid(prefix)),
+            tokens=tokenize(text),
+            max_new_tokens=max(1, max_new),
+            sampling_seed=None if seed is None else int(seed),
+            bootstrap=_bootstrap(body),
+        )
 
     async def _complete(self, run: Run, shape: _Shape) -> web.Response:
         pieces: list[str] = []
@@ -204,8 +219,9 @@ class SimServer:
         first = await run.out.get()
         if first.kind in ("trip", "error"):  # nothing sent yet: a plain error the router retries
             return await self._complete_first(first)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache", **SIM_HEADER})
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **SIM_HEADER}
+        )
         await resp.prepare(request)
         ev: Event | None = first
         try:
@@ -254,36 +270,71 @@ class SimServer:
     async def server_info(self, request: web.Request) -> web.Response:
         c = self.cfg
         snap = self.worker.snapshot()
-        return _json({
-            "model_path": c.model_path, "served_model_name": c.model_name,
-            "tp_size": c.tp_size, "disaggregation_mode": c.mode,
-            "disaggregation_bootstrap_port": c.bootstrap_port,
-            "max_running_requests": c.max_running_requests, "context_length": c.context_length,
-            "speculative_num_steps": c.spec_num_steps, "version": "sim",
-            "internal_states": [{"last_gen_throughput": snap["generated_tokens"],
-                                 "avg_spec_accept_length": self.worker._last_accept[0]
-                                 if self.worker._last_accept[0] == self.worker._last_accept[0]
-                                 else None}],
-            "sim": snap, "sim_notice": SIMULATOR_NOTICE, **SIM_META,
-        })
+        return _json(
+            {
+                "model_path": c.model_path,
+                "served_model_name": c.model_name,
+                "tp_size": c.tp_size,
+                "disaggregation_mode": c.mode,
+                "disaggregation_bootstrap_port": c.bootstrap_port,
+                "max_running_requests": c.max_running_requests,
+                "context_length": c.context_length,
+                "speculative_num_steps": c.spec_num_steps,
+                "version": "sim",
+                "internal_states": [
+                    {
+                        "last_gen_throughput": snap["generated_tokens"],
+                        "avg_spec_accept_length": self.worker._last_accept[0]
+                        if self.worker._last_accept[0] == self.worker._last_accept[0]
+                        else None,
+                    }
+                ],
+                "sim": snap,
+                "sim_notice": SIMULATOR_NOTICE,
+                **SIM_META,
+            }
+        )
 
     async def model_info(self, request: web.Request) -> web.Response:
-        return _json({"model_path": self.cfg.model_path, "tokenizer_path": None,
-                      "is_generation": True, "preferred_sampling_params": None,
-                      "weight_version": "sim", "has_image_understanding": False,
-                      "has_audio_understanding": False, "model_type": "sim",
-                      "architectures": ["SimulatedGlmMoeDsaForCausalLM"], **SIM_META})
+        return _json(
+            {
+                "model_path": self.cfg.model_path,
+                "tokenizer_path": None,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": "sim",
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": "sim",
+                "architectures": ["SimulatedGlmMoeDsaForCausalLM"],
+                **SIM_META,
+            }
+        )
 
     async def models(self, request: web.Request) -> web.Response:
-        return _json({"object": "list", "data": [{
-            "id": self.cfg.model_name, "object": "model", "created": self.created,
-            "owned_by": "sglang", "root": self.cfg.model_path,
-            "max_model_len": self.cfg.context_length, "metadata": SIM_META}]})
+        return _json(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.cfg.model_name,
+                        "object": "model",
+                        "created": self.created,
+                        "owned_by": "sglang",
+                        "root": self.cfg.model_path,
+                        "max_model_len": self.cfg.context_length,
+                        "metadata": SIM_META,
+                    }
+                ],
+            }
+        )
 
     async def metrics(self, request: web.Request) -> web.Response:
         self.worker._refresh_gauges()
-        return web.Response(body=generate_latest(self.worker.registry),
-                            headers={"Content-Type": CONTENT_TYPE_LATEST, **SIM_HEADER})
+        return web.Response(
+            body=generate_latest(self.worker.registry),
+            headers={"Content-Type": CONTENT_TYPE_LATEST, **SIM_HEADER},
+        )
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         w = self.worker
@@ -315,8 +366,7 @@ class SimServer:
         body = await request.json()
         if self.worker.decode_kv is None:
             return _error(400, "not a decode worker")
-        self.worker.decode_kv.on_done(int(body["room"]), int(body["generation"]),
-                                      bool(body["ok"]))
+        self.worker.decode_kv.on_done(int(body["room"]), int(body["generation"]), bool(body["ok"]))
         return _json({"ok": True})
 
     async def kv_write(self, request: web.Request) -> web.Response:
@@ -368,8 +418,9 @@ class _GenerateShape(_Shape):
 
     def _meta(self, reason: str | None) -> dict[str, Any]:
         meta = self.run.meta_info()
-        meta["finish_reason"] = (None if reason is None else
-                                 {"type": reason, "length": self.run.generated})
+        meta["finish_reason"] = (
+            None if reason is None else {"type": reason, "length": self.run.generated}
+        )
         return meta
 
     def full(self, text: str, reason: str) -> dict[str, Any]:
@@ -380,8 +431,10 @@ class _GenerateShape(_Shape):
         return _sse({"text": "".join(self.text), "meta_info": self._meta(None)})
 
     def end(self, reason: str) -> bytes:
-        return _sse({"text": "".join(self.text), "meta_info": self._meta(reason)}) + \
-            b"data: [DONE]\n\n"
+        return (
+            _sse({"text": "".join(self.text), "meta_info": self._meta(reason)})
+            + b"data: [DONE]\n\n"
+        )
 
 
 class _OpenAIShape(_Shape):
@@ -397,49 +450,88 @@ class _OpenAIShape(_Shape):
         self.include_usage = bool(opts.get("include_usage"))
         self._obj = "chat.completion" if chat else "text_completion"
         self._make_chunk: Callable[[str, str | None], dict[str, Any]] = (
-            self._chat_chunk if chat else self._text_chunk)
+            self._chat_chunk if chat else self._text_chunk
+        )
 
     def _usage(self) -> dict[str, Any]:
         r = self.run
         prompt = len(r.req.tokens)
-        return {"prompt_tokens": prompt, "completion_tokens": r.generated,
-                "total_tokens": prompt + r.generated,
-                "prompt_tokens_details": {"cached_tokens": r.cached_tokens}}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": r.generated,
+            "total_tokens": prompt + r.generated,
+            "prompt_tokens_details": {"cached_tokens": r.cached_tokens},
+        }
 
     def _metadata(self) -> dict[str, Any]:
         meta = self.run.meta_info()
-        return {**SIM_META, "spec_verify_ct": meta["spec_verify_ct"],
-                "spec_accept_length": meta["spec_accept_length"]}
+        return {
+            **SIM_META,
+            "spec_verify_ct": meta["spec_verify_ct"],
+            "spec_accept_length": meta["spec_accept_length"],
+        }
 
     def full(self, text: str, reason: str) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": reason,
-                                  "matched_stop": None}
+        choice: dict[str, Any] = {
+            "index": 0,
+            "logprobs": None,
+            "finish_reason": reason,
+            "matched_stop": None,
+        }
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": text,
-                                 "reasoning_content": None, "tool_calls": None}
+            choice["message"] = {
+                "role": "assistant",
+                "content": text,
+                "reasoning_content": None,
+                "tool_calls": None,
+            }
         else:
             choice["text"] = text
-        return {"id": self.id, "object": self._obj, "created": self.created,
-                "model": self.model, "choices": [choice], "usage": self._usage(),
-                "metadata": self._metadata()}
+        return {
+            "id": self.id,
+            "object": self._obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": self._usage(),
+            "metadata": self._metadata(),
+        }
 
     def _chat_chunk(self, content: str, reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "delta": {"content": content} if reason is None else {},
-                "logprobs": None, "finish_reason": reason}
+        return {
+            "index": 0,
+            "delta": {"content": content} if reason is None else {},
+            "logprobs": None,
+            "finish_reason": reason,
+        }
 
     def _text_chunk(self, content: str, reason: str | None) -> dict[str, Any]:
         return {"index": 0, "text": content, "logprobs": None, "finish_reason": reason}
 
     def _chunk(self, choice: dict[str, Any], **extra: Any) -> bytes:
-        return _sse({"id": self.id, "object": f"{self._obj}.chunk" if self.chat else self._obj,
-                     "created": self.created, "model": self.model, "choices": [choice],
-                     **extra})
+        return _sse(
+            {
+                "id": self.id,
+                "object": f"{self._obj}.chunk" if self.chat else self._obj,
+                "created": self.created,
+                "model": self.model,
+                "choices": [choice],
+                **extra,
+            }
+        )
 
     def start(self) -> bytes:
         if not self.chat:
             return b""
-        return self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None, "finish_reason": None}, metadata=SIM_META)
+        return self._chunk(
+            {
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            },
+            metadata=SIM_META,
+        )
 
     def delta(self, pieces: tuple[str, ...]) -> bytes:
         return self._chunk(self._make_chunk(join_pieces(list(pieces)), None))
@@ -447,9 +539,16 @@ class _OpenAIShape(_Shape):
     def end(self, reason: str) -> bytes:
         out = self._chunk(self._make_chunk("", reason), metadata=self._metadata())
         if self.include_usage:
-            out += _sse({"id": self.id, "object": f"{self._obj}.chunk" if self.chat else
-                         self._obj, "created": self.created, "model": self.model,
-                         "choices": [], "usage": self._usage()})
+            out += _sse(
+                {
+                    "id": self.id,
+                    "object": f"{self._obj}.chunk" if self.chat else self._obj,
+                    "created": self.created,
+                    "model": self.model,
+                    "choices": [],
+                    "usage": self._usage(),
+                }
+            )
         return out + b"data: [DONE]\n\n"
 
 

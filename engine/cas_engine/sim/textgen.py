@@ -17,11 +17,118 @@ import random
 
 import numpy as np
 
-_WORDS = ["def", "return", "self", "if", "else", "for", "in", "while", "import", "from", "class", "with", "as", "try", "except", "raise", "yield", "lambda", "None", "True", "False", "and", "or", "not", "is", "pass", "break", "continue", "async", "await", "print", "len", "range", "list", "dict", "set", "tuple", "str", "int", "float", "open", "read", "write", "path", "file", "test", "assert", "value", "key", "items", "result", "data", "config", "request", "response", "error", "status", "update", "create", "delete", "build", "run", "check", "parse", "load", "save", "index", "count", "name", "type", "args", "kwargs", "token", "batch", "cache", "prefix", "decode", "prefill", "slot", "room", "fence", "guard", "metric", "label", "pod", "node", "worker", "router", "queue", "state", "event", "log", "time", "step"]
+_WORDS = (
+    "def",
+    "return",
+    "self",
+    "if",
+    "else",
+    "for",
+    "in",
+    "while",
+    "import",
+    "from",
+    "class",
+    "with",
+    "as",
+    "try",
+    "except",
+    "raise",
+    "yield",
+    "lambda",
+    "None",
+    "True",
+    "False",
+    "and",
+    "or",
+    "not",
+    "is",
+    "pass",
+    "break",
+    "continue",
+    "async",
+    "await",
+    "print",
+    "len",
+    "range",
+    "list",
+    "dict",
+    "set",
+    "tuple",
+    "str",
+    "int",
+    "float",
+    "open",
+    "read",
+    "write",
+    "path",
+    "file",
+    "test",
+    "assert",
+    "value",
+    "key",
+    "items",
+    "result",
+    "data",
+    "config",
+    "request",
+    "response",
+    "error",
+    "status",
+    "update",
+    "create",
+    "delete",
+    "build",
+    "run",
+    "check",
+    "parse",
+    "load",
+    "save",
+    "index",
+    "count",
+    "name",
+    "type",
+    "args",
+    "kwargs",
+    "token",
+    "batch",
+    "cache",
+    "prefix",
+    "decode",
+    "prefill",
+    "slot",
+    "room",
+    "fence",
+    "guard",
+    "metric",
+    "label",
+    "pod",
+    "node",
+    "worker",
+    "router",
+    "queue",
+    "state",
+    "event",
+    "log",
+    "time",
+    "step",
+)
 _CODE_PUNCT = ("(", ")", ":", "=", ".", ",", "[", "]", "\n", "    ", "+=", "->", "==", "#")
 VOCAB: tuple[str, ...] = tuple(_WORDS) + _CODE_PUNCT
-GARBLE: tuple[str, ...] = ("\u0bf5", "\ua66e", "\u2e3b", "\u16dd", "\u0e5b", "\ufffd", "\u2fd5",
-                           "\u1f00\u0334", "\u0489", "\u2603\u0336", "\u02ac", "\u0f12")
+GARBLE: tuple[str, ...] = (
+    "\u0bf5",
+    "\ua66e",
+    "\u2e3b",
+    "\u16dd",
+    "\u0e5b",
+    "\ufffd",
+    "\u2fd5",
+    "\u1f00\u0334",
+    "\u0489",
+    "\u2603\u0336",
+    "\u02ac",
+    "\u0f12",
+)
 _REPEAT_CYCLE = ("the", "same", "line", "again", "\n")
 
 
@@ -34,8 +141,9 @@ def tokenize(text: str) -> np.ndarray:
 
 def request_seed(tokens: np.ndarray, sampling_seed: int | None, worker_seed: int) -> int:
     """64-bit seed of a request: prompt tokens + sampling seed + worker seed."""
-    h = hashlib.blake2b(tokens.tobytes(), digest_size=8,
-                        key=f"{worker_seed}:{sampling_seed}".encode())
+    h = hashlib.blake2b(
+        tokens.tobytes(), digest_size=8, key=f"{worker_seed}:{sampling_seed}".encode()
+    )
     return int.from_bytes(h.digest(), "little")
 
 

@@ -61,6 +61,9 @@ def prefill_seconds(p: TimingParams, new_tokens: int, total_tokens: int) -> floa
 
 def decode_step_seconds(p: TimingParams, batch: int, kv_tokens: int) -> float:
     """Modelled time of one decode (verify) step for ``batch`` requests holding ``kv_tokens``."""
-    ms = p.decode_step_base_ms + p.decode_per_seq_ms * batch + p.decode_per_mtok_ms * (
-        kv_tokens / 1e6)
+    ms = (
+        p.decode_step_base_ms
+        + p.decode_per_seq_ms * batch
+        + p.decode_per_mtok_ms * (kv_tokens / 1e6)
+    )
     return ms / 1000.0

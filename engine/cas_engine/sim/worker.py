@@ -110,8 +110,9 @@ class Run:
             "cached_tokens": self.cached_tokens,
             "spec_verify_ct": steps,
             "spec_accept_length": (self.accepted + steps) / steps if steps else None,
-            "spec_accept_rate": (self.accepted / (steps * self.num_draft)
-                                 if steps and self.num_draft else None),
+            "spec_accept_rate": (
+                self.accepted / (steps * self.num_draft) if steps and self.num_draft else None
+            ),
             "e2e_latency": time.monotonic() - self.t_start,
             "simulated": True,
             **self.meta,
@@ -141,17 +142,26 @@ class SimWorker:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.decode_kv: DecodeKv | None = None
         self.prefill_kv: PrefillKv | None = None
-        self.stats: dict[str, int] = {"requests": 0, "finished": 0, "aborted": 0,
-                                      "guard_trips": 0, "kv_corrupted": 0, "kv_timeouts": 0,
-                                      "generated_tokens": 0}
+        self.stats: dict[str, int] = {
+            "requests": 0,
+            "finished": 0,
+            "aborted": 0,
+            "guard_trips": 0,
+            "kv_corrupted": 0,
+            "kv_timeouts": 0,
+            "generated_tokens": 0,
+        }
         self._last_step_tokens = 0.0
         self._last_accept = (float("nan"), float("nan"))
 
     def _make_guard(self) -> GuardMonitor:
         from cas_engine.guard import guard_config_from_args
 
-        gcfg = (guard_config_from_args(self.cfg.guard_args) if self.cfg.guard_args is not None
-                else GuardConfig.from_env())
+        gcfg = (
+            guard_config_from_args(self.cfg.guard_args)
+            if self.cfg.guard_args is not None
+            else GuardConfig.from_env()
+        )
         capacity = self.cfg.max_running_requests + 64
         return GuardMonitor(gcfg, capacity, metrics=GuardMetrics.create(self.registry, gcfg))
 
@@ -169,19 +179,28 @@ class SimWorker:
             transport = make_transport(self.cfg.host, url, self.http)
             pool = KvPool(self.cfg.kv_slots, self.cfg.kv_slot_bytes)
             transport.register(pool)
-            ledger = ReclaimLedger(mode=ReclaimMode.parse(self.cfg.kv_reclaim),
-                                   upstream_timeout_s=self.cfg.upstream_release_timeout_s,
-                                   metrics=self.fence_metrics, clock=self.sim_clock)
-            self.decode_kv = DecodeKv(pool=pool, transport=transport, ledger=ledger,
-                                      http=self.http, self_url=url)
+            ledger = ReclaimLedger(
+                mode=ReclaimMode.parse(self.cfg.kv_reclaim),
+                upstream_timeout_s=self.cfg.upstream_release_timeout_s,
+                metrics=self.fence_metrics,
+                clock=self.sim_clock,
+            )
+            self.decode_kv = DecodeKv(
+                pool=pool, transport=transport, ledger=ledger, http=self.http, self_url=url
+            )
         elif self.cfg.mode == "prefill":
             transport = make_transport(self.cfg.host, url, self.http)
             staging = KvPool(self.cfg.kv_slots, self.cfg.kv_slot_bytes)
             transport.register(staging)
-            self.prefill_kv = PrefillKv(staging=staging, transport=transport,
-                                        tracker=WriteTracker(0, metrics=self.fence_metrics),
-                                        http=self.http, faults=self.faults, wall=self.cfg.wall,
-                                        rng=self.rng)
+            self.prefill_kv = PrefillKv(
+                staging=staging,
+                transport=transport,
+                tracker=WriteTracker(0, metrics=self.fence_metrics),
+                http=self.http,
+                faults=self.faults,
+                wall=self.cfg.wall,
+                rng=self.rng,
+            )
         self._spawn(self._decode_loop())
 
     async def stop(self) -> None:
@@ -206,9 +225,15 @@ class SimWorker:
     def submit(self, req: GenRequest) -> Run:
         """Start ``req``; read its events from ``run.out``."""
         seed = request_seed(req.tokens, req.sampling_seed, self.cfg.seed)
-        run = Run(req=req, out=asyncio.Queue(), stream=TokenStream(seed),
-                  spec=random.Random(seed ^ 0x5EED), accept_prob=self.cfg.spec_accept_prob,
-                  t_start=time.monotonic(), num_draft=self.cfg.spec_num_steps)
+        run = Run(
+            req=req,
+            out=asyncio.Queue(),
+            stream=TokenStream(seed),
+            spec=random.Random(seed ^ 0x5EED),
+            accept_prob=self.cfg.spec_accept_prob,
+            t_start=time.monotonic(),
+            num_draft=self.cfg.spec_num_steps,
+        )
         self.stats["requests"] += 1
         self.metrics.prompt_tokens.labels(self.m).inc(len(req.tokens))
         if self.faults.repetition_rate and self.rng.random() < self.faults.repetition_rate:
@@ -252,13 +277,16 @@ class SimWorker:
     async def _serve_prefill(self, run: Run) -> None:
         assert self.prefill_kv is not None
         if run.req.bootstrap is None:
-            self._final(run, Event("error", status=400,
-                                   message="prefill worker needs bootstrap_room/host/port"))
+            self._final(
+                run,
+                Event("error", status=400, message="prefill worker needs bootstrap_room/host/port"),
+            )
             return
         await self._prefill(run)
         room = run.req.bootstrap[2]
-        ok = await self.prefill_kv.transfer(room, run.req.tokens,
-                                            self.cfg.wall(self.cfg.prefill_budget_s))
+        ok = await self.prefill_kv.transfer(
+            room, run.req.tokens, self.cfg.wall(self.cfg.prefill_budget_s)
+        )
         run.meta["kv_transferred"] = ok
         self._final(run, Event("finish", reason="length"))
 
@@ -266,8 +294,10 @@ class SimWorker:
         kv = self.decode_kv
         assert kv is not None
         if run.req.bootstrap is None:
-            self._final(run, Event("error", status=400,
-                                   message="decode worker needs bootstrap_room/host/port"))
+            self._final(
+                run,
+                Event("error", status=400, message="decode worker needs bootstrap_room/host/port"),
+            )
             return
         host, port, room = run.req.bootstrap
         budget = self.cfg.wall(self.cfg.prefill_budget_s)
@@ -300,8 +330,9 @@ class SimWorker:
         for run in self._waiting:
             if run.cancelled:
                 self._final(run, Event("error", status=499, message="client disconnected"))
-            elif (len(self._running) < self.cfg.max_running_requests
-                  and (self._kv_used + run.kv_tokens <= cap or not self._running)):
+            elif len(self._running) < self.cfg.max_running_requests and (
+                self._kv_used + run.kv_tokens <= cap or not self._running
+            ):
                 run.guard_slot = self.guard.allocate(run.req.rid)
                 self._kv_used += len(run.req.tokens)
                 self._running.append(run)
@@ -342,8 +373,11 @@ class SimWorker:
             run.accept_prob = CORRUPTED_ACCEPT_PROB
             self.stats["kv_corrupted"] += 1
             self.metrics.kv_corrupted.labels(self.m).inc()
-            log.warning("request %s: KV slot %s does not hold its content (corrupted)",
-                        run.req.rid, run.kv_slot)
+            log.warning(
+                "request %s: KV slot %s does not hold its content (corrupted)",
+                run.req.rid,
+                run.kv_slot,
+            )
 
     def _step(self) -> None:
         """One decode/verify step of the whole batch."""
@@ -453,18 +487,27 @@ class SimWorker:
     def snapshot(self) -> dict[str, Any]:
         """JSON-able counters for ``/sim/stats`` and ``/get_server_info``."""
         out: dict[str, Any] = dict(self.stats)
-        out.update(running=len(self._running), waiting=len(self._waiting),
-                   kv_used_tokens=self._kv_used, faults=self.faults.as_dict(),
-                   cache_hit_rate=(self.cache.hit_tokens / self.cache.total_tokens
-                                   if self.cache.total_tokens else 0.0))
+        out.update(
+            running=len(self._running),
+            waiting=len(self._waiting),
+            kv_used_tokens=self._kv_used,
+            faults=self.faults.as_dict(),
+            cache_hit_rate=(
+                self.cache.hit_tokens / self.cache.total_tokens if self.cache.total_tokens else 0.0
+            ),
+        )
         if self.decode_kv is not None:
             ledger = self.decode_kv.ledger
-            out.update(kv_free_slots=self.decode_kv.pool.free_slots,
-                       kv_quarantined_slots=ledger.quarantined_slots,
-                       kv_reclaim_mode=ledger.mode.value)
+            out.update(
+                kv_free_slots=self.decode_kv.pool.free_slots,
+                kv_quarantined_slots=ledger.quarantined_slots,
+                kv_reclaim_mode=ledger.mode.value,
+            )
         if self.prefill_kv is not None:
-            out.update(stalled_writes=self.prefill_kv.stalled_writes,
-                       pinned_rooms=self.prefill_kv.tracker.pinned_rooms)
+            out.update(
+                stalled_writes=self.prefill_kv.stalled_writes,
+                pinned_rooms=self.prefill_kv.tracker.pinned_rooms,
+            )
         return out
 
 
