@@ -1,0 +1,250 @@
+"""Sim engine parts in-process: prefix cache, text generator, faults, CLI, timing, one worker.
+
+Guards: hit rates that do not come from shared prefixes, eviction that drops a live prefix,
+replays that change, fault specs that parse wrongly, SGLang arguments that crash the CLI, the
+``null``-mode worker's API shapes and metrics, the guard tripping on repetition, and the hang /
+crash faults.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from cas_engine.sim.config import build_parser, parse_args
+from cas_engine.sim.faults import parse_faults
+from cas_engine.sim.fleet import free_port
+from cas_engine.sim.prefix_cache import PrefixCache
+from cas_engine.sim.server import SimServer
+from cas_engine.sim.textgen import TokenStream, request_seed, tokenize
+from cas_engine.sim.timing import TimingParams, decode_step_seconds, prefill_seconds
+from cas_engine.sim.worker import SimWorker
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _toks(n: int, start: int = 0) -> np.ndarray:
+    return np.arange(start, start + n, dtype="<u4")
+
+
+def test_prefix_cache_hits_only_shared_full_blocks() -> None:
+    """Regression: a multi-turn prompt hits exactly the full blocks of its earlier turn."""
+    cache = PrefixCache(block_size=16, capacity_tokens=10_000)
+    turn1 = _toks(100)
+    assert cache.match_and_insert(turn1) == 0
+    turn2 = np.concatenate([turn1, _toks(50, 1000)])
+    assert cache.match_and_insert(turn2) == 96  # 6 full blocks of turn 1
+    other = _toks(100, 5000)
+    assert cache.match_and_insert(other) == 0
+    assert cache.hit_tokens == 96 and cache.total_tokens == 100 + 150 + 100
+
+
+def test_prefix_cache_evicts_leaves_first_and_respects_capacity() -> None:
+    """Regression: eviction keeps a shared prefix while dropping cold suffixes."""
+    cache = PrefixCache(block_size=10, capacity_tokens=100)
+    shared = _toks(50)
+    for i in range(5):
+        cache.match_and_insert(np.concatenate([shared, _toks(30, 100 * (i + 1))]))
+        cache.match_and_insert(shared)  # keep the shared prefix hot
+    assert cache.cached_tokens <= 100
+    assert cache.match_and_insert(shared) == 50
+
+
+def test_token_stream_is_deterministic_and_seeded_by_prompt() -> None:
+    """Regression: replays equal, different prompts differ, styles keep alignment."""
+    seed = request_seed(tokenize("hello"), None, 0)
+    a, b = TokenStream(seed), TokenStream(seed)
+    assert a.take(50) == b.take(50)
+    c = TokenStream(request_seed(tokenize("hello!"), None, 0))
+    assert c.take(50) != TokenStream(seed).take(50)
+    assert request_seed(tokenize("x"), 1, 0) != request_seed(tokenize("x"), 2, 0)
+
+
+def test_tokenize_is_four_byte_chunks() -> None:
+    assert len(tokenize("abcdefgh")) == 2 and len(tokenize("abcde")) == 2
+    assert tokenize("abcd")[0] == int.from_bytes(b"abcd", "little")
+
+
+def test_fault_spec_parsing_and_errors() -> None:
+    """Regression: every fault in the documented spec parses; unknown names are rejected."""
+    f = parse_faults("kv_write_stall=0.25:3,corruption=0.01,repetition=0.5,slow_decode=2,hang=1")
+    assert (f.kv_write_stall_rate, f.kv_write_stall_s) == (0.25, 3.0)
+    assert f.corruption_rate == 0.01 and f.repetition_rate == 0.5
+    assert f.slow_decode == 2.0 and f.hang and not f.crash
+    f.apply({"hang": False, "corruption": 0})
+    assert not f.hang and f.corruption_rate == 0
+    with pytest.raises(ValueError):
+        parse_faults("explode=1")
+    with pytest.raises(ValueError):
+        parse_faults("corruption=2")
+
+
+def test_cli_ignores_unknown_sglang_args_with_one_log_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Regression: the operator's real SGLang pod arguments must not crash the sim."""
+    with caplog.at_level(logging.INFO, logger="cas_engine.sim"):
+        cfg = parse_args(
+            [
+                "--disaggregation-mode",
+                "decode",
+                "--tp",
+                "8",
+                "--trust-remote-code",
+                "--mem-fraction-static",
+                "0.85",
+                "--enable-dsa-cache-layer-split",
+                "--sim-speedup",
+                "5",
+                "--cas-guard-min-accept-length",
+                "1.5",
+            ]
+        )
+    lines = [r for r in caplog.records if "ignoring" in r.getMessage()]
+    assert len(lines) == 1 and "--trust-remote-code" in lines[0].getMessage()
+    assert cfg.mode == "decode" and cfg.tp_size == 8 and cfg.speedup == 5.0
+    assert cfg.guard_args is not None and cfg.guard_args.cas_guard_min_accept_length == 1.5
+    assert "simulat" in build_parser().format_help().lower()
+
+
+def test_timing_model_monotonic() -> None:
+    """Regression: cached tokens are cheaper, longer contexts and larger batches are slower."""
+    p = TimingParams()
+    assert prefill_seconds(p, 1000, 70_000) > prefill_seconds(p, 1000, 2_000)
+    assert prefill_seconds(p, 7_000, 70_000) < prefill_seconds(p, 70_000, 70_000)
+    assert decode_step_seconds(p, 256, 0) > decode_step_seconds(p, 1, 0)
+    # calibration sanity: ~50k uncached tokens/s at short context
+    assert 0.5 < prefill_seconds(p, 50_000, 50_000) < 2.0
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[TestClient]:
+    cfg = parse_args(
+        [
+            "--sim-speedup",
+            "50",
+            "--served-model-name",
+            "glm-sim",
+            "--cas-guard-min-generated-tokens",
+            "64",
+        ]
+    )
+    worker = SimWorker(cfg)
+    await worker.start()
+    server = TestServer(SimServer(cfg, worker).app())
+    async with TestClient(server) as c:
+        c.worker = worker  # type: ignore[attr-defined]
+        yield c
+    await worker.stop()
+
+
+async def test_null_mode_endpoints_and_info(client: TestClient) -> None:
+    """Regression: info endpoints say what the router reads; every response is marked."""
+    for path in (
+        "/health",
+        "/health_generate",
+        "/get_server_info",
+        "/server_info",
+        "/get_model_info",
+        "/model_info",
+        "/v1/models",
+        "/metrics",
+    ):
+        resp = await client.get(path)
+        assert resp.status == 200, path
+        assert resp.headers["X-Simulated-Engine"] == "cas_engine.sim"
+    info = await (await client.get("/server_info")).json()
+    assert info["disaggregation_mode"] == "null" and info["simulated"] is True
+    models = await (await client.get("/v1/models")).json()
+    assert models["data"][0]["id"] == "glm-sim"
+
+
+async def test_completions_stream_and_prefix_cache_metrics(client: TestClient) -> None:
+    """Regression: text completions stream; the second turn hits the prefix cache."""
+    prompt = "x" * 4096
+    r1 = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 10})
+    b1 = await r1.json()
+    assert b1["object"] == "text_completion" and b1["usage"]["completion_tokens"] == 10
+    r2 = await client.post(
+        "/v1/completions", json={"prompt": prompt + " more", "max_tokens": 5, "stream": True}
+    )
+    text = await r2.text()
+    assert text.rstrip().endswith("data: [DONE]")
+    pieces = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    assert pieces[-1]["choices"][0]["finish_reason"] == "length"
+    metrics = await (await client.get("/metrics")).text()
+    hit = [ln for ln in metrics.splitlines() if ln.startswith("sglang:cache_hit_rate{")]
+    assert hit and 0.4 < float(hit[0].split()[-1]) < 0.6  # turn 2 fully cached, turn 1 not
+
+
+async def test_repetition_fault_trips_guard_with_retryable_503(client: TestClient) -> None:
+    """Regression: degenerate repetition must abort via the guard (503, retryable body)."""
+    worker: SimWorker = client.worker  # type: ignore[attr-defined]
+    resp = await client.post("/sim/fault", data="repetition=1")
+    assert resp.status == 200
+    resp = await client.post(
+        "/generate", json={"text": "loop", "sampling_params": {"max_new_tokens": 300}}
+    )
+    assert resp.status == 503 and resp.headers["Retry-After"] == "0"
+    body = await resp.json()
+    assert body["error"]["type"] == "cas_guard_tripped"
+    assert body["error"]["cas_guard"]["reason"] == "high_accept_rate"
+    assert worker.stats["guard_trips"] == 1
+    await client.post("/sim/fault", json={"repetition": 0})
+    ok = await client.post(
+        "/generate", json={"text": "loop", "sampling_params": {"max_new_tokens": 300}}
+    )
+    assert ok.status == 200
+
+
+async def test_hang_fault_blocks_health_until_cleared(client: TestClient) -> None:
+    """Regression: ``hang`` must make the worker unresponsive (health probes time out)."""
+    await client.post("/sim/fault", json={"hang": True})
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(client.get("/health"), 0.3)
+    await client.post("/sim/fault", json={"hang": False})
+    assert (await client.get("/health")).status == 200
+
+
+async def test_many_concurrent_streams_complete(client: TestClient) -> None:
+    """Regression: a batch of 64 concurrent streams all complete with their token counts."""
+
+    async def one(i: int) -> int:
+        resp = await client.post(
+            "/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": f"s{i}"}],
+                "max_tokens": 40,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
+        text = await resp.text()
+        usage = [
+            json.loads(ln[6:])
+            for ln in text.splitlines()
+            if ln.startswith("data: {") and '"usage"' in ln
+        ]
+        return int(usage[-1]["usage"]["completion_tokens"])
+
+    counts = await asyncio.gather(*[one(i) for i in range(64)])
+    assert counts == [40] * 64
+
+
+def test_crash_fault_exits_process() -> None:
+    """Regression: ``crash`` ends the worker process with exit code 70."""
+    port = free_port()
+    proc = subprocess.run(
+        [sys.executable, "-m", "cas_engine.sim", "--port", str(port), "--sim-fault", "crash=1"],
+        capture_output=True,
+        timeout=30,
+    )
+    assert proc.returncode == 70
