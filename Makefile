@@ -26,10 +26,10 @@ $(STAMP): pyproject.toml
 	@rm -f $(VENV)/.installed-* && touch $@
 
 crds: setup ## Generate crds/ from the typed models in cas_operator/api
-	$(PY) -m cas_operator.api.crdgen crds/
+	$(PY) -m cas_operator.api.crdgen crds/ charts/cas-operator/crds/
 
 verify: setup ## Regenerate the CRDs and fail on drift
-	$(PY) -m cas_operator.api.crdgen --check crds/
+	$(PY) -m cas_operator.api.crdgen --check crds/ charts/cas-operator/crds/
 
 lint: setup ## ruff and import-linter contracts
 	$(VENV)/bin/ruff check .

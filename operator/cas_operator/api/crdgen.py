@@ -224,22 +224,25 @@ def render() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("out_dirs", type=Path, nargs="+", help="crds/ and the chart's crds/")
     parser.add_argument("--check", action="store_true", help="fail if the files differ")
     args = parser.parse_args(argv)
-    target = args.out_dir / f"{c.GROUP}_{c.PLURAL}.yaml"
     text = render()
-    if args.check:
-        current = target.read_text() if target.exists() else ""
-        if current != text:
-            print(f"{target} is out of date with the models: run `make crds`", file=sys.stderr)
-            return 1
-        print(f"{target} is up to date")
-        return 0
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    target.write_text(text)
-    print(f"wrote {target}")
-    return 0
+    stale = []
+    for out_dir in args.out_dirs:
+        target = out_dir / f"{c.GROUP}_{c.PLURAL}.yaml"
+        if args.check:
+            if not target.exists() or target.read_text() != text:
+                stale.append(target)
+            continue
+        out_dir.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+        print(f"wrote {target}")
+    for target in stale:
+        print(f"{target} is out of date with the models: run `make crds`", file=sys.stderr)
+    if args.check and not stale:
+        print("CRDs are up to date")
+    return 1 if stale else 0
 
 
 if __name__ == "__main__":
