@@ -148,6 +148,7 @@ def test_single_class_no_wait_ttft_is_service_plus_transfer() -> None:
         avg_input_tokens=10_000,
         avg_output_tokens=10,
         first_turn_fraction=1.0,
+        first_turn_sigma=0.0,
         first_turn_input_tokens=10_000,
         shared_prefix_tokens=0.0,
     )

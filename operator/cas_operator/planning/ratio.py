@@ -35,6 +35,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from statistics import NormalDist
+from typing import Any
 
 __all__ = [
     "Bounds",
@@ -74,6 +76,8 @@ class WorkloadInputs:
     new_tokens_per_turn: float | None = None
     tool_pause_s: float = 20.0
     shared_prefix_tokens: float = 2000.0
+    first_turn_sigma: float = 0.5  # lognormal log-sd of first-turn input
+    new_tokens_sigma: float = 1.0  # lognormal log-sd of new tokens per returning turn
     prefix_cache_hit_rate: float | None = None  # declared; used only by mean-based baselines
 
     def resolved(self) -> WorkloadInputs:
@@ -127,6 +131,12 @@ class InstanceProfile:
     def prefill_time(self, new: float, cached: float, host_cached: float = 0.0) -> float:
         """Seconds to prefill ``new`` tokens over ``cached`` context (``host_cached`` of it
         loaded from the host tier first)."""
+        attn = self.prefill_attn_s_per_token_pair * new * (cached + new / 2.0)
+        load = self.host_load_s_per_token * host_cached
+        return self.prefill_overhead_s + self.prefill_s_per_token * new + attn + load
+
+    def prefill_time_array(self, new: Any, cached: Any, host_cached: Any = 0.0) -> Any:
+        """``prefill_time`` over numpy arrays (same formula; used by the fleet simulator)."""
         attn = self.prefill_attn_s_per_token_pair * new * (cached + new / 2.0)
         load = self.host_load_s_per_token * host_cached
         return self.prefill_overhead_s + self.prefill_s_per_token * new + attn + load
@@ -281,10 +291,19 @@ class _Class:
     service_s: float
 
 
+def _lognormal_points(sigma: float, k: int = 6) -> list[float]:
+    """``k`` equal-probability points (bin medians) of a lognormal with mean 1."""
+    if sigma <= 0.0:
+        return [1.0]
+    nd = NormalDist()
+    return [math.exp(sigma * nd.inv_cdf((i + 0.5) / k) - sigma * sigma / 2.0) for i in range(k)]
+
+
 def _request_classes(
     wl: WorkloadInputs, prefill: InstanceProfile, p_gpu: float, p_any: float
 ) -> list[_Class]:
-    """First turns, returning GPU hits, host hits and misses with their prefill times."""
+    """First turns, returning GPU hits, host hits and misses with their prefill times; first
+    turns and new tokens per turn are spread over lognormal quantile points."""
     w = wl.resolved()
     f = w.first_turn_fraction
     avg = w.avg_input_tokens
@@ -292,12 +311,16 @@ def _request_classes(
     new = min(w.new_tokens_per_turn or avg, avg)
     shared = min(w.shared_prefix_tokens, first)
     ret = 1.0 - f
-    spec = [
-        (f, first, shared, 0.0),
-        (ret * p_gpu, avg, avg - new, 0.0),
-        (ret * max(p_any - p_gpu, 0.0), avg, avg - new, avg - new),
-        (ret * (1.0 - p_any), avg, shared, 0.0),
-    ]
+    spec: list[tuple[float, float, float, float]] = []
+    firsts = _lognormal_points(w.first_turn_sigma)
+    spec += [(f / len(firsts), first * m, min(shared, first * m), 0.0) for m in firsts]
+    news = _lognormal_points(w.new_tokens_sigma)
+    for m in news:
+        n = min(new * m, avg)
+        q = ret / len(news)
+        spec.append((q * p_gpu, avg, avg - n, 0.0))
+        spec.append((q * max(p_any - p_gpu, 0.0), avg, avg - n, avg - n))
+    spec.append((ret * (1.0 - p_any), avg, shared, 0.0))
     return [
         _Class(p, inp, cached, prefill.prefill_time(inp - cached, cached, host))
         for p, inp, cached, host in spec
@@ -305,38 +328,70 @@ def _request_classes(
     ]
 
 
+_Wait = tuple[float, float, float]  # (share of requests, P(wait > 0), tail rate theta)
+
+
 def _ttft_tail(
-    classes: Sequence[_Class], extra_s: Sequence[float], wait_prob: float, theta: float, t: float
+    classes: Sequence[_Class], extra_s: Sequence[float], waits: Sequence[_Wait], t: float
 ) -> float:
-    """P(W + D > t): D is the class delay, W has an atom at 0 and an exponential tail of rate
-    ``theta`` with mass ``wait_prob``."""
+    """P(W + D > t): D is the class delay; W is a mixture over instance groups, each with an
+    atom at 0 and an exponential tail of rate ``theta`` with mass ``P(wait > 0)``."""
     total = 0.0
-    for c, x in zip(classes, extra_s, strict=True):
-        d = c.service_s + x
-        total += c.prob * (1.0 if t < d else wait_prob * math.exp(-theta * (t - d)))
+    for share, wait_prob, theta in waits:
+        for c, x in zip(classes, extra_s, strict=True):
+            d = c.service_s + x
+            if t < d:
+                total += share * c.prob
+            elif theta <= 0.0:
+                total += share * c.prob * wait_prob
+            else:
+                total += share * c.prob * wait_prob * math.exp(-theta * (t - d))
     return total
 
 
 def _ttft_quantile(
-    classes: Sequence[_Class], extra_s: Sequence[float], wait_prob: float, theta: float, q: float
+    classes: Sequence[_Class], extra_s: Sequence[float], waits: Sequence[_Wait], q: float
 ) -> float:
     """Smallest t with P(W + D > t) <= 1 - q (bisection; the tail is monotone in t)."""
     delays = [c.service_s + x for c, x in zip(classes, extra_s, strict=True)]
-
-    def tail(t: float) -> float:
-        return _ttft_tail(classes, extra_s, wait_prob, theta, t)
-
+    slowest = min((w[2] for w in waits if w[2] > 0.0), default=0.0)
     target = 1.0 - q
-    lo, hi = 0.0, max(delays) + (50.0 / theta if theta > 0 else 1e6)
-    if tail(hi) > target:
+    lo, hi = 0.0, max(delays) + (50.0 / slowest if slowest > 0 else 1e6)
+    if _ttft_tail(classes, extra_s, waits, hi) > target:
         return math.inf
     for _ in range(60):
         mid = (lo + hi) / 2.0
-        if tail(mid) > target:
+        if _ttft_tail(classes, extra_s, waits, mid) > target:
             lo = mid
         else:
             hi = mid
     return hi
+
+
+def _prefill_waits(
+    rate: float, n: int, mean_s: float, cs2: float, live_sessions: float, limits: ModelLimits
+) -> list[_Wait]:
+    """Waiting-time mixture of the prefill pool under sticky prefix routing.
+
+    Groups of ``queue_pool`` instances share a queue (M/G/c, Allen-Cunneen). Each instance
+    carries the sessions homed on it, about Poisson(live/n) of them, so its load varies with
+    relative sd ``1/sqrt(live/n)``; five load points weighted by the requests they carry.
+    """
+    pool = max(1, min(limits.queue_pool, n))
+    cv = 1.0 / math.sqrt(max(live_sessions / n, 1.0)) if limits.session_imbalance else 0.0
+    points = [(z, 0.2) for z in (-1.2816, -0.5244, 0.0, 0.5244, 1.2816)] if cv else [(0.0, 1.0)]
+    loads = [(max(0.05, 1.0 + cv * z), w) for z, w in points]
+    norm = sum(f * w for f, w in loads)
+    waits = []
+    for f, w in loads:
+        lam = rate * pool / n * f
+        share = f * w / norm
+        if lam * mean_s >= pool:
+            waits.append((share, 1.0, 0.0))
+            continue
+        theta = 2.0 * (pool / mean_s - lam) / (1.0 + cs2)
+        waits.append((share, erlang_c(pool, lam * mean_s), theta))
+    return waits
 
 
 def _decode_state(
@@ -370,6 +425,8 @@ class ModelLimits:
     max_prefill_util: float = 0.9
     max_link_util: float = 0.8
     kv_headroom: float = 0.9
+    queue_pool: int = 1  # instances sharing one queue: sticky prefix routing pools poorly
+    session_imbalance: bool = True  # per-instance load varies with the sessions homed there
 
 
 def evaluate(
@@ -408,10 +465,10 @@ def evaluate(
     first_step = decode.decode_step(active, active * w.avg_input_tokens) if active < 1e12 else 1.0
     extra = [c.input_tokens * prefill.kv_bytes_per_token / flow_bw + first_step for c in classes]
     if util < 1.0 and math.isfinite(step):
-        wait_prob = erlang_c(n_prefill, offered)
-        theta = 2.0 * (n_prefill / mean_s - w.request_rate) / (1.0 + cs2)
-        ttft = _ttft_quantile(classes, extra, wait_prob, theta, slo.ttft_quantile)
-        attain = 1.0 - _ttft_tail(classes, extra, wait_prob, theta, slo.ttft_s)
+        live = w.request_rate * cycle
+        waits = _prefill_waits(w.request_rate, n_prefill, mean_s, cs2, live, limits)
+        ttft = _ttft_quantile(classes, extra, waits, slo.ttft_quantile)
+        attain = 1.0 - _ttft_tail(classes, extra, waits, slo.ttft_s)
     else:
         ttft, attain = math.inf, 0.0
     return PlanEvaluation(
