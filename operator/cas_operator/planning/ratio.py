@@ -873,17 +873,19 @@ def _fit_budget(
     if budget is None:
         return p, d, ""
     gp, gd = cfg.prefill_gpus, cfg.decode_gpus
+    # Pods that exist now (spec + terminating) keep their GPUs; growth adds new pods on top.
     pods_p = max(current.prefill_pods, current.prefill)
     pods_d = max(current.decode_pods, current.decode)
     note = ""
+    grow_p = 0
     if p > current.prefill:
-        room = budget - max(pods_p, current.prefill) * gp - max(pods_d, d) * gd
-        grow = max(0, min(p - current.prefill, room // gp))
-        if grow < p - current.prefill:
+        room = budget - pods_p * gp - pods_d * gd
+        grow_p = max(0, min(p - current.prefill, room // gp))
+        if grow_p < p - current.prefill:
             note = "; prefill growth waits for decode drain/budget"
-        p = current.prefill + grow
+        p = current.prefill + grow_p
     if d > current.decode:
-        room = budget - max(pods_p, p) * gp - max(pods_d, current.decode) * gd
+        room = budget - (pods_p + grow_p) * gp - pods_d * gd
         grow = max(0, min(d - current.decode, room // gd))
         if grow < d - current.decode:
             note += "; decode growth waits for prefill drain/budget"
