@@ -268,3 +268,27 @@ async def test_stalled_prefill_corrupts_immediate_reclaim_but_not_strict(tmp_pat
     assert strict["kv_timeouts"] >= 1, "the strict decode saw no abort: comparison is vacuous"
     assert strict["kv_corrupted"] == 0 and strict["guard_trips"] == 0
     assert strict["kv_quarantined_slots"] == 0 and strict["kv_free_slots"] > 0
+
+
+async def test_load_generator_multi_turn_sessions_hit_prefix_cache(fleet: Fleet) -> None:
+    """Regression: the agent workload's growing shared prefixes must hit the prefill's prefix
+    cache, pass the router's OpenAI validation (tool calls) and stay bounded in requests."""
+    from cas_engine.sim.load import Workload, run_load, summarize
+
+    wl = Workload(
+        sessions=4,
+        system_tokens=1000,
+        repo_tokens=1000,
+        tool_tokens=200,
+        max_context=8000,
+        output_tokens=40,
+        tool_pause_s=0.2,
+        speedup=20.0,
+    )
+    totals, wall = await run_load(
+        fleet.router_url, wl, max_requests=16, duration_s=20.0, progress=False
+    )
+    res = summarize(totals, wall, {})
+    assert totals.done == 16 and totals.errors == 0, totals.error_kinds
+    assert res["prefix_cache_hit_rate"] > 0.5
+    assert len(totals.ttft) == 16 and res["ttft_ms"]["p50"] > 0

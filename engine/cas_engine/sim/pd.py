@@ -162,7 +162,7 @@ class DecodeKv:
         self.ledger = ledger
         self._http = http
         self._self_url = self_url
-        self._done: dict[int, asyncio.Future[bool]] = {}
+        self._done: dict[int, asyncio.Future[int | None]] = {}
         self.transfer_queue = 0
         self.bg: set[asyncio.Task[None]] = set()
 
@@ -194,28 +194,29 @@ class DecodeKv:
             return None
         return slot
 
-    async def wait_done(self, room: int, timeout: float) -> bool:
-        """True once the prefill reported the room's transfer complete within ``timeout``."""
+    async def wait_done(self, room: int, timeout: float) -> int | None:
+        """The prefill's cached-token count once it reported the room's transfer complete
+        within ``timeout``; None on timeout or a failed transfer."""
         fut = self._done[room]
         self.transfer_queue += 1
         try:
-            ok = await asyncio.wait_for(asyncio.shield(fut), timeout)
+            cached = await asyncio.wait_for(asyncio.shield(fut), timeout)
         except TimeoutError:
-            ok = False
+            cached = None
         finally:
             self.transfer_queue -= 1
             self._done.pop(room, None)
-        if ok:
+        if cached is not None:
             self.ledger.transfer_done(room)
-        return ok
+        return cached
 
-    def on_done(self, room: int, generation: int, ok: bool) -> None:
+    def on_done(self, room: int, generation: int, ok: bool, cached_tokens: int = 0) -> None:
         """The prefill's transfer notification (HTTP ``/sim/kv/done``)."""
         lease = self.ledger.lease(room)
         fut = self._done.get(room)
         if lease is None or lease.generation != generation or fut is None or fut.done():
             return
-        fut.set_result(ok)
+        fut.set_result(cached_tokens if ok else None)
 
     def finish(self, room: int) -> None:
         """Normal end of a room whose transfer completed: its slot goes back at once."""
@@ -311,7 +312,9 @@ class PrefillKv:
         if not fut.done():
             fut.set_result(dest)
 
-    async def transfer(self, room: int, tokens: np.ndarray, timeout: float) -> bool:
+    async def transfer(
+        self, room: int, tokens: np.ndarray, timeout: float, cached_tokens: int = 0
+    ) -> bool:
         """Send the room's KV to its decode; False when no decode registered in time."""
         self.bootstrap_queue += 1
         try:
@@ -331,7 +334,7 @@ class PrefillKv:
             ok = await self._write(dest, expected_kv(tokens, dest.nbytes))
             self._deliver(self.tracker.write_done(room, gen, ok=ok))
         self.tracker.seal(room, gen)
-        await self._notify(dest, ok)
+        await self._notify(dest, ok, cached_tokens)
         return ok
 
     async def _write(self, dest: Dest, content: bytes) -> bool:
@@ -361,8 +364,13 @@ class PrefillKv:
             self.inflight -= 1
             self.staging.free([slot])
 
-    async def _notify(self, dest: Dest, ok: bool) -> None:
-        body = {"room": dest.room, "generation": dest.generation, "ok": ok}
+    async def _notify(self, dest: Dest, ok: bool, cached_tokens: int) -> None:
+        body = {
+            "room": dest.room,
+            "generation": dest.generation,
+            "ok": ok,
+            "cached_tokens": cached_tokens,
+        }
         try:
             async with self._http().post(f"{dest.notify}/sim/kv/done", json=body) as r:
                 await r.read()

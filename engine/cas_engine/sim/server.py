@@ -366,7 +366,12 @@ class SimServer:
         body = await request.json()
         if self.worker.decode_kv is None:
             return _error(400, "not a decode worker")
-        self.worker.decode_kv.on_done(int(body["room"]), int(body["generation"]), bool(body["ok"]))
+        self.worker.decode_kv.on_done(
+            int(body["room"]),
+            int(body["generation"]),
+            bool(body["ok"]),
+            int(body.get("cached_tokens", 0)),
+        )
         return _json({"ok": True})
 
     async def kv_write(self, request: web.Request) -> web.Response:

@@ -285,7 +285,7 @@ class SimWorker:
         await self._prefill(run)
         room = run.req.bootstrap[2]
         ok = await self.prefill_kv.transfer(
-            room, run.req.tokens, self.cfg.wall(self.cfg.prefill_budget_s)
+            room, run.req.tokens, self.cfg.wall(self.cfg.prefill_budget_s), run.cached_tokens
         )
         run.meta["kv_transferred"] = ok
         self._final(run, Event("finish", reason="length"))
@@ -305,10 +305,12 @@ class SimWorker:
         if slot is None:
             self._fail_transfer(run, "no KV slot or bootstrap registration within the budget")
             return
-        if not await kv.wait_done(room, budget):
+        cached = await kv.wait_done(room, budget)
+        if cached is None:
             kv.abort(room, host, port)
             self._fail_transfer(run, "KV transfer missed the prefill time budget")
             return
+        run.cached_tokens = cached
         run.kv_slot = slot
         run.expected = expected_kv(run.req.tokens, kv.pool.slot_bytes)
         self._check_kv(run)
