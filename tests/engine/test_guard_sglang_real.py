@@ -1,0 +1,136 @@
+"""The guard patch against the real SGLang 0.5.23 code (skipped where SGLang does not import).
+
+Runs SGLang's own ``SchedulerBatchResultProcessor._resolve_spec_v2_tokens`` under the patch
+with stub collaborators and CPU tensors, then feeds the abort it produced through SGLang's
+own ``TokenizerManager._handle_abort_finish_reason``. Needs torch and SGLang's Python deps
+(see the engine README); importing them takes ~20 s, hence a separate file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib.util
+from http import HTTPStatus
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from cas_engine.guard import GuardConfig
+
+
+def _import_sglang() -> Any:
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("sglang") is None:
+        pytest.skip("torch or sglang not installed", allow_module_level=True)
+    try:
+        from sglang.srt.managers.scheduler_components import batch_result_processor
+    except Exception as exc:  # a missing optional dependency: report it as a skip reason
+        pytest.skip(
+            f"sglang does not import here: {type(exc).__name__}: {exc}", allow_module_level=True
+        )
+    return batch_result_processor
+
+
+brp = _import_sglang()
+torch = pytest.importorskip("torch")
+
+STRIDE = 4  # speculative_num_draft_tokens: 3 drafts + 1 bonus slot per request row
+
+
+class StubReq:
+    """The Req attributes _resolve_spec_v2_tokens touches."""
+
+    def __init__(self, rid: str, slot: int) -> None:
+        self.rid = rid
+        self.kv = SimpleNamespace(req_pool_idx=slot, kv_committed_len=0)
+        self.is_retracted = False
+        self.grammar = None
+        self.to_finish = None
+        self.spec_verify_ct = 0
+        self.spec_num_correct_drafts = 0
+        self.histogram: list[int] = []
+
+    def finished(self) -> bool:
+        return False
+
+    def update_spec_correct_drafts_histogram(self, n: int) -> None:
+        self.histogram.append(n)
+
+
+def _processor() -> Any:
+    cls = brp.SchedulerBatchResultProcessor
+    stubs: dict[str, Any] = {f.name: None for f in dataclasses.fields(cls)}
+    stubs.update(
+        enable_overlap=False,
+        enable_overlap_mlx=False,
+        req_to_token_pool=SimpleNamespace(size=8),
+        metrics_reporter=SimpleNamespace(snapshot_spec_decode_metrics=lambda b, r: None),
+        model_worker=SimpleNamespace(on_verify_complete_cpu=lambda *a, **k: None),
+    )
+    return cls(**stubs)
+
+
+def _result(accept_lens: list[int]) -> Any:
+    return SimpleNamespace(
+        next_token_ids=torch.arange(len(accept_lens) * STRIDE, dtype=torch.int64),
+        accept_lens=torch.tensor(accept_lens, dtype=torch.int64),
+        speculative_output_stride=STRIDE,
+        speculative_num_draft_tokens=STRIDE,
+        num_non_draft_tokens_per_req=1,
+        block_accept_lens=None,
+        cap_lens=None,
+        grammar_advanced=False,
+    )
+
+
+def test_real_class_matches_the_patch_targets() -> None:
+    """Regression: the pinned SGLang still has the accounting lines the patch relies on."""
+    from cas_engine.sglang.guard_patch import check_targets
+
+    assert check_targets(brp.SchedulerBatchResultProcessor) == []
+
+
+def test_real_resolve_step_trips_and_sets_a_503_abort() -> None:
+    """Regression: on SGLang's own code path, only the corrupted request gets a 503 abort."""
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    from cas_engine.sglang.guard_patch import install_guard_patch
+
+    handle = install_guard_patch(GuardConfig(), proposed_per_step=lambda: STRIDE - 1)
+    try:
+        proc = _processor()
+        good, bad = StubReq("good", 1), StubReq("bad", 2)
+        batch = SimpleNamespace(reqs=[good, bad], has_grammar=False)
+        tripped_at = None
+        for step in range(1, 200):
+            tokens = proc._resolve_spec_v2_tokens(_result([3, 1]), batch)
+            assert [len(t) for t in tokens] == [3, 1]  # SGLang's output is unchanged
+            if bad.to_finish is not None and tripped_at is None:
+                tripped_at = step
+        assert tripped_at == 129  # 1 token per step for the corrupted request
+        assert good.to_finish is None and bad.spec_verify_ct == 199
+        assert isinstance(bad.to_finish, FINISH_ABORT)
+        assert bad.to_finish.status_code is HTTPStatus.SERVICE_UNAVAILABLE
+        assert "low_accept_length" in bad.to_finish.message
+    finally:
+        handle.uninstall()
+
+
+def test_real_tokenizer_turns_the_abort_into_http_503() -> None:
+    """Regression: the abort we set must reach the client as a retryable 503, not a 400/200."""
+    from fastapi import HTTPException
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+    abort = FINISH_ABORT(
+        "cas_guard_tripped: reason=low_accept_length", HTTPStatus.SERVICE_UNAVAILABLE
+    )
+    out = {"meta_info": {"finish_reason": abort.to_json()}}
+    state = SimpleNamespace(obj=SimpleNamespace(rid="bad"))
+    tm = SimpleNamespace(rid_to_state={"bad": state}, _release_lora_once=lambda s: None)
+    handler = TokenizerManager._handle_abort_finish_reason
+    with pytest.raises(HTTPException) as exc:
+        asyncio.run(handler(tm, out, state, False))
+    assert exc.value.status_code == 503 and "low_accept_length" in exc.value.detail
+    assert asyncio.run(handler(tm, out, state, True)) is out  # streaming: error chunk path
