@@ -57,13 +57,13 @@ class RaceParams:
     decode_pages: int = 1024
     source_pages: int = 2048  # per rank
     max_inflight: int = 16  # per rank
-    budget_s: float = 0.025  # prefill time budget; late requests are aborted
+    budget_s: float = 0.05  # prefill time budget; late requests are aborted
     service_s: float = 0.0003  # mean queueing delay of an issued chunk
     stall_prob: float = 0.004  # per chunk
-    stall_s: float = 0.02  # Pareto scale of a stall
+    stall_s: float = 0.04  # Pareto scale of a stall
     stall_alpha: float = 1.3
     stall_cap_s: float = 1.0
-    upstream_timeout_s: float = 0.06  # UPSTREAM's timer, scaled from SGLang's 30 s
+    upstream_timeout_s: float = 0.1  # UPSTREAM's timer, scaled from SGLang's 30 s
     decode_hold_s: float = 0.002
     seed: int = 1
     max_wall_s: float = 600.0
@@ -94,6 +94,7 @@ class RaceResult:
     quarantined_at_end: int = 0
     reclaims: dict[str, int] = field(default_factory=dict)
     ignored_messages: dict[str, int] = field(default_factory=dict)
+    aborts_per_second: list[int] = field(default_factory=list)  # bursts show CPU starvation
     timed_out: bool = False
 
 
@@ -286,6 +287,7 @@ class _Decode:
         self.holding: deque[tuple[float, _Req]] = deque()
         self.next_room = 0
         self.next_arrival = 0.0
+        self.t0 = 0.0
         self.waits: list[float] = []
         self.res = RaceResult(mode=params.mode.value, transport=params.transport.value)
         self.ranks = list(range(params.prefill_ranks))
@@ -331,6 +333,10 @@ class _Decode:
                 return
             del self.active[room]
             self.res.aborted += 1
+            second = int(now - self.t0)
+            per_s = self.res.aborts_per_second
+            per_s.extend([0] * (second + 1 - len(per_s)))
+            per_s[second] += 1
             ab = self.ledger.abort(room)
             self.release(ab.released)
             if ab.notice is not None:
@@ -376,7 +382,7 @@ def decode_main(params: RaceParams, pool: DecodePool, to_ranks: list[Any], inq: 
     """Run the decode loop until every request finished or aborted; returns the result."""
     node = _Decode(params, pool, to_ranks)
     t0 = time.monotonic()
-    node.next_arrival = t0
+    node.next_arrival = node.t0 = t0
     deadline = t0 + params.max_wall_s
     while node.busy():
         now = time.monotonic()
@@ -440,6 +446,18 @@ def _decode_process(params: RaceParams, spec_q: Any, to_ranks: list[Any], inq: A
         pool.close()
 
 
+def _get_while_alive(q: Any, proc: Any, timeout: float) -> Any:
+    """Get from ``q``, failing fast with a clear error if ``proc`` died first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return q.get(timeout=0.5)
+        except queue.Empty:
+            if not proc.is_alive():
+                raise RuntimeError(f"{proc.name} exited with code {proc.exitcode}") from None
+    raise TimeoutError(f"no answer from {proc.name} within {timeout:.0f} s")
+
+
 def run_race(params: RaceParams) -> RaceResult:
     """Spawn decode and prefill processes, run one mode, return its result."""
     ctx = mp.get_context("spawn")
@@ -450,13 +468,13 @@ def run_race(params: RaceParams) -> RaceResult:
     decode.start()
     procs = [decode]
     try:
-        spec = spec_q.get(timeout=60)
+        spec = _get_while_alive(spec_q, decode, timeout=60.0)
         for r in range(params.prefill_ranks):
             proc = ctx.Process(target=prefill_main, args=(r, params, spec, to_ranks[r], inq),
                                name=f"race-prefill-{r}")
             proc.start()
             procs.append(proc)
-        data = result_q.get(timeout=params.max_wall_s + 90)
+        data = _get_while_alive(result_q, decode, timeout=params.max_wall_s + 90)
     finally:
         for proc in procs:
             proc.join(timeout=30)
