@@ -45,6 +45,7 @@ from cas_engine.sim.timing import decode_step_seconds, prefill_seconds
 log = logging.getLogger("cas_engine.sim.worker")
 
 CORRUPTED_ACCEPT_PROB = 0.05
+PREFILL_CHUNK_TOKENS = 16384  # new tokens per prefill batch (SGLang --chunked-prefill-size)
 REPEAT_ACCEPT_PROB = 0.998
 
 
@@ -132,8 +133,8 @@ class SimWorker:
         self.guard = self._make_guard()
         self.rng = np.random.default_rng(cfg.seed)
         self.fence_metrics = KvFenceMetrics(self.registry)
-        self._prefill_lock = asyncio.Lock()
-        self._prefill_waiting = 0
+        self._prefill_queue: list[tuple[Run, asyncio.Future[None]]] = []
+        self._prefill_wake = asyncio.Event()
         self._waiting: list[Run] = []
         self._running: list[Run] = []
         self._wake = asyncio.Event()
@@ -151,7 +152,7 @@ class SimWorker:
             "kv_timeouts": 0,
             "generated_tokens": 0,
         }
-        self._last_step_tokens = 0.0
+        self._last_step_at = 0.0
         self._last_accept = (float("nan"), float("nan"))
 
     def _make_guard(self) -> GuardMonitor:
@@ -202,6 +203,7 @@ class SimWorker:
                 rng=self.rng,
             )
         self._spawn(self._decode_loop())
+        self._spawn(self._prefill_loop())
 
     async def stop(self) -> None:
         for task in list(self._tasks):
@@ -256,23 +258,44 @@ class SimWorker:
             self._final(run, Event("error", status=500, message=f"sim internal error: {exc}"))
 
     async def _prefill(self, run: Run) -> None:
-        """Prefix cache lookup and the modelled prefill time (one prefill at a time)."""
-        self._prefill_waiting += 1
-        try:
-            await self._prefill_lock.acquire()
-        finally:
-            self._prefill_waiting -= 1
-        try:
-            while self.faults.hang:
-                await asyncio.sleep(0.05)
-            tokens = run.req.tokens
-            hit = self.cache.match_and_insert(tokens)
-            run.cached_tokens = hit
-            self.metrics.cached_tokens.labels(self.m).inc(hit)
-            t = prefill_seconds(self.cfg.timing, len(tokens) - hit, len(tokens))
-            await asyncio.sleep(self.cfg.wall(t))
-        finally:
-            self._prefill_lock.release()
+        """Queue ``run`` for the prefill loop; return once its prefill batch has run."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._prefill_queue.append((run, fut))
+        self._prefill_wake.set()
+        await fut
+
+    async def _prefill_loop(self) -> None:
+        """Batched prefill: take queued requests FIFO up to the chunk budget of new tokens,
+        look each up in the prefix cache, sleep the batch's modelled time, release them."""
+        timing = self.cfg.timing
+        while True:
+            if self.faults.hang or not self._prefill_queue:
+                self._prefill_wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(
+                        self._prefill_wake.wait(), 0.05 if self.faults.hang else 0.5
+                    )
+                continue
+            batch: list[asyncio.Future[None]] = []
+            new_total, seconds = 0, timing.prefill_overhead_ms / 1000.0
+            while self._prefill_queue and (not batch or new_total < PREFILL_CHUNK_TOKENS):
+                run, fut = self._prefill_queue.pop(0)
+                if fut.done():
+                    continue
+                tokens = run.req.tokens
+                hit = self.cache.match_and_insert(tokens)
+                run.cached_tokens = hit
+                self.metrics.cached_tokens.labels(self.m).inc(hit)
+                new = len(tokens) - hit
+                new_total += new
+                seconds += prefill_seconds(timing, new, len(tokens)) - (
+                    timing.prefill_overhead_ms / 1000.0
+                )
+                batch.append(fut)
+            await asyncio.sleep(self.cfg.wall(seconds))
+            for fut in batch:
+                if not fut.done():
+                    fut.set_result(None)
 
     async def _serve_prefill(self, run: Run) -> None:
         assert self.prefill_kv is not None
@@ -431,7 +454,11 @@ class SimWorker:
         if accepted:
             mean_acc = sum(accepted) / len(accepted)
             self._last_accept = (mean_acc + 1.0, mean_acc / steps)
-        self._last_step_tokens = emitted
+        now = time.monotonic()
+        if self._last_step_at:
+            rate = emitted / max(1e-6, now - self._last_step_at) * self.cfg.speedup
+            self.metrics.gen_throughput.labels(self.m).set(rate)  # modelled tokens/s
+        self._last_step_at = now
 
     def _trip(self, trip: GuardTrip) -> None:
         for run in self._running:
@@ -466,7 +493,7 @@ class SimWorker:
     def _refresh_gauges(self) -> None:
         m, lab = self.metrics, self.m
         m.running.labels(lab).set(len(self._running))
-        m.queued.labels(lab).set(len(self._waiting) + self._prefill_waiting)
+        m.queued.labels(lab).set(len(self._waiting) + len(self._prefill_queue))
         m.used_tokens.labels(lab).set(self._kv_used)
         m.token_usage.labels(lab).set(self._kv_used / self.cfg.timing.kv_capacity_tokens)
         if self.cache.total_tokens:
