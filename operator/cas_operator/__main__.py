@@ -18,6 +18,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--liveness", default="http://0.0.0.0:8080/healthz",
         help="liveness endpoint URL ('' to disable)",
     )  # fmt: skip
+    parser.add_argument(
+        "--metrics-port", type=int, default=8081,
+        help="serve Prometheus metrics on this port (0 disables)",
+    )  # fmt: skip
     parser.add_argument("-v", "--verbose", action="store_true")
     return parser.parse_args(argv)
 
@@ -30,6 +34,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     logging.getLogger("kubernetes").setLevel(logging.WARNING)
     import cas_operator.handlers  # noqa: F401  (registers the handlers)
+
+    if args.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port)
 
     kopf.run(
         standalone=True,

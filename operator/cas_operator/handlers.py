@@ -18,6 +18,7 @@ import kopf
 
 from cas_operator.api import constants as c
 from cas_operator.kube import Kube
+from cas_operator.metrics import RECONCILE_ERRORS, RECONCILE_SECONDS, STATUS_WRITES
 from cas_operator.reconcile import Outcome, reconcile
 from cas_operator.status import status_patch
 
@@ -67,6 +68,7 @@ def _run(
     full: bool,
 ) -> Outcome:
     uid = str(meta["uid"])
+    started = time.monotonic()
     outcome = reconcile(
         kube(),
         name=str(meta["name"]),
@@ -76,10 +78,17 @@ def _run(
         raw_spec=dict(spec),
         full_apply=full,
     )
+    RECONCILE_SECONDS.labels("full" if full else "timer").observe(time.monotonic() - started)
     if full:
         _last_full_apply[uid] = time.monotonic()
+    degraded = outcome.status["conditions"][2]
+    if degraded["status"] == "True":
+        RECONCILE_ERRORS.labels(degraded["reason"]).inc()
     old = {k: v for k, v in dict(status).items() if k in OWNED_STATUS_KEYS}
-    for key, value in status_patch(old, outcome.status, now_rfc3339()).items():
+    changes = status_patch(old, outcome.status, now_rfc3339())
+    if changes:
+        STATUS_WRITES.inc()
+    for key, value in changes.items():
         patch.status[key] = value
     for event_type, reason, message in outcome.events:
         kopf.event(body, type=event_type, reason=reason, message=message)

@@ -16,6 +16,7 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from cas_operator.api import constants as c
+from cas_operator.metrics import API_REQUESTS
 
 log = logging.getLogger(__name__)
 Manifest = dict[str, Any]
@@ -93,6 +94,7 @@ class Kube:
             method, url, header_params=headers, body=payload, _request_timeout=30
         )
         raw: bytes = response.read()  # type: ignore[no-untyped-call]
+        API_REQUESTS.labels(method, _kind_of(path), str(response.status)).inc()
         if not 200 <= response.status < 300:
             raise ApiException(status=response.status, reason=response.reason, body=raw.decode())
         return json.loads(raw) if raw else None
@@ -144,6 +146,12 @@ class Kube:
             "PATCH", path, body=patch, content_type="application/merge-patch+json"
         )
         return result
+
+
+def _kind_of(path: str) -> str:
+    """The plural resource name of an API path (the segment after the namespace)."""
+    parts = path.split("/")
+    return parts[parts.index("namespaces") + 2] if "namespaces" in parts[:-2] else parts[-1]
 
 
 def _is_missing_kind(exc: ApiException) -> bool:

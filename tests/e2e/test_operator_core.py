@@ -40,7 +40,7 @@ class OperatorProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cas_operator", "--liveness", ""],
+            [sys.executable, "-m", "cas_operator", "--liveness", "", "--metrics-port", "0"],
             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
 
