@@ -1,0 +1,300 @@
+"""The engine launcher: ``python -m cas_engine.launch_server <sglang args> [--cas-* flags]``.
+
+Data flow:
+
+1. :func:`plan_launch` (pure) splits argv into our ``--cas-*`` flags and SGLang's arguments
+   and resolves our configuration (flags > ``CAS_*`` environment > defaults).
+2. :func:`preflight` checks before anything starts and raises :class:`LaunchRefused` with a
+   message naming what is needed: the pinned SGLang version, the guard patch targets, the
+   strict-reclaim patch, and, when ``--enable-hierarchical-cache`` is on, the HiCache
+   load-use ordering of the installed SGLang (see :mod:`cas_engine.hicache.source_check`).
+3. :func:`export_env` writes the resolved configuration into the environment: SGLang starts
+   its scheduler and detokenizer with ``spawn``, so a monkeypatch made in this process would be
+   lost; instead SGLang's plugin loader (entry point group ``sglang.srt.plugins``, called early
+   in every SGLang process) runs :func:`sglang_plugin`, which installs our patches from the
+   environment in each process.
+4. :func:`main` then runs ``sglang.launch_server`` as ``__main__`` with SGLang's arguments.
+
+Our parts (``--cas-*``): the quality gate (:mod:`cas_engine.guard`), KV reclaim mode
+(``strict``: :mod:`cas_engine.sglang.reclaim`; ``upstream``: SGLang's timeout release), and the
+HiCache read-before-ready detector (off by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import logging
+import os
+import runpy
+import sys
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from dataclasses import asdict, dataclass, field
+
+from cas_engine.guard.config import GuardConfig, add_guard_arguments, guard_config_from_args
+
+logger = logging.getLogger("cas_engine.launch")
+
+PLUGIN_GROUP = "sglang.srt.plugins"
+PLUGIN_NAME = "cas_engine"
+ENABLE_ENV = "CAS_ENGINE_PATCHES"
+KV_RECLAIM_ENV = "CAS_KV_RECLAIM"
+HICACHE_DETECTOR_ENV = "CAS_HICACHE_DETECTOR"
+HICACHE_CHECK_ENV = "CAS_HICACHE_CHECK"
+KV_RECLAIM_MODES = ("strict", "upstream")
+HICACHE_CHECK_MODES = ("enforce", "warn", "off")
+HICACHE_FLAG = "--enable-hierarchical-cache"
+
+
+class LaunchRefused(RuntimeError):
+    """A pre-flight check failed; the message says what is needed."""
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything the launcher decided before touching SGLang."""
+
+    guard: GuardConfig
+    kv_reclaim: str
+    hicache_detector: bool
+    hicache_check: str
+    sglang_argv: list[str] = field(default_factory=list)
+    show_help: bool = False
+
+    @property
+    def hicache_enabled(self) -> bool:
+        return HICACHE_FLAG in self.sglang_argv
+
+
+def _bool(raw: str) -> bool:
+    lowered = raw.strip().lower()
+    if lowered in {"1", "true", "yes", "on"}:
+        return True
+    if lowered in {"0", "false", "no", "off"}:
+        return False
+    raise argparse.ArgumentTypeError(f"not a boolean: {raw!r}")
+
+
+def build_cas_parser() -> argparse.ArgumentParser:
+    """Parser of our flags only (``add_help`` off: ``--help`` shows ours, then SGLang's)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m cas_engine.launch_server",
+        description="SGLang with cas_engine's patches. Flags not starting with --cas- go to "
+        "SGLang unchanged; SGLang's own help follows below.",
+        add_help=False,
+        allow_abbrev=False,
+    )
+    add_guard_arguments(parser)
+    group = parser.add_argument_group("cas KV reclaim and HiCache")
+    group.add_argument(
+        "--cas-kv-reclaim",
+        choices=KV_RECLAIM_MODES,
+        default=None,
+        help=f"strict: reuse a KV slot only after the prefill confirms no write "
+        f"is in flight; upstream: SGLang's timeout release (env {KV_RECLAIM_ENV}, "
+        "default strict)",
+    )
+    group.add_argument(
+        "--cas-hicache-detector",
+        type=_bool,
+        default=None,
+        metavar="BOOL",
+        help="count index-cache reads before their layer load completed "
+        f"(env {HICACHE_DETECTOR_ENV}, default false)",
+    )
+    group.add_argument(
+        "--cas-hicache-check",
+        choices=HICACHE_CHECK_MODES,
+        default=None,
+        help="start-up check of HiCache load-use ordering when "
+        f"{HICACHE_FLAG} is given: enforce refuses to start on failure "
+        f"(env {HICACHE_CHECK_ENV}, default enforce)",
+    )
+    return parser
+
+
+def plan_launch(argv: Sequence[str], env: Mapping[str, str] | None = None) -> LaunchPlan:
+    """Split ``argv`` and resolve our configuration; raises ``SystemExit(2)`` on bad flags."""
+    env = os.environ if env is None else env
+    parser = build_cas_parser()
+    ns, rest = parser.parse_known_args(list(argv))
+    unknown = [a for a in rest if a.startswith("--cas-")]
+    if unknown:
+        parser.error(f"unknown cas flag(s): {' '.join(unknown)}")
+    try:
+        guard = guard_config_from_args(ns, env)
+    except ValueError as exc:
+        parser.error(str(exc))
+    kv = ns.cas_kv_reclaim or env.get(KV_RECLAIM_ENV, "strict").strip().lower()
+    check = ns.cas_hicache_check or env.get(HICACHE_CHECK_ENV, "enforce").strip().lower()
+    if kv not in KV_RECLAIM_MODES:
+        parser.error(f"{KV_RECLAIM_ENV} must be one of {KV_RECLAIM_MODES}, got {kv!r}")
+    if check not in HICACHE_CHECK_MODES:
+        parser.error(f"{HICACHE_CHECK_ENV} must be one of {HICACHE_CHECK_MODES}, got {check!r}")
+    detector = ns.cas_hicache_detector
+    if detector is None:
+        try:
+            detector = _bool(env.get(HICACHE_DETECTOR_ENV, "false"))
+        except argparse.ArgumentTypeError as exc:
+            parser.error(f"{HICACHE_DETECTOR_ENV}: {exc}")
+    show_help = any(a in ("-h", "--help") for a in rest)
+    return LaunchPlan(
+        guard=guard,
+        kv_reclaim=kv,
+        hicache_detector=detector,
+        hicache_check=check,
+        sglang_argv=rest,
+        show_help=show_help,
+    )
+
+
+# ---- pre-flight checks --------------------------------------------------------------------------
+
+Check = Callable[[LaunchPlan], str]
+
+
+def check_version(plan: LaunchPlan) -> str:
+    from cas_engine.sglang.version import SGLangVersionError, require_sglang
+
+    try:
+        return f"sglang {require_sglang()} (pinned)"
+    except SGLangVersionError as exc:
+        raise LaunchRefused(str(exc)) from exc
+
+
+def check_plugin_entry_point(plan: LaunchPlan) -> str:
+    names = {ep.name for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP)}
+    if PLUGIN_NAME not in names:
+        raise LaunchRefused(
+            f"cas_engine's SGLang plugin (entry point {PLUGIN_GROUP}:{PLUGIN_NAME}) is not "
+            "installed, so SGLang's worker processes would run unpatched; reinstall cas_engine"
+        )
+    return f"plugin entry point {PLUGIN_GROUP}:{PLUGIN_NAME} registered"
+
+
+def check_guard_targets(plan: LaunchPlan) -> str:
+    from cas_engine.sglang.guard_patch import TARGET_CLASS, TARGET_MODULE, check_targets
+
+    cls = getattr(importlib.import_module(TARGET_MODULE), TARGET_CLASS)
+    problems = check_targets(cls)
+    if problems:
+        raise LaunchRefused("quality gate cannot hook SGLang: " + "; ".join(problems))
+    return f"guard hooks present on {TARGET_CLASS}"
+
+
+def check_reclaim(plan: LaunchPlan) -> str:
+    if plan.kv_reclaim != "strict":
+        return "kv reclaim: upstream (SGLang's timeout release; the race stays open)"
+    try:
+        reclaim = importlib.import_module("cas_engine.sglang.reclaim")
+    except ImportError as exc:
+        raise LaunchRefused(f"strict KV reclaim requested but unavailable: {exc}") from exc
+    problems = reclaim.check_reclaim_targets()
+    if problems:
+        raise LaunchRefused("strict KV reclaim cannot hook SGLang: " + "; ".join(problems))
+    return "kv reclaim: strict"
+
+
+def check_hicache(plan: LaunchPlan) -> str:
+    if not plan.hicache_enabled or plan.hicache_check == "off":
+        return "hicache check: skipped"
+    from cas_engine.sglang.hicache_check import check_hicache_ordering
+
+    verdict = check_hicache_ordering()
+    if not verdict.ok and plan.hicache_check == "enforce":
+        raise LaunchRefused(f"refusing {HICACHE_FLAG}: {verdict.message}")
+    return verdict.message
+
+
+PREFLIGHT: tuple[Check, ...] = (
+    check_version,
+    check_plugin_entry_point,
+    check_guard_targets,
+    check_reclaim,
+    check_hicache,
+)
+
+
+def preflight(plan: LaunchPlan, checks: Sequence[Check] | None = None) -> list[str]:
+    """Run every check (default :data:`PREFLIGHT`) in order; the first failure raises."""
+    return [check(plan) for check in (PREFLIGHT if checks is None else checks)]
+
+
+# ---- handing over to SGLang ---------------------------------------------------------------------
+
+
+def export_env(plan: LaunchPlan, environ: MutableMapping[str, str]) -> None:
+    """Write the plan where SGLang's spawned processes (and :func:`sglang_plugin`) read it."""
+    for name, value in asdict(plan.guard).items():
+        environ[f"CAS_GUARD_{name.upper()}"] = (
+            str(value).lower() if isinstance(value, bool) else str(value)
+        )
+    environ[KV_RECLAIM_ENV] = plan.kv_reclaim
+    environ[HICACHE_DETECTOR_ENV] = "true" if plan.hicache_detector else "false"
+    environ[ENABLE_ENV] = "1"
+    allowed = environ.get("SGLANG_PLUGINS", "").strip()
+    if allowed and PLUGIN_NAME not in {x.strip() for x in allowed.split(",")}:
+        environ["SGLANG_PLUGINS"] = f"{allowed},{PLUGIN_NAME}"
+
+
+def print_help(out: Callable[[str], None] = print) -> None:
+    out(build_cas_parser().format_help())
+    try:
+        from sglang.srt.server_args import ServerArgs
+    except Exception as exc:  # SGLang absent or its deps missing: say so, keep our help
+        out(f"(SGLang's own flags unavailable here: {type(exc).__name__}: {exc})")
+        return
+    sg = argparse.ArgumentParser(prog="sglang.launch_server", add_help=False)
+    ServerArgs.add_cli_args(sg)
+    out(sg.format_help())
+
+
+def run_sglang(sglang_argv: Sequence[str]) -> None:
+    """Run ``python -m sglang.launch_server`` in this process with ``sglang_argv``."""
+    sys.argv = ["sglang.launch_server", *sglang_argv]
+    runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    plan = plan_launch(sys.argv[1:] if argv is None else argv)
+    if plan.show_help:
+        print_help()
+        return 0
+    try:
+        for line in preflight(plan):
+            logger.info("preflight: %s", line)
+    except LaunchRefused as exc:
+        logger.error("cas_engine refuses to start: %s", exc)
+        return 3
+    export_env(plan, os.environ)
+    run_sglang(plan.sglang_argv)
+    return 0
+
+
+# ---- inside every SGLang process ----------------------------------------------------------------
+
+
+def sglang_plugin() -> None:
+    """SGLang general-plugin entry point: install our patches from the environment.
+
+    Does nothing unless the launcher set ``CAS_ENGINE_PATCHES=1`` (so merely installing
+    cas_engine next to SGLang changes nothing). SGLang logs, but does not stop on, an
+    exception raised here; the launcher's pre-flight already refused anything that would fail.
+    """
+    if os.environ.get(ENABLE_ENV) != "1":
+        return
+    from prometheus_client import REGISTRY
+
+    from cas_engine.guard import GuardMetrics
+    from cas_engine.sglang.guard_patch import install_guard_patch
+
+    config = GuardConfig.from_env()
+    install_guard_patch(config, metrics=GuardMetrics.create(REGISTRY, config))
+    if os.environ.get(KV_RECLAIM_ENV, "strict") == "strict":
+        importlib.import_module("cas_engine.sglang.reclaim").install_reclaim_patch()
+    if os.environ.get(HICACHE_DETECTOR_ENV) == "true":
+        from cas_engine.sglang.hicache_check import install_read_detector
+
+        install_read_detector(registry=REGISTRY)
