@@ -166,11 +166,16 @@ def table(rows: list[dict[str, Any]]) -> str:
         f"{'reconcile ms':>13} {'CPU s':>7} {'peak MiB':>9} {'API req/res':>11}"
     )
     lines = [head]
+    nan = float("nan")
     for r in rows:
+        apply_p50, pods_p50 = (
+            r["apply_to_ready_median_s"] or nan,
+            r["pods_to_ready_median_s"] or nan,
+        )
         lines.append(
             f"{r['n']:>5} {r['ready']:>6} "
-            f"{r['apply_to_ready_median_s'] or float('nan'):>11.2f}/{r['apply_to_ready_p99_s']:<12.2f}"
-            f"{r['pods_to_ready_median_s'] or float('nan'):>10.2f}/{r['pods_to_ready_p99_s']:<12.2f}"
+            f"{apply_p50:>11.2f}/{r['apply_to_ready_p99_s']:<12.2f}"
+            f"{pods_p50:>10.2f}/{r['pods_to_ready_p99_s']:<12.2f}"
             f"{r['reconcile_mean_ms']:>13.1f} {r['operator_cpu_s']:>7.1f} "
             f"{r['operator_peak_mib']:>9.0f} {r['api_requests_per_resource']:>11.1f}"
         )
@@ -186,10 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     shape = NodeShape(count=8, gpus=128, pods=250)
     cluster = start_cluster(REPO_ROOT / "run" / "bench-operator", shape=shape, log=print)
     try:
-        run_kubectl(cluster.kubectl_path, cluster.kubeconfig, "apply", "--server-side",
-                    "-f", str(REPO_ROOT / "crds"))  # fmt: skip
-        run_kubectl(cluster.kubectl_path, cluster.kubeconfig, "wait", "--timeout=60s",
-                    "--for=condition=Established", "crd/codingagentservings.serving.cas.dev")  # fmt: skip
+        kubectl = [cluster.kubectl_path, cluster.kubeconfig]
+        run_kubectl(*kubectl, "apply", "--server-side", "-f", str(REPO_ROOT / "crds"))
+        crd = "crd/codingagentservings.serving.cas.dev"
+        run_kubectl(*kubectl, "wait", "--timeout=60s", "--for=condition=Established", crd)
         rows = [Round(cluster, n, args.timeout).run() for n in sizes]
     finally:
         cluster.stop()
