@@ -1,0 +1,253 @@
+"""Strict reclaim adapter against the REAL SGLang 0.5.23 decode code (cas_engine.sglang.reclaim).
+
+``sglang.srt.disaggregation.decode`` cannot be imported on this CPU machine: it imports torch at
+module level (and ``sglang/__init__`` pulls psutil and more). So the test compiles the real
+methods of ``DecodeTransferQueue`` (``__init__``, ``_defer_release``,
+``resolve_deferred_releases``, ``_do_release``, ``_release_request``, ``_is_host_destination``,
+``_observe_deferred_kv_release``), the real abort-ack bookkeeping of ``CommonKVManager``
+(``register_deferred_abort_room``, ``note_abort_ack``, ``is_abort_release_safe``,
+``clear_deferred_abort_state``) and the real ``all_reduce_flags`` straight from the installed
+sglang source files (file names and line numbers kept), with stubs only for what they import
+(torch.distributed, env accessors, the allocator). Everything the patch touches runs as
+upstream wrote it. Skipped when sglang 0.5.23 is not installed.
+"""
+
+from __future__ import annotations
+import __future__
+
+import ast
+import importlib.util
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from cas_engine.kvfence import KvFenceMetrics
+from cas_engine.sglang import reclaim
+from cas_engine.sglang.version import PINNED_SGLANG_VERSION, installed_sglang_version
+
+if installed_sglang_version() != PINNED_SGLANG_VERSION:
+    pytest.skip(f"sglang=={PINNED_SGLANG_VERSION} not installed (pip install --no-deps "
+                f"sglang=={PINNED_SGLANG_VERSION})", allow_module_level=True)
+
+_SPEC = importlib.util.find_spec("sglang")  # top-level spec: does not run sglang/__init__
+assert _SPEC is not None and _SPEC.origin is not None
+SGLANG_DIR = Path(_SPEC.origin).parent
+DECODE_PY = SGLANG_DIR / "srt/disaggregation/decode.py"
+CONN_PY = SGLANG_DIR / "srt/disaggregation/common/conn.py"
+UTILS_PY = SGLANG_DIR / "srt/disaggregation/utils.py"
+
+QUEUE_METHODS = ("__init__", "_defer_release", "resolve_deferred_releases", "_do_release",
+                 "_release_request", "_is_host_destination", "_observe_deferred_kv_release",
+                 "has_pending_deferred_releases")
+KV_MGR_METHODS = ("register_deferred_abort_room", "note_abort_ack", "is_abort_release_safe",
+                  "clear_deferred_abort_state")
+
+
+def compile_real(path: Path, namespace: dict[str, Any], *, cls: str | None, names: tuple[str, ...],
+                 as_name: str | None = None) -> Any:
+    """Compile the named real functions (of class ``cls``, or module level) from ``path``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    body = tree.body
+    if cls is not None:
+        body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls).body
+    funcs = [n for n in body if isinstance(n, ast.FunctionDef) and n.name in names]
+    assert {f.name for f in funcs} == set(names), f"missing in {path.name}: {names}"
+    if cls is None:
+        module = ast.Module(body=funcs, type_ignores=[])
+    else:
+        klass = ast.ClassDef(name=as_name or cls, bases=[], keywords=[], body=funcs,
+                             decorator_list=[], type_params=[], lineno=1, col_offset=0)
+        module = ast.Module(body=[klass], type_ignores=[])
+    code = compile(module, str(path), "exec", flags=__future__.annotations.compiler_flag,
+                   dont_inherit=True)
+    exec(code, namespace)
+    return namespace[as_name or cls] if cls else namespace
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@dataclass
+class AckState:  # stands in for the msgspec.Struct DeferredAbortAckState
+    generation: int
+    prefill_ranks: set[int]
+
+
+class Env:
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def get(self) -> Any:
+        return self.value
+
+
+def build_world(deferred_enabled: bool = True) -> SimpleNamespace:
+    """Real SGLang classes (compiled from the installed files) wired to CPU stubs."""
+    clock = FakeClock()
+    released: list[int] = []
+    dist = SimpleNamespace(get_world_size=lambda group: 1, all_reduce=None,
+                           ReduceOp=SimpleNamespace(MIN="min", MAX="max"),
+                           ProcessGroup=object)
+    torch = SimpleNamespace(distributed=dist, tensor=None, int32=None)
+    utils_ns: dict[str, Any] = {"dist": dist, "torch": torch, "List": list}
+    compile_real(UTILS_PY, utils_ns, cls=None, names=("all_reduce_flags",))
+    envs = SimpleNamespace(
+        SGLANG_DISAGG_STAGING_BUFFER=Env(False),
+        SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=Env(deferred_enabled),
+        SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT=Env(30.0))
+    decode_ns: dict[str, Any] = {
+        "time": clock, "torch": torch, "logger": SimpleNamespace(warning=lambda *a: None,
+                                                                 exception=lambda *a: None),
+        "all_reduce_flags": utils_ns["all_reduce_flags"], "envs": envs,
+        "get_parallel": lambda: SimpleNamespace(attn_tp_group=SimpleNamespace(cpu_group=None),
+                                                tp_rank=0),
+        "get_disagg": lambda: SimpleNamespace(disaggregation_decode_host_receive_threshold=1.0),
+        "release_kv_cache": lambda req, tree_cache, checkpoint: released.append(
+            req.bootstrap_room),
+        "discard_kv_cache_backup": None, "List": list, "Tuple": tuple,
+    }
+    queue_cls = compile_real(DECODE_PY, decode_ns, cls="DecodeTransferQueue",
+                             names=QUEUE_METHODS)
+    conn_ns: dict[str, Any] = {"DeferredAbortAckState": AckState}
+    mgr_cls = compile_real(CONN_PY, conn_ns, cls="CommonKVManager", names=KV_MGR_METHODS,
+                           as_name="RealAckBookkeeping")
+    return SimpleNamespace(clock=clock, released=released, queue_cls=queue_cls,
+                           mgr_cls=mgr_cls)
+
+
+def make_queue(world: SimpleNamespace) -> Any:
+    freed_meta: list[int] = []
+    scheduler = SimpleNamespace(spec_algorithm=None, enable_hisparse=False,
+                                metrics_reporter=SimpleNamespace(enable_metrics=False))
+    q = world.queue_cls(
+        req_to_metadata_buffer_idx_allocator=SimpleNamespace(free=freed_meta.append),
+        metadata_buffers=SimpleNamespace(clear_slot=lambda idx: None),
+        scheduler=scheduler, tree_cache=None)
+    q.freed_meta = freed_meta
+    return q
+
+
+def make_kv_mgr(world: SimpleNamespace) -> Any:
+    mgr = world.mgr_cls()
+    mgr._deferred_abort_ack_tracker = {}
+    mgr._deferred_abort_generation = 0
+    mgr.enable_deferred_decode_kv_release = True
+    return mgr
+
+
+def abort_room(world: SimpleNamespace, q: Any, mgr: Any, room: int, ranks: int) -> int:
+    """Decode aborts a room mid-transfer: arm the ack tracker and hold the request."""
+    generation = mgr.register_deferred_abort_room(room)
+    receiver = SimpleNamespace(kv_mgr=mgr, abort_notified=True,
+                               bootstrap_infos=[object()] * ranks, clear=lambda: None)
+    req = SimpleNamespace(bootstrap_room=room, rid=f"r{room}")
+    q._defer_release(SimpleNamespace(req=req, kv_receiver=receiver, host_staged=False,
+                                     metadata_buffer_index=room))
+    return generation
+
+
+def test_unpatched_upstream_releases_on_the_timer() -> None:
+    """Baseline of the real 0.5.23 code: no ack, 30 s pass, the slot is released anyway.
+    If this stops failing-open, upstream fixed it and the patch should be revisited."""
+    world = build_world()
+    q, mgr = make_queue(world), make_kv_mgr(world)
+    abort_room(world, q, mgr, room=11, ranks=2)
+    world.clock.now += 29.0
+    q.resolve_deferred_releases()
+    assert world.released == []
+    world.clock.now += 2.0
+    q.resolve_deferred_releases()
+    assert world.released == [11]
+
+
+def test_strict_patch_holds_past_timer_and_releases_on_all_acks() -> None:
+    """Guards Bug 1 in SGLang: after the patch, only acks from every prefill rank of the
+    current generation release the slot; the timer and stale acks do not."""
+    world = build_world()
+    reg = CollectorRegistry()
+    patch = reclaim.install_strict_reclaim(world.queue_cls, quarantine_budget_rooms=0,
+                                           metrics=KvFenceMetrics(reg),
+                                           clock=world.clock.monotonic)
+    q, mgr = make_queue(world), make_kv_mgr(world)
+    assert q.deferred_kv_release_timeout == math.inf and q._cas_upstream_timeout_s == 30.0
+    gen = abort_room(world, q, mgr, room=11, ranks=2)
+    world.clock.now += 3600.0
+    q.resolve_deferred_releases()
+    assert world.released == [] and q.has_pending_deferred_releases()
+    assert patch.overdue_rooms == 1
+    assert patch.health()[0] is False
+    assert reg.get_sample_value("cas_kv_quarantined_rooms") == 1
+    assert reg.get_sample_value("cas_kv_unhealthy_by_quarantine") == 1
+    mgr.note_abort_ack(11, 0, gen - 1)  # stale generation
+    mgr.note_abort_ack(11, 0, gen)
+    q.resolve_deferred_releases()
+    assert world.released == []
+    mgr.note_abort_ack(11, 1, gen)
+    q.resolve_deferred_releases()
+    assert world.released == [11] and q.freed_meta == [11]
+    assert not q.has_pending_deferred_releases()
+    assert patch.health() == (True, "")
+    assert reg.get_sample_value("cas_kv_reclaims_total", {"outcome": "acked"}) == 1
+    assert mgr._deferred_abort_ack_tracker == {}
+
+
+def test_patch_is_idempotent_and_refuses_disabled_deferred_release() -> None:
+    """Installing twice must not double-wrap; with deferred release off, start-up fails."""
+    world = build_world(deferred_enabled=False)
+    first = reclaim.install_strict_reclaim(world.queue_cls)
+    assert reclaim.install_strict_reclaim(world.queue_cls) is first
+    with pytest.raises(reclaim.StrictReclaimError, match="DEFERRED_DECODE_KV_RELEASE=1"):
+        make_queue(world)
+
+
+def test_check_refuses_changed_upstream_code() -> None:
+    """If the timer logic of the installed SGLang differs, the patch must refuse to start."""
+    world = build_world()
+
+    class Changed(world.queue_cls):  # type: ignore[misc,name-defined]
+        def resolve_deferred_releases(self) -> None:
+            return None
+
+    Changed.__init__ = world.queue_cls.__init__
+    Changed._defer_release = world.queue_cls._defer_release
+    Changed._do_release = world.queue_cls._do_release
+    with pytest.raises(reclaim.StrictReclaimError, match="no longer contains"):
+        reclaim.check_decode_queue(Changed)
+
+    class Missing:
+        pass
+
+    with pytest.raises(reclaim.StrictReclaimError, match="missing"):
+        reclaim.check_decode_queue(Missing)
+
+
+def test_loading_the_real_module_fails_with_a_clear_reason_or_works() -> None:
+    """On CPU without torch the import fails; the error must say which module is missing."""
+    try:
+        cls = reclaim.load_decode_queue_class()
+    except reclaim.StrictReclaimError as exc:
+        assert "cannot import sglang.srt.disaggregation.decode" in str(exc)
+        assert "No module named" in str(exc)
+    else:
+        reclaim.check_decode_queue(cls)
+
+
+def test_env_defaults_turn_deferred_release_on_without_overriding() -> None:
+    """The launcher enables deferred release; an explicit operator setting wins (then the
+    patched queue refuses to start, see above)."""
+    env: dict[str, str] = {}
+    reclaim.apply_env_defaults(env)
+    assert env == {reclaim.ENABLE_ENV: "1"}
+    env = {reclaim.ENABLE_ENV: "0"}
+    reclaim.apply_env_defaults(env)
+    assert env[reclaim.ENABLE_ENV] == "0"
