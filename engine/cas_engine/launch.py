@@ -45,6 +45,7 @@ HICACHE_CHECK_ENV = "CAS_HICACHE_CHECK"
 KV_RECLAIM_MODES = ("strict", "upstream")
 HICACHE_CHECK_MODES = ("enforce", "warn", "off")
 HICACHE_FLAG = "--enable-hierarchical-cache"
+HICACHE_FLAGS = (HICACHE_FLAG, "--enable-hicache")  # SGLang accepts both spellings
 
 
 class LaunchRefused(RuntimeError):
@@ -64,7 +65,7 @@ class LaunchPlan:
 
     @property
     def hicache_enabled(self) -> bool:
-        return HICACHE_FLAG in self.sglang_argv
+        return any(flag in self.sglang_argv for flag in HICACHE_FLAGS)
 
 
 def _bool(raw: str) -> bool:

@@ -130,6 +130,8 @@ def test_hicache_check_refuses_warns_or_skips(monkeypatch: pytest.MonkeyPatch) -
     assert launch.check_hicache(_plan("--enable-hierarchical-cache", hicache_check="warn")) == (
         bad.message
     )
+    with pytest.raises(LaunchRefused):  # SGLang's alias of the same flag
+        launch.check_hicache(_plan("--enable-hicache"))
     assert "skipped" in launch.check_hicache(_plan())  # HiCache off: nothing to check
 
 
