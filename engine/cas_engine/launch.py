@@ -185,15 +185,16 @@ def check_guard_targets(plan: LaunchPlan) -> str:
 
 
 def check_reclaim(plan: LaunchPlan) -> str:
+    """Strict mode: the reclaim owner's target check (:mod:`cas_engine.sglang.reclaim`)."""
     if plan.kv_reclaim != "strict":
         return "kv reclaim: upstream (SGLang's timeout release; the race stays open)"
     try:
         reclaim = importlib.import_module("cas_engine.sglang.reclaim")
+        reclaim.check_decode_queue(reclaim.load_decode_queue_class())
     except ImportError as exc:
         raise LaunchRefused(f"strict KV reclaim requested but unavailable: {exc}") from exc
-    problems = reclaim.check_reclaim_targets()
-    if problems:
-        raise LaunchRefused("strict KV reclaim cannot hook SGLang: " + "; ".join(problems))
+    except RuntimeError as exc:  # StrictReclaimError
+        raise LaunchRefused(f"strict KV reclaim cannot hook SGLang: {exc}") from exc
     return "kv reclaim: strict"
 
 
@@ -232,6 +233,10 @@ def export_env(plan: LaunchPlan, environ: MutableMapping[str, str]) -> None:
             str(value).lower() if isinstance(value, bool) else str(value)
         )
     environ[KV_RECLAIM_ENV] = plan.kv_reclaim
+    if plan.kv_reclaim == "strict":
+        reclaim = importlib.import_module("cas_engine.sglang.reclaim")
+        for key, value in reclaim.strict_env().items():
+            environ.setdefault(key, value)  # deferred release must be on for strict mode
     environ[HICACHE_DETECTOR_ENV] = "true" if plan.hicache_detector else "false"
     environ[ENABLE_ENV] = "1"
     allowed = environ.get("SGLANG_PLUGINS", "").strip()
@@ -294,7 +299,10 @@ def sglang_plugin() -> None:
     config = GuardConfig.from_env()
     install_guard_patch(config, metrics=GuardMetrics.create(REGISTRY, config))
     if os.environ.get(KV_RECLAIM_ENV, "strict") == "strict":
-        importlib.import_module("cas_engine.sglang.reclaim").install_reclaim_patch()
+        from cas_engine.kvfence.metrics import KvFenceMetrics
+        from cas_engine.sglang.reclaim import install_strict_reclaim
+
+        install_strict_reclaim(metrics=KvFenceMetrics(registry=REGISTRY))
     if os.environ.get(HICACHE_DETECTOR_ENV) == "true":
         from cas_engine.sglang.hicache_check import install_read_detector
 

@@ -137,12 +137,19 @@ def test_hicache_check_refuses_warns_or_skips(monkeypatch: pytest.MonkeyPatch) -
 
 def test_strict_reclaim_requires_its_patch(monkeypatch: pytest.MonkeyPatch) -> None:
     """Regression: strict mode must never silently fall back to the timeout release."""
-    fake = types.ModuleType("cas_engine.sglang.reclaim")
-    fake.check_reclaim_targets = lambda: ["DecodeTransferQueue.resolve_deferred_releases missing"]  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "cas_engine.sglang.reclaim", fake)
+    from cas_engine.sglang import reclaim
+
+    class Queue:
+        pass
+
+    def refuse(cls: type) -> None:
+        raise reclaim.StrictReclaimError("DecodeTransferQueue.resolve_deferred_releases missing")
+
+    monkeypatch.setattr(reclaim, "load_decode_queue_class", lambda: Queue)
+    monkeypatch.setattr(reclaim, "check_decode_queue", refuse)
     with pytest.raises(LaunchRefused, match="resolve_deferred_releases"):
         launch.check_reclaim(_plan())
-    fake.check_reclaim_targets = lambda: []  # type: ignore[attr-defined]
+    monkeypatch.setattr(reclaim, "check_decode_queue", lambda cls: None)
     assert launch.check_reclaim(_plan()) == "kv reclaim: strict"
     assert "upstream" in launch.check_reclaim(_plan(kv_reclaim="upstream"))
 
@@ -182,6 +189,9 @@ def test_export_env_round_trips_to_the_worker_processes() -> None:
         "1",
     )
     assert env["SGLANG_PLUGINS"] == "other,cas_engine"  # a whitelist must not drop us
+    strict: dict[str, str] = {}
+    export_env(_plan(), strict)
+    assert strict["SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"] == "1"
 
 
 def test_plugin_is_inert_unless_the_launcher_enabled_it(monkeypatch: pytest.MonkeyPatch) -> None:
