@@ -1,0 +1,150 @@
+"""Signals from scraping each pod's `/metrics` directly (clusters without Prometheus).
+
+Data flow: every `observe` call scrapes all targets concurrently (bounded thread pool, hard
+per-request timeout), parses the text exposition format, and appends one sample of the
+counters of interest to that pod's in-memory history. A windowed increase is the sum of
+positive steps over the samples inside the window (a drop is a counter reset: the engine
+restarted, and the new value counts from zero), so it needs two scrapes of the same pod.
+History is keyed by (pod name, pod IP): a replaced pod with the same name starts afresh.
+Ownership: one ScrapeSource per operator process; its history is only a rate cache (losing it
+costs one window of data, never a wrong decision).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from cas_operator.observe import types as m
+from cas_operator.observe.http import FetchError, get
+from cas_operator.observe.types import Observation, PodTarget
+from cas_operator.planning.anomaly import PodSignals
+
+COUNTER_KEYS = (m.CHECKED, m.REASON_LOW, m.REASON_HIGH, m.ABORTED)
+
+
+@dataclass(frozen=True)
+class Scrape:
+    """One parsed scrape: counter totals (COUNTER_KEYS) and gauges (types.GAUGES)."""
+
+    at: float
+    counters: dict[str, float]
+    gauges: dict[str, float]
+
+
+def parse_exposition(text: str, at: float) -> Scrape:
+    """Counters summed across their labels (model_name etc.), trips split by `reason`; gauges
+    combined across series (quarantine flag: max, KV usage: mean, queues: sum).
+    Raises ValueError on malformed text."""
+    counters: dict[str, float] = {}
+    gauge_values: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            value = float(sample.value)
+            if math.isnan(value):
+                continue
+            if sample.name == m.TRIPS:
+                key = sample.labels.get("reason", "")
+                counters[key] = counters.get(key, 0.0) + value
+            elif sample.name in (m.CHECKED, m.ABORTED):
+                counters[sample.name] = counters.get(sample.name, 0.0) + value
+            elif sample.name in m.GAUGES:
+                gauge_values.setdefault(sample.name, []).append(value)
+    gauges = {}
+    for name, values in gauge_values.items():
+        if name == m.UNHEALTHY:
+            gauges[name] = max(values)
+        elif name == m.TOKEN_USAGE:
+            gauges[name] = sum(values) / len(values)
+        else:
+            gauges[name] = sum(values)
+    return Scrape(at, counters, gauges)
+
+
+def windowed_increase(samples: Sequence[Scrape], key: str, window: float) -> float | None:
+    """Increase of counter `key` over the samples within `window` of the newest; None when
+    fewer than two samples carry it. Resets count from zero (Prometheus' `increase` rule)."""
+    if not samples:
+        return None
+    start = samples[-1].at - window
+    inside = [s for s in samples if s.at >= start and key in s.counters]
+    if len(inside) < 2:
+        return None
+    total = 0.0
+    for a, b in itertools.pairwise(inside):
+        va, vb = a.counters[key], b.counters[key]
+        total += vb - va if vb >= va else vb
+    return total
+
+
+@dataclass
+class _History:
+    ip: str
+    samples: deque[Scrape] = field(default_factory=lambda: deque(maxlen=512))
+
+
+@dataclass
+class ScrapeSource:
+    """Scrapes `http://<pod ip>:<port><path>`; keeps per-pod history for windowed increases."""
+
+    timeout_seconds: float = 2.0
+    path: str = "/metrics"
+    max_workers: int = 16
+    max_answer_bytes: int = 8 * 1024 * 1024
+    clock: Callable[[], float] = time.monotonic
+    _history: dict[str, _History] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def observe(self, targets: Sequence[PodTarget], window_seconds: float) -> Observation:
+        """Scrape every target now; pods without an IP or whose scrape fails get an error."""
+        now = self.clock()
+        with ThreadPoolExecutor(max_workers=max(1, min(self.max_workers, len(targets)))) as pool:
+            scraped = list(pool.map(lambda t: self._scrape(t, now), targets))
+        out = Observation()
+        with self._lock:
+            live = {t.name for t in targets}
+            for name in [n for n in self._history if n not in live]:
+                del self._history[name]  # pods that went away
+            for target, result in zip(targets, scraped, strict=True):
+                out.signals[target.name] = self._record(target, result, window_seconds)
+        if targets and all(s.error is not None for s in out.signals.values()):
+            out.error = f"no pod could be scraped ({next(iter(out.signals.values())).error})"
+        return out
+
+    def _scrape(self, target: PodTarget, now: float) -> Scrape | str:
+        if not target.ip:
+            return "pod has no IP yet"
+        url = f"http://{target.ip}:{target.port}{self.path}"
+        try:
+            body = get(url, None, self.timeout_seconds, self.max_answer_bytes)
+            return parse_exposition(body.decode("utf-8", errors="replace"), now)
+        except FetchError as exc:
+            return f"scrape failed: {exc}"
+        except ValueError as exc:
+            return f"unparsable metrics from {url}: {exc}"
+
+    def _record(self, target: PodTarget, result: Scrape | str, window: float) -> PodSignals:
+        """Append a good scrape to the pod's history and derive its windowed signals."""
+        if isinstance(result, str):
+            return PodSignals(error=result)
+        hist = self._history.get(target.name)
+        if hist is None or hist.ip != target.ip:
+            hist = self._history[target.name] = _History(ip=target.ip or "")
+        hist.samples.append(result)
+        while hist.samples and hist.samples[0].at < result.at - 2 * window:
+            hist.samples.popleft()
+        counters = {}
+        for key in COUNTER_KEYS:
+            inc = windowed_increase(hist.samples, key, window)
+            if inc is not None:
+                counters[key] = inc
+        has_guard = m.CHECKED in counters
+        return m.signals_from(counters, result.gauges, has_guard=has_guard)

@@ -1,0 +1,73 @@
+"""The observe layer's contract: targets in, per-pod signals (or explicit errors) out."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Final, Protocol
+
+from cas_operator.planning.anomaly import PodSignals
+
+# Engine metric names (cas_engine.guard / kvfence / sim; SGLang's scheduler names).
+CHECKED: Final = "cas_guard_requests_checked_total"
+TRIPS: Final = "cas_guard_trips_total"
+UNHEALTHY: Final = "cas_kv_unhealthy_by_quarantine"
+RUNNING: Final = "sglang:num_running_reqs"
+QUEUED: Final = "sglang:num_queue_reqs"
+ABORTED: Final = "sglang:num_aborted_requests_total"
+TOKEN_USAGE: Final = "sglang:token_usage"
+REASON_LOW: Final = "low_accept_length"
+REASON_HIGH: Final = "high_accept_rate"
+GAUGES: Final = (UNHEALTHY, RUNNING, QUEUED, TOKEN_USAGE)
+
+
+@dataclass(frozen=True)
+class PodTarget:
+    """One engine pod to measure; `ip`/`port` are used by direct scraping only."""
+
+    name: str
+    role: str
+    namespace: str = "default"
+    ip: str | None = None
+    port: int = 30000
+
+
+@dataclass
+class Observation:
+    """Signals by pod name; `error` names a source-wide problem (then every pod has one too)."""
+
+    signals: dict[str, PodSignals] = field(default_factory=dict)
+    error: str | None = None
+
+    @classmethod
+    def outage(cls, targets: Sequence[PodTarget], error: str) -> Observation:
+        """The source is down: every pod's signal is unavailable for the same reason."""
+        return cls({t.name: PodSignals(error=error) for t in targets}, error)
+
+
+class MetricsSource(Protocol):
+    """A way to measure engine pods over a window; never raises for I/O problems."""
+
+    def observe(self, targets: Sequence[PodTarget], window_seconds: float) -> Observation: ...
+
+
+def signals_from(
+    counters: dict[str, float], gauges: dict[str, float], *, has_guard: bool
+) -> PodSignals:
+    """Assemble PodSignals from windowed increases and latest gauges of one pod.
+
+    `counters` keys: CHECKED, REASON_LOW, REASON_HIGH, ABORTED (absent = series missing).
+    A pod without guard series (a prefill, or an engine without the guard) gets None trip fields,
+    which the planner reads as "insufficient data", not as healthy.
+    """
+    unhealthy = gauges.get(UNHEALTHY)
+    return PodSignals(
+        checked=counters.get(CHECKED) if has_guard else None,
+        trips_low_accept=counters.get(REASON_LOW, 0.0) if has_guard else None,
+        trips_high_accept=counters.get(REASON_HIGH, 0.0) if has_guard else None,
+        unhealthy_by_quarantine=None if unhealthy is None else unhealthy > 0.5,
+        running=gauges.get(RUNNING),
+        queued=gauges.get(QUEUED),
+        aborted=counters.get(ABORTED),
+        token_usage=gauges.get(TOKEN_USAGE),
+    )

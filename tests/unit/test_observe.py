@@ -1,0 +1,334 @@
+"""Observe layer over real HTTP on 127.0.0.1: canned Prometheus API answers and /metrics text.
+
+The servers are small stand-ins (the seam is HTTP itself): they answer what Prometheus or an
+engine pod would, and can be made slow, broken or absent to exercise the failure paths.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlparse
+
+import pytest
+
+from cas_operator.observe import Observation, PodTarget, PrometheusSource, ScrapeSource
+from cas_operator.observe.scrape import Scrape, parse_exposition, windowed_increase
+
+Responder = Callable[[str, dict[str, list[str]]], tuple[int, bytes]]
+
+
+@dataclass
+class Server:
+    """A loopback HTTP server whose answers come from `respond(path, query)`."""
+
+    respond: Responder
+    delay: float = 0.0
+    host: str = "127.0.0.1"
+    seen: list[str] = field(default_factory=list)
+    port: int = 0
+
+    def handler(self) -> type[BaseHTTPRequestHandler]:
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                url = urlparse(self.path)
+                query = parse_qs(url.query)
+                server.seen.extend(query.get("query", [url.path]))
+                if server.delay:
+                    time.sleep(server.delay)
+                code, body = server.respond(url.path, query)
+                try:
+                    self.send_response(code)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up (timeout tests)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        return Handler
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[[Server], Server]]:
+    started: list[ThreadingHTTPServer] = []
+
+    def start(server: Server) -> Server:
+        httpd = ThreadingHTTPServer((server.host, 0), server.handler())
+        httpd.daemon_threads = True
+        server.port = httpd.server_address[1]
+        threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True).start()
+        started.append(httpd)
+        return server
+
+    yield start
+    for httpd in started:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def free_port() -> int:
+    """A loopback port with nothing listening (bound then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# --- Prometheus ---------------------------------------------------------------------------
+
+
+def vector(rows: list[tuple[dict[str, str], float]]) -> bytes:
+    result = [{"metric": labels, "value": [1700000000.0, str(v)]} for labels, v in rows]
+    return json.dumps(
+        {"status": "success", "data": {"resultType": "vector", "result": result}}
+    ).encode()
+
+
+def pod(name: str, **extra: str) -> dict[str, str]:
+    return {"namespace": "ns", "pod": name, **extra}
+
+
+def prom_answers(up: dict[str, float], age: dict[str, float]) -> Responder:
+    """Canned answers: d0 is corrupted, d1 healthy, p0 is a prefill without guard series."""
+
+    def respond(path: str, query: dict[str, list[str]]) -> tuple[int, bytes]:
+        q = query["query"][0]
+        if "timestamp(up" in q:
+            return 200, vector([(pod(n), a) for n, a in age.items()])
+        if "(up{" in q:
+            return 200, vector([(pod(n), v) for n, v in up.items()])
+        if "cas_guard_requests_checked_total" in q:
+            return 200, vector([(pod("d0"), 1200.0), (pod("d1"), 1100.0)])
+        if "cas_guard_trips_total" in q:
+            return 200, vector(
+                [
+                    (pod("d0", reason="low_accept_length"), 30.0),
+                    (pod("d0", reason="high_accept_rate"), 1.0),
+                    (pod("d1", reason="low_accept_length"), 0.0),
+                    (pod("d1", reason="high_accept_rate"), 0.0),
+                ]
+            )
+        if "cas_kv_unhealthy_by_quarantine" in q:
+            return 200, vector([(pod("d0"), 0.0), (pod("d1"), 1.0)])
+        if "sglang:num_running_reqs" in q:
+            return 200, vector([(pod("d0"), 7.0), (pod("p0"), 2.0)])
+        if "sglang:num_queue_reqs" in q:
+            return 200, vector([(pod("p0"), 9.0), (pod("d1"), float("nan"))])
+        return 200, vector([])
+
+    return respond
+
+
+TARGETS = [
+    PodTarget("d0", "decode", "ns"),
+    PodTarget("d1", "decode", "ns"),
+    PodTarget("p0", "prefill", "ns"),
+]
+
+
+def test_prometheus_joins_signals_per_pod(serve: Callable[[Server], Server]) -> None:
+    """Regression: per-pod values must land on the right pod, trips split by reason, prefill
+    pods without guard series read as 'no data' (None), not as zero trips."""
+    up = {"d0": 1.0, "d1": 1.0, "p0": 1.0}
+    srv = serve(Server(prom_answers(up, {"d0": 3.0, "d1": 4.0, "p0": 2.0})))
+    obs = PrometheusSource(f"http://127.0.0.1:{srv.port}").observe(TARGETS, 300)
+    assert obs.error is None
+    d0, d1, p0 = obs.signals["d0"], obs.signals["d1"], obs.signals["p0"]
+    assert (d0.checked, d0.trips_low_accept, d0.trips_high_accept) == (1200.0, 30.0, 1.0)
+    assert d0.unhealthy_by_quarantine is False and d1.unhealthy_by_quarantine is True
+    assert d0.running == 7.0 and d1.queued is None  # NaN is missing, not a number
+    assert p0.checked is None and p0.trips_low_accept is None and p0.queued == 9.0
+    windowed = [q for q in srv.seen if "increase(" in q]
+    assert windowed and all("[300s]" in q and 'namespace="ns"' in q for q in windowed)
+    assert all('pod=~"d0|d1|p0"' in q for q in srv.seen)
+
+
+def test_prometheus_target_health_is_explicit(serve: Callable[[Server], Server]) -> None:
+    """Regression: a pod Prometheus does not scrape, scrapes as down, or last scraped long
+    ago must get an error, never stale or zero numbers that look healthy."""
+    srv = serve(Server(prom_answers({"d0": 0.0, "d1": 1.0}, {"d0": 1.0, "d1": 600.0})))
+    obs = PrometheusSource(f"http://127.0.0.1:{srv.port}", stale_seconds=60).observe(TARGETS, 300)
+    assert obs.error is None
+    assert "down" in str(obs.signals["d0"].error)
+    assert "stale" in str(obs.signals["d1"].error)
+    assert "no up series" in str(obs.signals["p0"].error)
+
+
+def assert_outage(obs: Observation, words: str) -> None:
+    assert obs.error is not None and words in obs.error, obs.error
+    assert {n: s.error is not None for n, s in obs.signals.items()} == {
+        "d0": True,
+        "d1": True,
+        "p0": True,
+    }
+
+
+def test_prometheus_outage_refused() -> None:
+    """Regression: Prometheus down must read as 'signal unavailable', not as a quiet fleet."""
+    obs = PrometheusSource(f"http://127.0.0.1:{free_port()}", timeout_seconds=1).observe(
+        TARGETS, 300
+    )
+    assert_outage(obs, "prometheus unavailable")
+
+
+def test_prometheus_timeout(serve: Callable[[Server], Server]) -> None:
+    """Regression: a hung Prometheus must not block the operator's timer past the timeout."""
+    srv = serve(Server(prom_answers({}, {}), delay=1.5))
+    started = time.monotonic()
+    obs = PrometheusSource(f"http://127.0.0.1:{srv.port}", timeout_seconds=0.3).observe(
+        TARGETS, 300
+    )
+    assert time.monotonic() - started < 1.2
+    assert_outage(obs, "timed out")
+
+
+@pytest.mark.parametrize(
+    ("code", "body", "words"),
+    [
+        (503, b"overloaded", "HTTP 503"),
+        (200, b'{"status":"error","error":"query timed out in expression evaluation"}', "query"),
+        (200, b"not json", "up query"),
+        (200, b'{"status":"success","data":{"resultType":"matrix","result":[]}}', "vector"),
+    ],
+)
+def test_prometheus_bad_answers_are_outages(
+    serve: Callable[[Server], Server], code: int, body: bytes, words: str
+) -> None:
+    """Regression: error statuses and malformed answers must not be joined as partial data."""
+    srv = serve(Server(lambda path, q: (code, body)))
+    obs = PrometheusSource(f"http://127.0.0.1:{srv.port}").observe(TARGETS, 300)
+    assert_outage(obs, words)
+
+
+# --- direct scrape ------------------------------------------------------------------------
+
+
+def exposition(checked: float, low: float, high: float, aborted: float = 0.0) -> str:
+    return f"""# HELP cas_guard_requests_checked_total Requests judged
+# TYPE cas_guard_requests_checked_total counter
+cas_guard_requests_checked_total {checked}
+# TYPE cas_guard_trips_total counter
+cas_guard_trips_total{{reason="low_accept_length"}} {low}
+cas_guard_trips_total{{reason="high_accept_rate"}} {high}
+# TYPE sglang:num_aborted_requests_total counter
+sglang:num_aborted_requests_total{{model_name="m"}} {aborted}
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{{model_name="m"}} 5.0
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{{model_name="m"}} 2.0
+# TYPE sglang:token_usage gauge
+sglang:token_usage{{model_name="m"}} 0.25
+# TYPE cas_kv_unhealthy_by_quarantine gauge
+cas_kv_unhealthy_by_quarantine 0.0
+"""
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def metrics_server(
+    serve: Callable[[Server], Server], text: list[str], host: str = "127.0.0.1"
+) -> Server:
+    """An engine pod's /metrics endpoint serving whatever text[0] holds now."""
+    return serve(Server(lambda path, q: (200, text[0].encode()) if path == "/metrics" else
+                        (404, b""), host=host))  # fmt: skip
+
+
+def test_scrape_windowed_increase_across_scrapes(serve: Callable[[Server], Server]) -> None:
+    """Regression: rates need two scrapes; the first must say 'no data', later ones must give
+    the increase within the window only, with gauges taken from the latest scrape."""
+    text = [exposition(100, 0, 0)]
+    srv = metrics_server(serve, text)
+    clock = Clock()
+    source = ScrapeSource(clock=clock)
+    target = [PodTarget("d0", "decode", "ns", "127.0.0.1", srv.port)]
+    first = source.observe(target, 60).signals["d0"]
+    assert first.error is None and first.checked is None and first.running == 5.0
+    for t, body in ((1030.0, exposition(400, 3, 1, 2)), (1090.0, exposition(1000, 9, 1, 2))):
+        clock.t, text[0] = t, body
+        last = source.observe(target, 60).signals["d0"]
+    # window 60 s at t=1090 holds the samples at 1030 and 1090 only
+    assert (last.checked, last.trips_low_accept, last.trips_high_accept) == (600.0, 6.0, 0.0)
+    assert last.aborted == 0.0 and last.queued == 2.0 and last.token_usage == 0.25
+    assert last.unhealthy_by_quarantine is False
+
+
+def test_counter_reset_counts_from_zero() -> None:
+    """Regression: an engine restart drops its counters; the increase must not go negative."""
+    samples = [
+        Scrape(0, {"c": 100.0}, {}),
+        Scrape(5, {"c": 150.0}, {}),
+        Scrape(10, {"c": 20.0}, {}),
+    ]
+    assert windowed_increase(samples, "c", 60) == 70.0
+    assert windowed_increase(samples[:1], "c", 60) is None
+
+
+def test_scrape_failures_are_explicit(serve: Callable[[Server], Server]) -> None:
+    """Regression: a refused, slow, garbled or IP-less pod gets an error, never stale numbers."""
+    good = metrics_server(serve, [exposition(1, 0, 0)])
+    slow = serve(Server(lambda p, q: (200, exposition(1, 0, 0).encode()), delay=1.5))
+    garbled = serve(Server(lambda p, q: (200, b'cas_guard_trips_total{reason="x 1\n')))
+    targets = [
+        PodTarget("ok", "decode", "ns", "127.0.0.1", good.port),
+        PodTarget("refused", "decode", "ns", "127.0.0.1", free_port()),
+        PodTarget("slow", "decode", "ns", "127.0.0.1", slow.port),
+        PodTarget("garbled", "decode", "ns", "127.0.0.1", garbled.port),
+        PodTarget("pending", "decode", "ns", None),
+    ]
+    started = time.monotonic()
+    obs = ScrapeSource(timeout_seconds=0.3).observe(targets, 60)
+    assert time.monotonic() - started < 1.2, "scrapes must run concurrently with a timeout"
+    errors = {n: s.error for n, s in obs.signals.items()}
+    assert errors["ok"] is None and obs.error is None
+    assert "scrape failed" in str(errors["refused"])
+    assert "timed out" in str(errors["slow"])
+    assert "unparsable" in str(errors["garbled"])
+    assert "no IP" in str(errors["pending"])
+
+
+def test_scrape_total_outage_is_source_error() -> None:
+    """Regression: when no pod answers, the observation itself must carry the error."""
+    targets = [PodTarget(f"d{i}", "decode", "ns", "127.0.0.1", free_port()) for i in range(2)]
+    obs = ScrapeSource(timeout_seconds=0.3).observe(targets, 60)
+    assert obs.error is not None and "no pod could be scraped" in obs.error
+
+
+def test_replaced_pod_with_same_name_starts_a_new_history(
+    serve: Callable[[Server], Server],
+) -> None:
+    """Regression: a pod recreated under its old name (new IP) must not inherit old samples,
+    or its first window would mix two engines' counters."""
+    text = [exposition(100, 0, 0)]
+    srv = metrics_server(serve, text)
+    clock = Clock()
+    source = ScrapeSource(clock=clock)
+    source.observe([PodTarget("d0", "decode", "ns", "127.0.0.1", srv.port)], 60)
+    clock.t, text[0] = 1010.0, exposition(500, 5, 0)
+    other = metrics_server(serve, text, host="127.0.0.2")
+    moved = PodTarget("d0", "decode", "ns", "127.0.0.2", other.port)
+    signals = source.observe([moved], 60).signals["d0"]
+    assert signals.error is None and signals.checked is None
+
+
+def test_parse_sums_series_and_keeps_trip_reasons() -> None:
+    """Regression: several model_name series must be combined, and trip reasons kept apart."""
+    text = exposition(10, 2, 3) + 'sglang:num_running_reqs{model_name="other"} 4.0\n'
+    scrape = parse_exposition(text, 0.0)
+    assert scrape.counters["low_accept_length"] == 2.0
+    assert scrape.counters["high_accept_rate"] == 3.0
+    assert scrape.gauges["sglang:num_running_reqs"] == 9.0
