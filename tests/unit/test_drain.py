@@ -1,0 +1,226 @@
+"""The act step and the whole tick over an in-memory pod API and a canned metrics source.
+
+The real API server and real pods are exercised in tests/e2e; here the seam is `PodApi`
+(list / merge patch / delete on pods) and `MetricsSource` (an Observation per tick).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+from cas_operator.api import constants as c
+from cas_operator.api.models import AnomalyGuardSpec, GuardAction
+from cas_operator.drain import (
+    ANNOTATION_DRAIN_REASON,
+    ANNOTATION_DRAIN_STATE,
+    ANNOTATION_DRAINING_SINCE,
+    DrainPolicy,
+    LoopState,
+    guard_tick,
+    next_step,
+    rfc3339,
+)
+from cas_operator.observe.types import Observation, PodTarget
+from cas_operator.planning.anomaly import PodSignals
+
+T0 = 1_800_000_000.0  # wall-clock epoch seconds
+
+
+def merge(target: dict[str, Any], patch: dict[str, Any]) -> None:
+    """RFC 7386 JSON merge patch, as the API server applies it."""
+    for key, value in patch.items():
+        if value is None:
+            target.pop(key, None)
+        elif isinstance(value, dict):
+            merge(target.setdefault(key, {}), value)
+        else:
+            target[key] = value
+
+
+class MemoryPods:
+    """Pods by name with merge-patch and delete; records every call."""
+
+    def __init__(self, pods: list[dict[str, Any]]) -> None:
+        self.pods = {p["metadata"]["name"]: p for p in pods}
+        self.calls: list[tuple[str, str]] = []
+
+    def list(self, kind: str, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
+        assert kind == "Pod"
+        return [
+            copy.deepcopy(p)
+            for p in self.pods.values()
+            if all(p["metadata"]["labels"].get(k) == v for k, v in selector.items())
+        ]
+
+    def patch(self, kind: str, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        self.calls.append(("patch", name))
+        merge(self.pods[name], patch)
+        return self.pods[name]
+
+    def delete(self, kind: str, namespace: str, name: str) -> None:
+        self.calls.append(("delete", name))
+        self.pods.pop(name, None)
+
+
+def engine_pod(name: str, role: str = "decode", **annotations: str) -> dict[str, Any]:
+    labels = {
+        c.LABEL_NAME: "demo",
+        c.LABEL_APP_NAME: c.APP_ENGINE,
+        c.LABEL_ROLE: role,
+    }
+    if not annotations:
+        labels[c.LABEL_SERVING] = "true"
+    return {
+        "metadata": {"name": name, "namespace": "ns", "labels": labels,
+                     "annotations": dict(annotations)},
+        "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]},
+    }  # fmt: skip
+
+
+class CannedSource:
+    """Returns the signals set for each pod name; healthy decode numbers by default."""
+
+    def __init__(self) -> None:
+        self.by_name: dict[str, PodSignals] = {}
+        self.error: str | None = None
+        self.asked: list[list[str]] = []
+
+    def observe(self, targets: Sequence[PodTarget], window_seconds: float) -> Observation:
+        self.asked.append([t.name for t in targets])
+        if self.error:
+            return Observation.outage(targets, self.error)
+        healthy = PodSignals(checked=2000, trips_low_accept=0, trips_high_accept=1, running=3)
+        return Observation({t.name: self.by_name.get(t.name, healthy) for t in targets})
+
+
+CORRUPT = PodSignals(checked=2000, trips_low_accept=80, trips_high_accept=0, running=4)
+
+
+def fleet(n: int = 6) -> MemoryPods:
+    return MemoryPods([engine_pod(f"d{i}") for i in range(n)] + [engine_pod("p0", "prefill")])
+
+
+def tick(api: MemoryPods, source: CannedSource, state: LoopState, t: float,
+         spec: AnomalyGuardSpec | None = None) -> Any:  # fmt: skip
+    return guard_tick(
+        api, source, name="demo", namespace="ns", spec=spec or AnomalyGuardSpec(),
+        state=state, now=T0 + t,
+    )  # fmt: skip
+
+
+def test_corrupted_pod_is_taken_out_of_rotation_then_replaced() -> None:
+    """Regression: the full act sequence - label removed with reason and time, wait while it
+    still runs requests, delete once they reach zero - with an event for each step."""
+    api, source, state = fleet(), CannedSource(), LoopState()
+    source.by_name["d2"] = CORRUPT
+    first = tick(api, source, state, 0)
+    assert first.draining == [] and ("patch", "d2") not in api.calls  # hysteresis: 1 tick
+    second = tick(api, source, state, 5)
+    pod = api.pods["d2"]["metadata"]
+    assert c.LABEL_SERVING not in pod["labels"]
+    assert pod["annotations"][ANNOTATION_DRAINING_SINCE] == rfc3339(T0 + 5)
+    assert pod["annotations"][ANNOTATION_DRAIN_REASON] == "low_accept_length"
+    assert [e[1] for e in second.events].count("PodDraining") == 1
+    assert second.draining[0]["pod"] == "d2" and second.draining[0]["state"] == "Draining"
+    assert api.pods["d3"]["metadata"]["labels"][c.LABEL_SERVING] == "true"
+
+    tick(api, source, state, 30)  # still 4 running: wait
+    assert "d2" in api.pods
+    source.by_name["d2"] = PodSignals(checked=0, trips_low_accept=0, trips_high_accept=0, running=0)
+    done = tick(api, source, state, 35)
+    assert "d2" not in api.pods and ("delete", "d2") in api.calls
+    assert any(e[1] == "PodReplaced" and "no running requests" in e[2] for e in done.events)
+    assert done.draining == []
+
+
+def test_grace_period_bounds_the_wait() -> None:
+    """Regression: a pod whose requests never finish (or whose metrics vanished) must still be
+    replaced once the grace period ends, and not before the minimum wait."""
+    policy = DrainPolicy(min_wait_seconds=15, grace_seconds=120)
+    pod = engine_pod("d0", **{ANNOTATION_DRAINING_SINCE: rfc3339(T0)})
+    assert next_step(pod, 0.0, GuardAction.REPLACE, T0 + 5, policy) == "wait"
+    assert next_step(pod, 0.0, GuardAction.REPLACE, T0 + 16, policy) == "delete"
+    assert next_step(pod, 2.0, GuardAction.REPLACE, T0 + 100, policy) == "wait"
+    assert next_step(pod, None, GuardAction.REPLACE, T0 + 100, policy) == "wait"
+    assert next_step(pod, 2.0, GuardAction.REPLACE, T0 + 121, policy) == "delete"
+    assert next_step(engine_pod("d1"), 0.0, GuardAction.REPLACE, T0, policy) == "none"
+
+
+def test_drain_action_holds_the_pod_for_inspection_then_releases_it() -> None:
+    """Regression: action Drain must keep the pod (out of rotation) instead of deleting it,
+    report it once as held, and delete it only after the hold cap."""
+    api, source, state = fleet(), CannedSource(), LoopState()
+    spec = AnomalyGuardSpec(action=GuardAction.DRAIN)
+    source.by_name["d1"] = CORRUPT
+    for t in (0, 5):
+        tick(api, source, state, t, spec)
+    source.by_name["d1"] = PodSignals(checked=0, trips_low_accept=0, trips_high_accept=0, running=0)
+    held = tick(api, source, state, 30, spec)
+    assert "d1" in api.pods
+    assert api.pods["d1"]["metadata"]["annotations"][ANNOTATION_DRAIN_STATE] == "Held"
+    assert [e[1] for e in held.events] == ["PodHeld"]
+    again = tick(api, source, state, 60, spec)
+    assert "PodHeld" not in [e[1] for e in again.events] and again.draining[0]["state"] == "Held"
+    tick(api, source, state, 5 + 3600, spec)
+    assert "d1" not in api.pods
+
+
+def test_restarted_operator_resumes_drains_from_the_pods() -> None:
+    """Regression: after a restart (empty LoopState) a drain in progress must be finished from
+    the pod's annotations, counted against the breaker, and never started twice."""
+    api = fleet(4)
+    since = rfc3339(T0 - 60)
+    api.pods["d0"] = engine_pod("d0", **{ANNOTATION_DRAINING_SINCE: since,
+                                         ANNOTATION_DRAIN_REASON: "low_accept_length"})  # fmt: skip
+    source = CannedSource()
+    source.by_name["d0"] = PodSignals(checked=0, trips_low_accept=0, trips_high_accept=0, running=2)
+    source.by_name["d1"] = CORRUPT
+    state = LoopState()
+    first = tick(api, source, state, 0)
+    assert first.draining[0]["pod"] == "d0" and first.draining[0]["runningRequests"] == 2
+    second = tick(api, source, state, 5)  # d1 hot twice, but d0 fills the 25 % breaker of 4
+    assert ("patch", "d1") not in api.calls
+    assert "circuit breaker" in second.decision.blocked["d1"]
+    source.by_name["d0"] = PodSignals(checked=0, trips_low_accept=0, trips_high_accept=0, running=0)
+    tick(api, source, state, 10)
+    assert "d0" not in api.pods and [n for op, n in api.calls if op == "patch"] == []
+
+
+def test_observe_action_and_outage_touch_nothing() -> None:
+    """Regression: Observe must not write to pods; a metrics outage must not write either and
+    must surface as 'signal unavailable'."""
+    api, source = fleet(), CannedSource()
+    source.by_name["d2"] = CORRUPT
+    state = LoopState()
+    spec = AnomalyGuardSpec(action=GuardAction.OBSERVE)
+    for t in (0, 5, 10):
+        result = tick(api, source, state, t, spec)
+    assert api.calls == [] and "action is Observe" in result.decision.blocked["d2"]
+
+    source.error = "prometheus unavailable: refused"
+    state = LoopState()
+    for t in (0, 5, 10):
+        result = tick(api, source, state, t)
+    assert api.calls == [] and result.unavailable is not None
+    assert "unavailable" in result.unavailable
+
+
+def test_fleet_incident_reports_degraded_and_drains_nothing() -> None:
+    """Regression: most pods bad together -> Degraded with a reason, no pod touched."""
+    api, source, state = fleet(), CannedSource(), LoopState()
+    for i in range(5):
+        source.by_name[f"d{i}"] = CORRUPT
+    for t in (0, 5, 10):
+        result = tick(api, source, state, t)
+    assert api.calls == [] and result.degraded is not None and "fleet-wide" in result.degraded
+    assert result.pool_rate["decode"] is not None and result.pool_rate["decode"] > 0.01
+
+
+def test_terminating_pods_are_ignored() -> None:
+    """Regression: a pod already being deleted must be neither observed nor acted on."""
+    api, source = fleet(2), CannedSource()
+    api.pods["d0"]["metadata"]["deletionTimestamp"] = rfc3339(T0)
+    tick(api, source, LoopState(), 0)
+    assert source.asked == [["d1", "p0"]]
