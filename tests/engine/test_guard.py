@@ -250,6 +250,8 @@ def test_metrics_count_trips_checks_and_completion_histograms() -> None:
         )
         == 1
     )
+    assert val("cas_guard_config_value", {"parameter": "min_accept_length"}) == 1.4
+    assert val("cas_guard_config_value", {"parameter": "enabled"}) == 1.0
 
 
 def test_trip_outcomes_are_retryable_503_and_sse_error() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import types
@@ -255,3 +256,35 @@ def test_module_entry_point_prints_help() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "--cas-guard-max-accept-rate" in proc.stdout
+
+
+def test_prometheus_multiproc_dir_is_set_before_prometheus_client_is_imported() -> None:
+    """Regression: importing prometheus_client before SGLang's multiprocess directory is set
+    silently drops SGLang's main-process metrics from /metrics."""
+    probe = (
+        "import os, runpy, sys\n"
+        "seen = []\n"
+        "class Hook:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'prometheus_client' and not seen:\n"
+        "            seen.append(os.environ.get('PROMETHEUS_MULTIPROC_DIR'))\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, Hook())\n"
+        "sys.argv = ['cas_engine.launch_server', '--help']\n"
+        "try:\n"
+        "    runpy.run_module('cas_engine.launch_server', run_name='__main__')\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print('SEEN', seen)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    proc = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env=env,
+    )
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("SEEN"))
+    assert "cas-engine-prometheus-" in line, proc.stdout[-2000:] + proc.stderr[-2000:]

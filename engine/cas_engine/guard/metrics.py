@@ -9,9 +9,9 @@ two histograms as the fleet baseline.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, Info
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from cas_engine.guard.config import GuardConfig
 from cas_engine.guard.outcome import REASONS
@@ -62,6 +62,7 @@ class GuardMetrics:
     accept_length: Histogram
     accept_rate: Histogram
     config: Info
+    config_value: Gauge
 
     @classmethod
     def create(cls, registry: CollectorRegistry, config: GuardConfig) -> GuardMetrics:
@@ -99,6 +100,16 @@ class GuardMetrics:
                 registry=registry,
             ),
             config=Info("cas_guard_config", "Quality gate configuration", registry=registry),
+            # Info is dropped in prometheus-client's multiprocess mode (SGLang's); this is not
+            config_value=Gauge(
+                "cas_guard_config_value",
+                "Quality gate configuration, one numeric series per parameter",
+                ["parameter"],
+                multiprocess_mode="max",
+                registry=registry,
+            ),
         )
         metrics.config.info(config.as_labels())
+        for name, value in asdict(config).items():
+            metrics.config_value.labels(parameter=name).set(float(value))
         return metrics
