@@ -134,3 +134,36 @@ def test_real_tokenizer_turns_the_abort_into_http_503() -> None:
         asyncio.run(handler(tm, out, state, False))
     assert exc.value.status_code == 503 and "low_accept_length" in exc.value.detail
     assert asyncio.run(handler(tm, out, state, True)) is out  # streaming: error chunk path
+
+
+def test_sglang_plugin_loader_installs_our_patches_in_a_fresh_process(tmp_path) -> None:
+    """Regression: SGLang's spawned workers get our patches only through its plugin loader."""
+    import os
+    import subprocess
+    import sys
+
+    probe = (
+        "import importlib.metadata as md, sys\n"
+        "import sglang.srt.plugins as plugins\n"
+        "ep = md.EntryPoint(name='cas_engine', value='cas_engine.launch:sglang_plugin',\n"
+        "                   group='sglang.srt.plugins')\n"
+        "plugins.entry_points = lambda group: [ep] if group == 'sglang.srt.plugins' else []\n"
+        "plugins.load_plugins()\n"
+        "from sglang.srt.managers.scheduler_components.batch_result_processor import (\n"
+        "    SchedulerBatchResultProcessor as P)\n"
+        "from sglang.srt.disaggregation.decode import DecodeTransferQueue as Q\n"
+        "print('GUARD', hasattr(P._resolve_spec_v2_tokens, '__cas_guard_original__'))\n"
+        "print('RECLAIM', '_cas_strict_reclaim' in Q.__dict__)\n"
+    )
+    env = dict(
+        os.environ,
+        CAS_ENGINE_PATCHES="1",
+        CAS_KV_RECLAIM="strict",
+        CAS_GUARD_MIN_ACCEPT_LENGTH="1.5",
+        PROMETHEUS_MULTIPROC_DIR=str(tmp_path),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=240, env=env
+    )
+    assert "GUARD True" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "RECLAIM True" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
