@@ -48,7 +48,7 @@ class Totals:
     cached_tokens: int = 0
     completion_tokens: int = 0
     ttft: list[float] = field(default_factory=list)
-    itl: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)  # per-request mean inter-token latency
     error_kinds: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -177,8 +177,6 @@ async def _one(
                         if first is None:
                             first = now
                             totals.ttft.append(now - t0)
-                        else:
-                            totals.itl.append(now - last)
                         last = now
                         parts.append(piece)
     except (aiohttp.ClientError, TimeoutError) as exc:
@@ -186,6 +184,9 @@ async def _one(
         return None
     answer = "".join(parts)
     totals.ok += 1
+    n_out = int(usage.get("completion_tokens", 0))
+    if first is not None and n_out > 1:  # per-request mean: robust to coalesced SSE chunks
+        totals.itl.append((last - first) / (n_out - 1))
     totals.garbled += any(g in answer for g in GARBLE)
     totals.prompt_tokens += int(usage.get("prompt_tokens", 0))
     totals.completion_tokens += int(usage.get("completion_tokens", 0))
@@ -310,7 +311,7 @@ def print_table(res: dict[str, Any], speedup: float) -> None:
         ),
         ("prefix cache hit rate", f"{res['prefix_cache_hit_rate']:.1%}"),
         ("TTFT p50/p90/p99 (wall ms)", "/".join(f"{v:.1f}" for v in res["ttft_ms"].values())),
-        ("ITL p50/p90/p99 (wall ms)", "/".join(f"{v:.2f}" for v in res["itl_ms"].values())),
+        ("ITL/request p50/p90/p99 (wall ms)", "/".join(f"{v:.2f}" for v in res["itl_ms"].values())),
         ("sim time scale", f"{speedup}x (modelled = wall x {speedup})"),
     ]
     for name, cores in res["sim_cpu_cores"].items():
