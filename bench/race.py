@@ -21,8 +21,22 @@ from cas_engine.kvfence import ReclaimMode
 from cas_engine.kvfence.race import RaceParams, RaceResult, run_race
 from cas_engine.kvfence.transport import Transport, mooncake_available
 
-COLUMNS = ("phase", "mode", "requests", "completed", "aborted", "bad", "bad/10k", "95% CI",
-           "thr rps", "good rps", "reuse p50 ms", "reuse p99 ms", "q peak", "wall s")
+COLUMNS = (
+    "phase",
+    "mode",
+    "requests",
+    "completed",
+    "aborted",
+    "bad",
+    "bad/10k",
+    "95% CI",
+    "thr rps",
+    "good rps",
+    "reuse p50 ms",
+    "reuse p99 ms",
+    "q peak",
+    "wall s",
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -39,11 +53,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def row(phase: str, res: RaceResult) -> list[str]:
     lo, hi = res.bad_per_10k_ci95
-    return [phase, res.mode, str(res.admitted), str(res.completed), str(res.aborted),
-            str(res.bad), f"{res.bad_per_10k:.2f}", f"[{lo:.2f}, {hi:.2f}]",
-            f"{res.throughput_rps:.0f}", f"{res.goodput_rps:.0f}",
-            f"{res.abort_to_reuse_p50_ms:.1f}", f"{res.abort_to_reuse_p99_ms:.1f}",
-            str(res.quarantine_peak_pages), f"{res.wall_s:.1f}"]
+    return [
+        phase,
+        res.mode,
+        str(res.admitted),
+        str(res.completed),
+        str(res.aborted),
+        str(res.bad),
+        f"{res.bad_per_10k:.2f}",
+        f"[{lo:.2f}, {hi:.2f}]",
+        f"{res.throughput_rps:.0f}",
+        f"{res.goodput_rps:.0f}",
+        f"{res.abort_to_reuse_p50_ms:.1f}",
+        f"{res.abort_to_reuse_p99_ms:.1f}",
+        str(res.quarantine_peak_pages),
+        f"{res.wall_s:.1f}",
+    ]
 
 
 def print_table(rows: list[list[str]]) -> None:
@@ -56,15 +81,23 @@ def print_table(rows: list[list[str]]) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     ok, why = mooncake_available()
-    transport = Transport(args.transport) if args.transport else (
-        Transport.MOONCAKE if ok else Transport.SHM)
+    transport = (
+        Transport(args.transport)
+        if args.transport
+        else (Transport.MOONCAKE if ok else Transport.SHM)
+    )
     if transport is Transport.MOONCAKE and not ok:
         print(f"mooncake unavailable: {why}", file=sys.stderr)
         return 2
     if transport is Transport.SHM and not args.transport:
         print(f"mooncake unavailable ({why}); falling back to shared memory", file=sys.stderr)
-    base = RaceParams(transport=transport, arrival_rate=args.rate, stall_prob=args.stall_prob,
-                      seed=args.seed, max_wall_s=max(120.0, 4 * args.strict_requests / args.rate))
+    base = RaceParams(
+        transport=transport,
+        arrival_rate=args.rate,
+        stall_prob=args.stall_prob,
+        seed=args.seed,
+        max_wall_s=max(120.0, 4 * args.strict_requests / args.rate),
+    )
     runs: list[tuple[str, RaceParams, RaceResult]] = []
     started = time.monotonic()
     for mode in (ReclaimMode.IMMEDIATE, ReclaimMode.UPSTREAM, ReclaimMode.STRICT):
@@ -74,17 +107,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.strict_requests:
         params = replace(base, mode=ReclaimMode.STRICT, requests=args.strict_requests)
         runs.append(("strict-long", params, run_race(params)))
-    print(f"\nrace reproduction, transport={transport.value}, offered {args.rate:.0f} req/s, "
-          f"budget {base.budget_s * 1e3:.0f} ms, upstream timer "
-          f"{base.upstream_timeout_s * 1e3:.0f} ms (scaled from 30 s)")
+    print(
+        f"\nrace reproduction, transport={transport.value}, offered {args.rate:.0f} req/s, "
+        f"budget {base.budget_s * 1e3:.0f} ms, upstream timer "
+        f"{base.upstream_timeout_s * 1e3:.0f} ms (scaled from 30 s)"
+    )
     print_table([row(phase, res) for phase, _, res in runs])
     by_mode = {res.mode: res for phase, _, res in runs if phase == "side-by-side"}
-    ratio = (by_mode["Strict"].throughput_rps / by_mode["Immediate"].throughput_rps
-             if by_mode["Immediate"].throughput_rps else 0.0)
-    good_ratio = (by_mode["Strict"].goodput_rps / by_mode["Immediate"].goodput_rps
-                  if by_mode["Immediate"].goodput_rps else 0.0)
-    print(f"Strict/Immediate throughput {ratio:.3f}, goodput {good_ratio:.3f}; "
-          f"total {time.monotonic() - started:.0f} s")
+    ratio = (
+        by_mode["Strict"].throughput_rps / by_mode["Immediate"].throughput_rps
+        if by_mode["Immediate"].throughput_rps
+        else 0.0
+    )
+    good_ratio = (
+        by_mode["Strict"].goodput_rps / by_mode["Immediate"].goodput_rps
+        if by_mode["Immediate"].goodput_rps
+        else 0.0
+    )
+    print(
+        f"Strict/Immediate throughput {ratio:.3f}, goodput {good_ratio:.3f}; "
+        f"total {time.monotonic() - started:.0f} s"
+    )
     strict_bad = sum(res.bad for _, _, res in runs if res.mode == "Strict")
     payload = {
         "transport": transport.value,

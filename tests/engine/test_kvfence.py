@@ -23,8 +23,9 @@ class FakeClock:
         return self.now
 
 
-def make_ledger(mode: ReclaimMode = ReclaimMode.STRICT, **kw: object
-                ) -> tuple[ReclaimLedger, FakeClock, CollectorRegistry]:
+def make_ledger(
+    mode: ReclaimMode = ReclaimMode.STRICT, **kw: object
+) -> tuple[ReclaimLedger, FakeClock, CollectorRegistry]:
     reg = CollectorRegistry()
     clock = FakeClock()
     ledger = ReclaimLedger(mode=mode, metrics=KvFenceMetrics(reg), clock=clock, **kw)  # type: ignore[arg-type]
@@ -37,6 +38,7 @@ def sample(reg: CollectorRegistry, name: str, **labels: str) -> float:
 
 
 # ---- ledger --------------------------------------------------------------------------------------
+
 
 def test_strict_abort_waits_for_every_rank_then_releases() -> None:
     """Guards Bug 1: an aborted room's slots must not return before all ranks acknowledged."""
@@ -195,6 +197,7 @@ def test_messages_round_trip() -> None:
 
 
 # ---- tracker -------------------------------------------------------------------------------------
+
 
 def make_tracker(rank: int = 0) -> tuple[WriteTracker, CollectorRegistry]:
     reg = CollectorRegistry()

@@ -20,8 +20,14 @@ from cas_engine.kvfence.transport import Transport, mooncake_available
 MOONCAKE_OK, MOONCAKE_WHY = mooncake_available()
 TRANSPORT = Transport.MOONCAKE if MOONCAKE_OK else Transport.SHM
 
-SHORT = RaceParams(requests=1500, arrival_rate=600.0, stall_prob=0.05, decode_pages=256,
-                   max_wall_s=20.0, transport=TRANSPORT)
+SHORT = RaceParams(
+    requests=1500,
+    arrival_rate=600.0,
+    stall_prob=0.05,
+    decode_pages=1024,
+    max_wall_s=20.0,
+    transport=TRANSPORT,
+)
 
 
 @pytest.mark.slow
@@ -44,8 +50,11 @@ def test_immediate_corrupts_and_strict_does_not() -> None:
 def test_strict_with_two_prefill_ranks_over_shared_memory() -> None:
     """Two ranks write disjoint pages of each request; release needs both acks. Also keeps the
     shared-memory fallback transport exercised where mooncake does load."""
-    res = run_race(replace(SHORT, mode=ReclaimMode.STRICT, prefill_ranks=2, requests=800,
-                           transport=Transport.SHM))
+    res = run_race(
+        replace(
+            SHORT, mode=ReclaimMode.STRICT, prefill_ranks=2, requests=800, transport=Transport.SHM
+        )
+    )
     assert res.bad == 0 and res.aborted > 0 and res.reclaims["acked"] > 0, res
     assert res.completed > 400
 
@@ -53,8 +62,11 @@ def test_strict_with_two_prefill_ranks_over_shared_memory() -> None:
 def test_mooncake_loads_here_or_reason_is_known() -> None:
     """Reports why the harness fell back; fails if mooncake breaks for an unexpected reason."""
     if not MOONCAKE_OK:
-        assert "libibverbs" in MOONCAKE_WHY or "libnuma" in MOONCAKE_WHY or \
-            "No module named" in MOONCAKE_WHY, MOONCAKE_WHY
+        assert (
+            "libibverbs" in MOONCAKE_WHY
+            or "libnuma" in MOONCAKE_WHY
+            or "No module named" in MOONCAKE_WHY
+        ), MOONCAKE_WHY
         pytest.skip(f"mooncake unavailable: {MOONCAKE_WHY}")
 
 

@@ -31,8 +31,11 @@ from cas_engine.sglang import reclaim
 from cas_engine.sglang.version import PINNED_SGLANG_VERSION, installed_sglang_version
 
 if installed_sglang_version() != PINNED_SGLANG_VERSION:
-    pytest.skip(f"sglang=={PINNED_SGLANG_VERSION} not installed (pip install --no-deps "
-                f"sglang=={PINNED_SGLANG_VERSION})", allow_module_level=True)
+    pytest.skip(
+        f"sglang=={PINNED_SGLANG_VERSION} not installed (pip install --no-deps "
+        f"sglang=={PINNED_SGLANG_VERSION})",
+        allow_module_level=True,
+    )
 
 _SPEC = importlib.util.find_spec("sglang")  # top-level spec: does not run sglang/__init__
 assert _SPEC is not None and _SPEC.origin is not None
@@ -41,15 +44,32 @@ DECODE_PY = SGLANG_DIR / "srt/disaggregation/decode.py"
 CONN_PY = SGLANG_DIR / "srt/disaggregation/common/conn.py"
 UTILS_PY = SGLANG_DIR / "srt/disaggregation/utils.py"
 
-QUEUE_METHODS = ("__init__", "_defer_release", "resolve_deferred_releases", "_do_release",
-                 "_release_request", "_is_host_destination", "_observe_deferred_kv_release",
-                 "has_pending_deferred_releases")
-KV_MGR_METHODS = ("register_deferred_abort_room", "note_abort_ack", "is_abort_release_safe",
-                  "clear_deferred_abort_state")
+QUEUE_METHODS = (
+    "__init__",
+    "_defer_release",
+    "resolve_deferred_releases",
+    "_do_release",
+    "_release_request",
+    "_is_host_destination",
+    "_observe_deferred_kv_release",
+    "has_pending_deferred_releases",
+)
+KV_MGR_METHODS = (
+    "register_deferred_abort_room",
+    "note_abort_ack",
+    "is_abort_release_safe",
+    "clear_deferred_abort_state",
+)
 
 
-def compile_real(path: Path, namespace: dict[str, Any], *, cls: str | None, names: tuple[str, ...],
-                 as_name: str | None = None) -> Any:
+def compile_real(
+    path: Path,
+    namespace: dict[str, Any],
+    *,
+    cls: str | None,
+    names: tuple[str, ...],
+    as_name: str | None = None,
+) -> Any:
     """Compile the named real functions (of class ``cls``, or module level) from ``path``."""
     tree = ast.parse(path.read_text(), filename=str(path))
     body = tree.body
@@ -60,11 +80,20 @@ def compile_real(path: Path, namespace: dict[str, Any], *, cls: str | None, name
     if cls is None:
         module = ast.Module(body=funcs, type_ignores=[])
     else:
-        klass = ast.ClassDef(name=as_name or cls, bases=[], keywords=[], body=funcs,
-                             decorator_list=[], type_params=[], lineno=1, col_offset=0)
+        klass = ast.ClassDef(
+            name=as_name or cls,
+            bases=[],
+            keywords=[],
+            body=funcs,
+            decorator_list=[],
+            type_params=[],
+            lineno=1,
+            col_offset=0,
+        )
         module = ast.Module(body=[klass], type_ignores=[])
-    code = compile(module, str(path), "exec", flags=__future__.annotations.compiler_flag,
-                   dont_inherit=True)
+    code = compile(
+        module, str(path), "exec", flags=__future__.annotations.compiler_flag, dont_inherit=True
+    )
     exec(code, namespace)
     return namespace[as_name or cls] if cls else namespace
 
@@ -95,44 +124,56 @@ def build_world(deferred_enabled: bool = True) -> SimpleNamespace:
     """Real SGLang classes (compiled from the installed files) wired to CPU stubs."""
     clock = FakeClock()
     released: list[int] = []
-    dist = SimpleNamespace(get_world_size=lambda group: 1, all_reduce=None,
-                           ReduceOp=SimpleNamespace(MIN="min", MAX="max"),
-                           ProcessGroup=object)
+    dist = SimpleNamespace(
+        get_world_size=lambda group: 1,
+        all_reduce=None,
+        ReduceOp=SimpleNamespace(MIN="min", MAX="max"),
+        ProcessGroup=object,
+    )
     torch = SimpleNamespace(distributed=dist, tensor=None, int32=None)
     utils_ns: dict[str, Any] = {"dist": dist, "torch": torch, "List": list}
     compile_real(UTILS_PY, utils_ns, cls=None, names=("all_reduce_flags",))
     envs = SimpleNamespace(
         SGLANG_DISAGG_STAGING_BUFFER=Env(False),
         SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=Env(deferred_enabled),
-        SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT=Env(30.0))
+        SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT=Env(30.0),
+    )
     decode_ns: dict[str, Any] = {
-        "time": clock, "torch": torch, "logger": SimpleNamespace(warning=lambda *a: None,
-                                                                 exception=lambda *a: None),
-        "all_reduce_flags": utils_ns["all_reduce_flags"], "envs": envs,
-        "get_parallel": lambda: SimpleNamespace(attn_tp_group=SimpleNamespace(cpu_group=None),
-                                                tp_rank=0),
+        "time": clock,
+        "torch": torch,
+        "logger": SimpleNamespace(warning=lambda *a: None, exception=lambda *a: None),
+        "all_reduce_flags": utils_ns["all_reduce_flags"],
+        "envs": envs,
+        "get_parallel": lambda: SimpleNamespace(
+            attn_tp_group=SimpleNamespace(cpu_group=None), tp_rank=0
+        ),
         "get_disagg": lambda: SimpleNamespace(disaggregation_decode_host_receive_threshold=1.0),
-        "release_kv_cache": lambda req, tree_cache, checkpoint: released.append(
-            req.bootstrap_room),
-        "discard_kv_cache_backup": None, "List": list, "Tuple": tuple,
+        "release_kv_cache": lambda req, tree_cache, checkpoint: released.append(req.bootstrap_room),
+        "discard_kv_cache_backup": None,
+        "List": list,
+        "Tuple": tuple,
     }
-    queue_cls = compile_real(DECODE_PY, decode_ns, cls="DecodeTransferQueue",
-                             names=QUEUE_METHODS)
+    queue_cls = compile_real(DECODE_PY, decode_ns, cls="DecodeTransferQueue", names=QUEUE_METHODS)
     conn_ns: dict[str, Any] = {"DeferredAbortAckState": AckState}
-    mgr_cls = compile_real(CONN_PY, conn_ns, cls="CommonKVManager", names=KV_MGR_METHODS,
-                           as_name="RealAckBookkeeping")
-    return SimpleNamespace(clock=clock, released=released, queue_cls=queue_cls,
-                           mgr_cls=mgr_cls)
+    mgr_cls = compile_real(
+        CONN_PY, conn_ns, cls="CommonKVManager", names=KV_MGR_METHODS, as_name="RealAckBookkeeping"
+    )
+    return SimpleNamespace(clock=clock, released=released, queue_cls=queue_cls, mgr_cls=mgr_cls)
 
 
 def make_queue(world: SimpleNamespace) -> Any:
     freed_meta: list[int] = []
-    scheduler = SimpleNamespace(spec_algorithm=None, enable_hisparse=False,
-                                metrics_reporter=SimpleNamespace(enable_metrics=False))
+    scheduler = SimpleNamespace(
+        spec_algorithm=None,
+        enable_hisparse=False,
+        metrics_reporter=SimpleNamespace(enable_metrics=False),
+    )
     q = world.queue_cls(
         req_to_metadata_buffer_idx_allocator=SimpleNamespace(free=freed_meta.append),
         metadata_buffers=SimpleNamespace(clear_slot=lambda idx: None),
-        scheduler=scheduler, tree_cache=None)
+        scheduler=scheduler,
+        tree_cache=None,
+    )
     q.freed_meta = freed_meta
     return q
 
@@ -148,11 +189,15 @@ def make_kv_mgr(world: SimpleNamespace) -> Any:
 def abort_room(world: SimpleNamespace, q: Any, mgr: Any, room: int, ranks: int) -> int:
     """Decode aborts a room mid-transfer: arm the ack tracker and hold the request."""
     generation = mgr.register_deferred_abort_room(room)
-    receiver = SimpleNamespace(kv_mgr=mgr, abort_notified=True,
-                               bootstrap_infos=[object()] * ranks, clear=lambda: None)
+    receiver = SimpleNamespace(
+        kv_mgr=mgr, abort_notified=True, bootstrap_infos=[object()] * ranks, clear=lambda: None
+    )
     req = SimpleNamespace(bootstrap_room=room, rid=f"r{room}")
-    q._defer_release(SimpleNamespace(req=req, kv_receiver=receiver, host_staged=False,
-                                     metadata_buffer_index=room))
+    q._defer_release(
+        SimpleNamespace(
+            req=req, kv_receiver=receiver, host_staged=False, metadata_buffer_index=room
+        )
+    )
     return generation
 
 
@@ -175,9 +220,12 @@ def test_strict_patch_holds_past_timer_and_releases_on_all_acks() -> None:
     current generation release the slot; the timer and stale acks do not."""
     world = build_world()
     reg = CollectorRegistry()
-    patch = reclaim.install_strict_reclaim(world.queue_cls, quarantine_budget_rooms=0,
-                                           metrics=KvFenceMetrics(reg),
-                                           clock=world.clock.monotonic)
+    patch = reclaim.install_strict_reclaim(
+        world.queue_cls,
+        quarantine_budget_rooms=0,
+        metrics=KvFenceMetrics(reg),
+        clock=world.clock.monotonic,
+    )
     q, mgr = make_queue(world), make_kv_mgr(world)
     assert q.deferred_kv_release_timeout == math.inf and q._cas_upstream_timeout_s == 30.0
     gen = abort_room(world, q, mgr, room=11, ranks=2)

@@ -110,10 +110,12 @@ class ReclaimLedger:
     def track(self, room: int, slots: Iterable[int], ranks: Iterable[int]) -> Lease:
         """Record that ``room`` holds ``slots`` written by prefill ``ranks``; new generation."""
         if room in self._live:
-            raise ValueError(f"room {room} is already live at generation "
-                             f"{self._live[room].generation}")
-        lease = Lease(room=room, generation=self._next_generation, slots=tuple(slots),
-                      ranks=frozenset(ranks))
+            raise ValueError(
+                f"room {room} is already live at generation {self._live[room].generation}"
+            )
+        lease = Lease(
+            room=room, generation=self._next_generation, slots=tuple(slots), ranks=frozenset(ranks)
+        )
         if not lease.ranks:
             raise ValueError("a lease needs at least one prefill rank")
         self._next_generation += 1
@@ -132,8 +134,10 @@ class ReclaimLedger:
         """Normal end of a DONE room: its slots go back at once."""
         lease = self._live.get(room)
         if lease is None or lease.state is not LeaseState.DONE:
-            raise RuntimeError(f"finish() needs a DONE room; room {room} is "
-                               f"{lease.state.value if lease else 'unknown'}; use abort()")
+            raise RuntimeError(
+                f"finish() needs a DONE room; room {room} is "
+                f"{lease.state.value if lease else 'unknown'}; use abort()"
+            )
         return self._release_live(lease, "finished")
 
     def abort(self, room: int) -> Abort:
@@ -176,8 +180,11 @@ class ReclaimLedger:
     def on_peer_dead(self, rank: int) -> None:
         """Heartbeat says ``rank`` is dead. Nothing is released: its writes may still land."""
         self._dead_ranks.add(rank)
-        log.warning("prefill rank %s declared dead; its rooms stay quarantined until its "
-                    "endpoint is confirmed closed", rank)
+        log.warning(
+            "prefill rank %s declared dead; its rooms stay quarantined until its "
+            "endpoint is confirmed closed",
+            rank,
+        )
 
     def on_peer_closed(self, rank: int) -> list[Reclaim]:
         """The transport confirmed ``rank``'s endpoint closed: none of its writes can land."""
@@ -216,9 +223,11 @@ class ReclaimLedger:
         for lease in self._quarantine.values():
             waiting |= lease.pending
         dead = sorted(waiting & self._dead_ranks)
-        reason = (f"KV quarantine {self.quarantined_slots} slots exceeds budget {budget} "
-                  f"({len(self._quarantine)} aborted rooms waiting on prefill ranks "
-                  f"{sorted(waiting)}; dead: {dead}); reuse is not provably safe, drain this pod")
+        reason = (
+            f"KV quarantine {self.quarantined_slots} slots exceeds budget {budget} "
+            f"({len(self._quarantine)} aborted rooms waiting on prefill ranks "
+            f"{sorted(waiting)}; dead: {dead}); reuse is not provably safe, drain this pod"
+        )
         return False, reason
 
     @property

@@ -35,8 +35,7 @@ class ReclaimMode(enum.Enum):
         for mode in cls:
             if text.lower() in (mode.value.lower(), mode.name.lower()):
                 return mode
-        raise ValueError(f"unknown reclaim mode {text!r}; expected one of "
-                         f"{[m.value for m in cls]}")
+        raise ValueError(f"unknown reclaim mode {text!r}; expected one of {[m.value for m in cls]}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,8 +54,11 @@ class AbortNotice:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> AbortNotice:
-        return cls(room=int(data["room"]), generation=int(data["generation"]),
-                   rank=int(data.get("rank", -1)))
+        return cls(
+            room=int(data["room"]),
+            generation=int(data["generation"]),
+            rank=int(data.get("rank", -1)),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,5 +74,6 @@ class ReclaimAck:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ReclaimAck:
-        return cls(room=int(data["room"]), generation=int(data["generation"]),
-                   rank=int(data["rank"]))
+        return cls(
+            room=int(data["room"]), generation=int(data["generation"]), rank=int(data["rank"])
+        )

@@ -54,7 +54,7 @@ class RaceParams:
     pages_per_request: int = 4
     chunks_per_request: int = 2  # per rank
     words_per_page: int = 16  # uint64 words (128-byte pages: small, so runs are fast)
-    decode_pages: int = 1024
+    decode_pages: int = 2048
     source_pages: int = 2048  # per rank
     max_inflight: int = 16  # per rank
     budget_s: float = 0.05  # prefill time budget; late requests are aborted
@@ -64,7 +64,7 @@ class RaceParams:
     stall_alpha: float = 1.3
     stall_cap_s: float = 1.0
     upstream_timeout_s: float = 0.1  # UPSTREAM's timer, scaled from SGLang's 30 s
-    decode_hold_s: float = 0.002
+    decode_hold_s: float = 0.1  # decoding keeps reading its KV this long
     seed: int = 1
     max_wall_s: float = 600.0
 
@@ -100,8 +100,10 @@ class RaceResult:
 
 def expected_pages(room: int, generation: int, indices: list[int], words: int) -> np.ndarray:
     """The content prefill writes for pages ``indices`` of a room: distinct in every word."""
-    base = np.array([(room * 1_000_003 + generation * 7_919 + i * 104_729 + 1) << 16
-                     for i in indices], dtype=np.uint64)
+    base = np.array(
+        [(room * 1_000_003 + generation * 7_919 + i * 104_729 + 1) << 16 for i in indices],
+        dtype=np.uint64,
+    )
     return base[:, None] + np.arange(words, dtype=np.uint64)[None, :]
 
 
@@ -122,6 +124,7 @@ def rank_pages(pages: int, ranks: int, rank: int) -> list[int]:
 
 
 # ---- prefill rank ------------------------------------------------------------------------------
+
 
 @dataclass
 class _Job:
@@ -204,8 +207,9 @@ class _PrefillRank:
     def _delay(self) -> float:
         delay = self.rng.expovariate(1.0 / self.p.service_s)
         if self.rng.random() < self.p.stall_prob:
-            delay += min(self.p.stall_cap_s, self.p.stall_s * self.rng.paretovariate(
-                self.p.stall_alpha))
+            delay += min(
+                self.p.stall_cap_s, self.p.stall_s * self.rng.paretovariate(self.p.stall_alpha)
+            )
         return delay
 
     def _abort(self, notice: AbortNotice) -> None:
@@ -264,6 +268,7 @@ def prefill_main(rank: int, params: RaceParams, spec: PoolSpec, inq: Any, outq: 
 
 # ---- decode ------------------------------------------------------------------------------------
 
+
 @dataclass
 class _Req:
     room: int
@@ -308,8 +313,7 @@ class _Decode:
             self.res.admitted += 1
             for r in self.ranks:
                 idx = rank_pages(need, len(self.ranks), r)
-                self.to_ranks[r].put(("req", room, lease.generation, idx,
-                                      [pages[i] for i in idx]))
+                self.to_ranks[r].put(("req", room, lease.generation, idx, [pages[i] for i in idx]))
 
     def on_message(self, msg: tuple, now: float) -> None:
         if msg[0] == "ack":
@@ -352,8 +356,7 @@ class _Decode:
             self.release([self.ledger.finish(req.room)])
 
     def verify(self, req: _Req) -> bool:
-        want = expected_pages(req.room, req.gen, list(range(len(req.pages))),
-                              self.p.words_per_page)
+        want = expected_pages(req.room, req.gen, list(range(len(req.pages))), self.p.words_per_page)
         return bool(np.array_equal(self.pool.view[req.pages], want))
 
     def release(self, reclaims: list[Reclaim] | tuple[Reclaim, ...]) -> None:
@@ -363,8 +366,7 @@ class _Decode:
                 self.waits.append(rec.wait_s)
 
     def busy(self) -> bool:
-        return self.next_room < self.p.requests or bool(self.backlog or self.active
-                                                         or self.holding)
+        return self.next_room < self.p.requests or bool(self.backlog or self.active or self.holding)
 
 
 def _drain(inq: Any, limit: int = 256) -> list[tuple]:
@@ -377,8 +379,7 @@ def _drain(inq: Any, limit: int = 256) -> list[tuple]:
     return out
 
 
-def decode_main(params: RaceParams, pool: DecodePool, to_ranks: list[Any], inq: Any
-                ) -> RaceResult:
+def decode_main(params: RaceParams, pool: DecodePool, to_ranks: list[Any], inq: Any) -> RaceResult:
     """Run the decode loop until every request finished or aborted; returns the result."""
     node = _Decode(params, pool, to_ranks)
     t0 = time.monotonic()
@@ -418,14 +419,16 @@ def _summarise(node: _Decode, wall: float) -> None:
     res.quarantine_peak_pages = node.ledger.quarantine_peak
     res.quarantined_at_end = node.ledger.quarantined_slots
     metrics = node.ledger.metrics
-    res.reclaims = {o: int(metrics.registry.get_sample_value(
-        "cas_kv_reclaims_total", {"outcome": o}) or 0) for o in
-        ("acked", "peer_closed", "timer", "immediate")}
+    res.reclaims = {
+        o: int(metrics.registry.get_sample_value("cas_kv_reclaims_total", {"outcome": o}) or 0)
+        for o in ("acked", "peer_closed", "timer", "immediate")
+    }
     res.ignored_messages = dict(node.ledger.ignored)
 
 
-def _decode_process(params: RaceParams, spec_q: Any, to_ranks: list[Any], inq: Any,
-                    result_q: Any) -> None:
+def _decode_process(
+    params: RaceParams, spec_q: Any, to_ranks: list[Any], inq: Any, result_q: Any
+) -> None:
     pool = DecodePool(params.transport, params.decode_pages, params.words_per_page)
     try:
         spec_q.put(pool.spec)
@@ -463,15 +466,19 @@ def run_race(params: RaceParams) -> RaceResult:
     ctx = mp.get_context("spawn")
     spec_q, inq, result_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
     to_ranks = [ctx.Queue() for _ in range(params.prefill_ranks)]
-    decode = ctx.Process(target=_decode_process, args=(params, spec_q, to_ranks, inq, result_q),
-                         name="race-decode")
+    decode = ctx.Process(
+        target=_decode_process, args=(params, spec_q, to_ranks, inq, result_q), name="race-decode"
+    )
     decode.start()
     procs = [decode]
     try:
         spec = _get_while_alive(spec_q, decode, timeout=60.0)
         for r in range(params.prefill_ranks):
-            proc = ctx.Process(target=prefill_main, args=(r, params, spec, to_ranks[r], inq),
-                               name=f"race-prefill-{r}")
+            proc = ctx.Process(
+                target=prefill_main,
+                args=(r, params, spec, to_ranks[r], inq),
+                name=f"race-prefill-{r}",
+            )
             proc.start()
             procs.append(proc)
         data = _get_while_alive(result_q, decode, timeout=params.max_wall_s + 90)

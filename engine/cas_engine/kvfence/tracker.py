@@ -49,8 +49,9 @@ class _Room:
 class WriteTracker:
     """Counts one prefill rank's in-flight KV writes per room and generation."""
 
-    def __init__(self, rank: int, *, metrics: KvFenceMetrics | None = None,
-                 tombstone_capacity: int = 65536) -> None:
+    def __init__(
+        self, rank: int, *, metrics: KvFenceMetrics | None = None, tombstone_capacity: int = 65536
+    ) -> None:
         self.rank = rank
         self.metrics = metrics if metrics is not None else KvFenceMetrics()
         self._rooms: dict[Key, _Room] = {}
@@ -64,8 +65,12 @@ class WriteTracker:
         """Start tracking a room's transfer and pin its source pages; False: do not transfer."""
         key = (room, generation)
         if key in self._tombs or key in self._rooms:
-            log.info("rank %s refuses to begin room %s gen %s (already seen)", self.rank,
-                     room, generation)
+            log.info(
+                "rank %s refuses to begin room %s gen %s (already seen)",
+                self.rank,
+                room,
+                generation,
+            )
             return False
         self._rooms[key] = _Room()
         self.metrics.pinned_rooms.inc()
@@ -86,8 +91,9 @@ class WriteTracker:
         key = (room, generation)
         state = self._rooms.get(key)
         if state is None or state.outstanding <= 0:
-            raise RuntimeError(f"write_done for room {room} gen {generation} without an "
-                               "outstanding write")
+            raise RuntimeError(
+                f"write_done for room {room} gen {generation} without an outstanding write"
+            )
         state.outstanding -= 1
         if not ok and not state.poisoned:
             state.poisoned = True
@@ -114,8 +120,12 @@ class WriteTracker:
         if tomb is None:
             self.unknown_aborts += 1
             self.metrics.ignored.labels(reason="unknown_room").inc()
-            log.info("rank %s: abort for unknown room %s gen %s; acknowledging, tombstoned",
-                     self.rank, notice.room, notice.generation)
+            log.info(
+                "rank %s: abort for unknown room %s gen %s; acknowledging, tombstoned",
+                self.rank,
+                notice.room,
+                notice.generation,
+            )
         self._bury(key, _Tomb.ACKED)
         return self._ack(key)
 

@@ -83,9 +83,13 @@ class DecodePool:
             self.view = np.zeros((pages, words), dtype=np.uint64)
             self._engine = _mooncake_engine()
             _register(self._engine, self.view)
-            self.spec = PoolSpec(transport, pages, words,
-                                 target=f"{LOOPBACK}:{self._engine.get_rpc_port()}",
-                                 base_addr=self.view.ctypes.data)
+            self.spec = PoolSpec(
+                transport,
+                pages,
+                words,
+                target=f"{LOOPBACK}:{self._engine.get_rpc_port()}",
+                base_addr=self.view.ctypes.data,
+            )
         else:
             self._shm = shared_memory.SharedMemory(create=True, size=pages * words * 8)
             self.view = np.ndarray((pages, words), dtype=np.uint64, buffer=self._shm.buf)
@@ -116,8 +120,7 @@ class PageWriter:
             _register(self._engine, self.source)
         else:
             self._shm = shared_memory.SharedMemory(name=spec.shm_name)
-            self._dest = np.ndarray((spec.pages, spec.words), dtype=np.uint64,
-                                    buffer=self._shm.buf)
+            self._dest = np.ndarray((spec.pages, spec.words), dtype=np.uint64, buffer=self._shm.buf)
 
     def write(self, src_pages: list[int], dst_pages: list[int]) -> bool:
         """Copy each source page into the matching decode page; False when the transfer failed."""
@@ -127,8 +130,7 @@ class PageWriter:
         nbytes = self.spec.page_bytes
         src = [self.source.ctypes.data + p * nbytes for p in src_pages]
         dst = [self.spec.base_addr + p * nbytes for p in dst_pages]
-        rc = self._engine.batch_transfer_sync_write(self.spec.target, src, dst,
-                                                    [nbytes] * len(src))
+        rc = self._engine.batch_transfer_sync_write(self.spec.target, src, dst, [nbytes] * len(src))
         return rc == 0
 
     def close(self) -> None:

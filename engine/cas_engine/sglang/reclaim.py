@@ -76,20 +76,24 @@ def check_decode_queue(cls: type) -> None:
     for name, lines in FINGERPRINTS.items():
         method = cls.__dict__.get(name)
         if method is None:
-            raise StrictReclaimError(f"{cls.__name__}.{name} is missing; strict KV reclaim "
-                                     "cannot be applied to this SGLang")
+            raise StrictReclaimError(
+                f"{cls.__name__}.{name} is missing; strict KV reclaim "
+                "cannot be applied to this SGLang"
+            )
         method = getattr(method, "__wrapped__", method)
         try:
             source = inspect.getsource(method)
         except (OSError, TypeError) as exc:
             raise StrictReclaimError(
-                f"cannot read the source of {cls.__name__}.{name}: {exc}") from exc
+                f"cannot read the source of {cls.__name__}.{name}: {exc}"
+            ) from exc
         for line in lines:
             if line not in source:
                 raise StrictReclaimError(
                     f"{cls.__name__}.{name} no longer contains {line!r}; its deferred-release "
                     "logic changed, so the strict patch would be unsound. Re-check the patch "
-                    "against this SGLang version.")
+                    "against this SGLang version."
+                )
 
 
 def load_decode_queue_class() -> type:
@@ -127,9 +131,11 @@ class StrictReclaimPatch:
         budget = self.quarantine_budget_rooms
         if budget is None or self.held_rooms <= budget:
             return True, ""
-        return False, (f"KV quarantine: {self.held_rooms} aborted rooms held awaiting prefill "
-                       f"abort acks (budget {budget}, {self.overdue_rooms} past the upstream "
-                       "timeout); reuse is not provably safe, drain this pod")
+        return False, (
+            f"KV quarantine: {self.held_rooms} aborted rooms held awaiting prefill "
+            f"abort acks (budget {budget}, {self.overdue_rooms} past the upstream "
+            "timeout); reuse is not provably safe, drain this pod"
+        )
 
     def observe(self, queue: Any, before: list[tuple[Any, ...]]) -> None:
         """Account releases and held rooms after one ``resolve_deferred_releases`` pass."""
@@ -146,17 +152,24 @@ class StrictReclaimPatch:
         for entry in overdue:
             if id(entry[0]) not in self._warned:
                 self._warned.add(id(entry[0]))
-                log.warning("strict KV reclaim: room %s still held %.0f s after abort, waiting "
-                            "for every prefill rank's ack (upstream would release it now)",
-                            getattr(entry[0].req, "bootstrap_room", "?"), now - entry[1])
+                log.warning(
+                    "strict KV reclaim: room %s still held %.0f s after abort, waiting "
+                    "for every prefill rank's ack (upstream would release it now)",
+                    getattr(entry[0].req, "bootstrap_room", "?"),
+                    now - entry[1],
+                )
         self.held_rooms, self.overdue_rooms = len(held), len(overdue)
         self.rooms_gauge.set(len(held))
         self.metrics.unhealthy.set(0.0 if self.health()[0] else 1.0)
 
 
-def install_strict_reclaim(cls: type | None = None, *, quarantine_budget_rooms: int | None = None,
-                           metrics: KvFenceMetrics | None = None,
-                           clock: Callable[[], float] = time.monotonic) -> StrictReclaimPatch:
+def install_strict_reclaim(
+    cls: type | None = None,
+    *,
+    quarantine_budget_rooms: int | None = None,
+    metrics: KvFenceMetrics | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> StrictReclaimPatch:
     """Patch ``cls`` (default: the pinned SGLang's DecodeTransferQueue). Idempotent."""
     cls = cls if cls is not None else load_decode_queue_class()
     existing = cls.__dict__.get(_MARK)
@@ -165,10 +178,15 @@ def install_strict_reclaim(cls: type | None = None, *, quarantine_budget_rooms: 
     check_decode_queue(cls)
     metrics = metrics if metrics is not None else KvFenceMetrics()
     patch = StrictReclaimPatch(
-        quarantine_budget_rooms=quarantine_budget_rooms, metrics=metrics, clock=clock,
-        rooms_gauge=Gauge("cas_kv_quarantined_rooms",
-                          "SGLang decode requests held for deferred KV release",
-                          registry=metrics.registry))
+        quarantine_budget_rooms=quarantine_budget_rooms,
+        metrics=metrics,
+        clock=clock,
+        rooms_gauge=Gauge(
+            "cas_kv_quarantined_rooms",
+            "SGLang decode requests held for deferred KV release",
+            registry=metrics.registry,
+        ),
+    )
     _wrap_init(cls)
     _wrap_resolve(cls, patch)
     setattr(cls, _MARK, patch)
@@ -185,7 +203,8 @@ def _wrap_init(cls: type) -> None:
         if not self.enable_deferred_kv_release:
             raise StrictReclaimError(
                 f"strict KV reclaim needs {ENABLE_ENV}=1 (deferred release is off, so aborted "
-                "transfers would free their KV at once)")
+                "transfers would free their KV at once)"
+            )
         self._cas_upstream_timeout_s = self.deferred_kv_release_timeout
         self.deferred_kv_release_timeout = math.inf
 
