@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from cas_engine.sim import SIMULATOR_NOTICE
@@ -49,6 +51,7 @@ class SimConfig:
     spec_num_steps: int = 3
     spec_accept_prob: float = 0.75
     fault: str = ""
+    guard_enabled: bool = True
     guard_args: argparse.Namespace | None = None
     ignored_args: tuple[str, ...] = ()
 
@@ -66,11 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     """The parser; ``--help`` states that this is a simulator."""
     p = argparse.ArgumentParser(
         prog="python -m cas_engine.sim",
+        allow_abbrev=False,
         description=f"{SIMULATOR_NOTICE}. A CPU stand-in for an SGLang worker (prefill, decode "
         "or both) with a timing model instead of a model; for tests and demos only.",
     )
     _add_sglang_arguments(p)
     _add_sim_arguments(p)
+    _add_cas_arguments(p)
     try:
         from cas_engine.guard.config import add_guard_arguments
     except ImportError:  # guard package not present in this checkout
@@ -94,6 +99,39 @@ def _add_sglang_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--random-seed", type=int, default=0)
     g.add_argument("--speculative-num-steps", type=int, default=3)
     g.add_argument("--log-level", default="info")
+
+
+def _add_cas_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``--cas-*`` flags the operator puts on engine pods (see cas_engine.launch)."""
+    g = p.add_argument_group("cas_engine flags (as on real engine pods)")
+    g.add_argument(
+        "--cas-kv-reclaim",
+        type=_reclaim_mode,
+        default=None,
+        help="strict | upstream | immediate (env CAS_KV_RECLAIM)",
+    )
+    g.add_argument(
+        "--cas-guard",
+        choices=("on", "off"),
+        default=None,
+        help="off: the quality gate observes but never aborts",
+    )
+
+
+def _reclaim_mode(text: str) -> str:
+    for mode in RECLAIM_MODES:
+        if text.strip().lower() == mode.lower():
+            return mode
+    raise argparse.ArgumentTypeError(f"expected one of {RECLAIM_MODES}, got {text!r}")
+
+
+def _resolve_reclaim(ns: argparse.Namespace, env: Mapping[str, str]) -> str:
+    """``--sim-kv-reclaim`` > ``--cas-kv-reclaim`` > ``CAS_KV_RECLAIM`` > Strict."""
+    if ns.sim_kv_reclaim:
+        return str(ns.sim_kv_reclaim)
+    if ns.cas_kv_reclaim:
+        return str(ns.cas_kv_reclaim)
+    return _reclaim_mode(env.get("CAS_KV_RECLAIM", "Strict"))
 
 
 def _add_sim_arguments(p: argparse.ArgumentParser) -> None:
@@ -159,8 +197,9 @@ def _add_sim_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--sim-kv-reclaim",
         choices=RECLAIM_MODES,
-        default="Strict",
-        help="when an aborted request's KV slot may be reused",
+        default=None,
+        help="when an aborted request's KV slot may be reused (default: --cas-kv-reclaim, "
+        "env CAS_KV_RECLAIM, else Strict)",
     )
     g.add_argument(
         "--sim-prefill-budget",
@@ -189,10 +228,15 @@ def _add_sim_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sim-seed", type=int, default=None, help="seed (default --random-seed)")
 
 
-def parse_args(argv: list[str] | None = None) -> SimConfig:
+def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> SimConfig:
     """Parse ``argv``; unknown (SGLang) arguments are logged once and ignored."""
+    env = os.environ if env is None else env
     parser = build_parser()
     ns, unknown = parser.parse_known_args(argv)
+    try:
+        kv_reclaim = _resolve_reclaim(ns, env)
+    except argparse.ArgumentTypeError as exc:
+        parser.error(f"CAS_KV_RECLAIM: {exc}")
     if unknown:
         log.info(
             "sim: ignoring %d SGLang argument(s) it does not model: %s",
@@ -225,7 +269,8 @@ def parse_args(argv: list[str] | None = None) -> SimConfig:
         timing=timing,
         kv_slots=ns.sim_kv_slots,
         kv_slot_bytes=ns.sim_kv_slot_bytes,
-        kv_reclaim=ns.sim_kv_reclaim,
+        kv_reclaim=kv_reclaim,
+        guard_enabled=ns.cas_guard != "off",
         prefill_budget_s=ns.sim_prefill_budget,
         upstream_release_timeout_s=ns.sim_upstream_release_timeout,
         spec_num_steps=ns.speculative_num_steps,

@@ -156,6 +156,8 @@ class SimWorker:
         self._last_accept = (float("nan"), float("nan"))
 
     def _make_guard(self) -> GuardMonitor:
+        from dataclasses import replace
+
         from cas_engine.guard import guard_config_from_args
 
         gcfg = (
@@ -163,6 +165,8 @@ class SimWorker:
             if self.cfg.guard_args is not None
             else GuardConfig.from_env()
         )
+        if not self.cfg.guard_enabled:
+            gcfg = replace(gcfg, enabled=False)
         capacity = self.cfg.max_running_requests + 64
         return GuardMonitor(gcfg, capacity, metrics=GuardMetrics.create(self.registry, gcfg))
 
