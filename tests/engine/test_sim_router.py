@@ -318,3 +318,24 @@ async def test_completions_and_streaming_generate_through_router(fleet: Fleet) -
     last = events[-2]
     assert last["meta_info"]["finish_reason"] == {"type": "length", "length": 20}
     assert last["text"].startswith(events[0]["text"])  # cumulative text, as SGLang streams it
+
+
+async def test_corrupted_kv_transfer_garbles_stream_and_trips_guard(fleet: Fleet) -> None:
+    """Regression: KV that arrives corrupted must be detected by the decode's content check,
+    collapse the accept length (garbled text) and end the stream with the guard's error."""
+    prefill = fleet.prefill_urls[0]
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+        before = await _scrape(s, fleet.decode_urls, "cas_sim_kv_corrupted_requests_total")
+        await _set_fault(s, prefill, {"corruption": 1.0})
+        try:
+            status, text = await _post(
+                s, f"{fleet.router_url}/v1/chat/completions", _chat("corrupt me", 300, stream=True)
+            )
+        finally:
+            await _set_fault(s, prefill, {"corruption": 0.0})
+        after = await _scrape(s, fleet.decode_urls, "cas_sim_kv_corrupted_requests_total")
+    assert status == 200, text
+    assert after - before == 1
+    assert any(g in text for g in GARBLE)
+    errors = [e for e in _sse_events(text) if isinstance(e, dict) and "error" in e]
+    assert errors and errors[0]["error"]["cas_guard"]["reason"] == "low_accept_length"

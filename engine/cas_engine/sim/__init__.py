@@ -16,10 +16,13 @@ Modules (data flow top to bottom):
 - :mod:`.pd`        prefill<->decode bootstrap protocol and mooncake TCP transfers.
 - :mod:`.reclaim`   slot release policy (Immediate / Upstream / Strict) on the decode side.
 - :mod:`.worker`    the scheduler: queues, prefill, decode batch loop, guard, metrics.
+- :mod:`.metrics`   ``sglang:*`` and ``cas_sim_*`` metrics on the worker's registry.
 - :mod:`.server`    aiohttp routes (``/generate``, OpenAI endpoints, health, info, metrics).
+- :mod:`.fleet`     router + prefill + decode sims as local processes (tests, demo).
 - :mod:`.load`      the coding-agent load generator (``python -m cas_engine.sim.load``).
 
-Run: ``python -m cas_engine.sim --disaggregation-mode decode --port 30001 --sim-speedup 10``.
+Run: ``python -m cas_engine.sim --disaggregation-mode decode --port 30001 --sim-speedup 10``;
+a whole fleet with load: ``python -m cas_engine.sim.load --launch`` (needs ``sglang-router``).
 """
 
 SIMULATOR_NOTICE = "cas_engine.sim: simulated worker (no model); output text is synthetic"
