@@ -31,6 +31,7 @@ import runpy
 import sys
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from cas_engine.guard.config import GuardConfig, add_guard_arguments, guard_config_from_args
 
@@ -244,15 +245,33 @@ def export_env(plan: LaunchPlan, environ: MutableMapping[str, str]) -> None:
         environ["SGLANG_PLUGINS"] = f"{allowed},{PLUGIN_NAME}"
 
 
+def _server_args_class() -> Any:
+    """SGLang's ``ServerArgs``; on failure, drop half-imported ``sglang`` modules.
+
+    A failed import leaves submodules such as the namespace package ``sglang.srt`` in
+    ``sys.modules`` without their parent, which breaks every later ``import sglang...`` in
+    this process with a ``KeyError`` instead of the real error.
+    """
+    before = set(sys.modules)
+    try:
+        from sglang.srt.server_args import ServerArgs
+    except BaseException:
+        for name in set(sys.modules) - before:
+            if name == "sglang" or name.startswith("sglang."):
+                del sys.modules[name]
+        raise
+    return ServerArgs
+
+
 def print_help(out: Callable[[str], None] = print) -> None:
     out(build_cas_parser().format_help())
     try:
-        from sglang.srt.server_args import ServerArgs
+        server_args = _server_args_class()
     except Exception as exc:  # SGLang absent or its deps missing: say so, keep our help
         out(f"(SGLang's own flags unavailable here: {type(exc).__name__}: {exc})")
         return
     sg = argparse.ArgumentParser(prog="sglang.launch_server", add_help=False)
-    ServerArgs.add_cli_args(sg)
+    server_args.add_cli_args(sg)
     out(sg.format_help())
 
 

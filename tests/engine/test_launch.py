@@ -80,6 +80,8 @@ def test_help_shows_cas_flags_and_mentions_sglang() -> None:
     for flag in ("--cas-guard-min-accept-length", "--cas-kv-reclaim", "--cas-hicache-detector"):
         assert flag in text
     assert "SGLang" in text
+    # a failed SGLang import must not leave orphaned sglang.* modules behind
+    assert "sglang" in sys.modules or not any(m.startswith("sglang.") for m in sys.modules)
 
 
 def _plan(*sglang: str, **kw) -> LaunchPlan:
