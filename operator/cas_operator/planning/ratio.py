@@ -359,7 +359,7 @@ def _ttft_quantile(
     lo, hi = 0.0, max(delays) + (50.0 / slowest if slowest > 0 else 1e6)
     if _ttft_tail(classes, extra_s, waits, hi) > target:
         return math.inf
-    for _ in range(60):
+    for _ in range(40):
         mid = (lo + hi) / 2.0
         if _ttft_tail(classes, extra_s, waits, mid) > target:
             lo = mid
@@ -424,7 +424,7 @@ class ModelLimits:
 
     max_prefill_util: float = 0.9
     max_link_util: float = 0.8
-    kv_headroom: float = 0.9
+    kv_headroom: float = 0.8  # admission of long tails fragments per-instance KV
     queue_pool: int = 1  # instances sharing one queue: sticky prefix routing pools poorly
     session_imbalance: bool = True  # per-instance load varies with the sessions homed there
 
@@ -557,7 +557,7 @@ def _goodput_plan(ctx: _Ctx, wl: WorkloadInputs, budget: int) -> tuple[PlanEvalu
 
     lo, hi = 0.0, wl.request_rate
     best = None
-    for _ in range(30):
+    for _ in range(14):
         mid = (lo + hi) / 2.0
         ev = plan_at(mid)
         if ev is not None:

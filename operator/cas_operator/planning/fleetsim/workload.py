@@ -90,9 +90,16 @@ class Trace:
     meta: dict[str, float] = field(default_factory=dict)
 
 
-def parse_trace(lines: Iterable[str], block_tokens: int = 512) -> Trace:
-    """Parse JSONL trace lines (see module doc); timestamps in ms are detected and converted."""
-    ts, inp, out, conv, cached = [], [], [], [], []
+def parse_trace(
+    lines: Iterable[str], block_tokens: int = 512, timestamp_unit_s: float = 1e-3
+) -> Trace:
+    """Parse JSONL trace lines (see module doc); timestamps are in milliseconds by default
+    (the Mooncake trace convention) and shifted to start at 0."""
+    ts: list[float] = []
+    inp: list[int] = []
+    out: list[int] = []
+    conv: list[int] = []
+    cached: list[int] = []
     last_blocks: dict[int, list[int]] = {}
     conv_ids: dict[int, int] = {}
     for line in lines:
@@ -116,9 +123,7 @@ def parse_trace(lines: Iterable[str], block_tokens: int = 512) -> Trace:
         out.append(max(1, int(rec["output_length"])))
         conv.append(cid)
         cached.append(min(common * block_tokens, max(n_in - 1, 0)))
-    arr = np.asarray(ts, dtype=np.float64)
-    if arr.size and arr.max() > 1e6:  # milliseconds
-        arr = arr / 1000.0
+    arr = np.asarray(ts, dtype=np.float64) * timestamp_unit_s
     if arr.size:
         arr = arr - arr.min()
     order = np.argsort(arr, kind="stable")
@@ -132,10 +137,10 @@ def parse_trace(lines: Iterable[str], block_tokens: int = 512) -> Trace:
     )
 
 
-def read_trace(path: str, block_tokens: int = 512) -> Trace:
+def read_trace(path: str, block_tokens: int = 512, timestamp_unit_s: float = 1e-3) -> Trace:
     """Read a JSONL trace file (the only I/O in this package)."""
     with open(path, encoding="utf-8") as fh:
-        return parse_trace(fh, block_tokens)
+        return parse_trace(fh, block_tokens, timestamp_unit_s)
 
 
 def synth_trace_lines(

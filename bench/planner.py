@@ -1,0 +1,379 @@
+"""P:D ratio planner benchmark on the fleet simulator (``make bench-planner``).
+
+For each scenario, run side by side on one workload seed:
+- ``fixed-1:1``: half the budget to each pool;
+- ``best-fixed``: the static split that is best on the steady scenario, used everywhere;
+- ``mean-based``: a Dynamo-style throughput planner (mean lengths, fixed 90% hit rate);
+- ``ours``: ``ratio.recommend`` + ``next_replicas`` (slow and fast loop);
+- ``exhaustive``: the best static split of the budget for this scenario, found by simulating
+  every split (coarse stride, then the neighbourhood of the best).
+
+Reports goodput (requests meeting both SLOs per second), goodput per GPU, SLO attainment,
+average and peak GPUs and scale actions; prints one table and writes JSON.
+
+Usage: python bench/planner.py [--quick] [--scale-tables] [--out bench/results/planner.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any
+
+from cas_operator.planning import profiles as pf
+from cas_operator.planning.fleetsim import FleetConfig, Modifier, SessionMix, SessionWorkload
+from cas_operator.planning.fleetsim.engine import Simulator
+from cas_operator.planning.fleetsim.policies import (
+    MeanBasedPolicy,
+    RatioPlannerPolicy,
+)
+from cas_operator.planning.ratio import (
+    Bounds,
+    InstanceProfile,
+    SloInputs,
+    WorkloadInputs,
+    recommend,
+)
+
+SLO = SloInputs(ttft_s=3.0, itl_ms=50.0)
+SPEC = pf.load_spec("glm5-fp8-h200")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    mix: SessionMix
+    modifiers: tuple[Modifier, ...] = ()
+    budget: int = 256
+    nic_factor: float = 1.0
+    host_cache_factor: float = 1.0
+    duration_s: float = 3600.0
+    warmup_s: float = 900.0
+    breaks_mean_model: str = ""
+
+    def profiles(self) -> tuple[InstanceProfile, InstanceProfile]:
+        p = pf.prefill_profile(SPEC)
+        d = pf.decode_profile(SPEC)
+        p = replace(
+            p,
+            nic_bytes_per_s=p.nic_bytes_per_s * self.nic_factor,
+            host_cache_tokens=p.host_cache_tokens * self.host_cache_factor,
+            pod_start_s=600.0,
+        )
+        d = replace(d, nic_bytes_per_s=d.nic_bytes_per_s * self.nic_factor, pod_start_s=600.0)
+        return p, d
+
+
+def scenarios(quick: bool) -> list[Scenario]:
+    """The issue's scenarios on a 256-GPU budget (32 instances of 8 GPUs)."""
+    dur = 2400.0 if quick else 3600.0
+    base = SessionMix(session_rate=1.3, tool_pause_s=20.0)
+    out = [
+        Scenario("steady", base, duration_s=dur),
+        Scenario(
+            "session-storm",
+            base,
+            (Modifier("session_rate", 3.0, 1200.0, 1500.0),),
+            duration_s=dur,
+            breaks_mean_model="cold first turns miss entirely",
+        ),
+        Scenario(
+            "long-tool-pauses",
+            replace(base, tool_pause_s=160.0),
+            host_cache_factor=0.25,
+            duration_s=dur,
+            breaks_mean_model="hit rate falls with the working set",
+        ),
+        Scenario(
+            "output-shift",
+            base,
+            (Modifier("output_tokens", 4.0, 1200.0),),
+            duration_s=dur,
+            breaks_mean_model="decode KV on long-context tails",
+        ),
+        Scenario(
+            "transfer-bound",
+            base,
+            nic_factor=0.04,
+            duration_s=dur,
+            breaks_mean_model="KV transfer link saturates",
+        ),
+        Scenario(
+            "budget-capped-rebalance",
+            replace(base, session_rate=1.6),
+            (Modifier("output_tokens", 3.0, 1200.0),),
+            budget=224,
+            duration_s=dur,
+            breaks_mean_model="budget cap: shrink one side before growing the other",
+        ),
+        Scenario(
+            "burst-shorter-than-pod-start",
+            base,
+            (Modifier("session_rate", 2.5, 1500.0, 1680.0),),
+            duration_s=dur,
+        ),
+    ]
+    return out
+
+
+def _declared(sc: Scenario) -> WorkloadInputs:
+    """What a user would write in the resource's workload fields for this scenario."""
+    m = sc.mix
+    return WorkloadInputs(
+        request_rate=m.request_rate(),
+        avg_input_tokens=75_000.0,
+        avg_output_tokens=m.output_tokens,
+        first_turn_fraction=1.0 / m.mean_turns,
+        first_turn_input_tokens=m.first_input_tokens,
+        tool_pause_s=m.tool_pause_s,
+        prefix_cache_hit_rate=0.9,
+    )
+
+
+def _bounds(sc: Scenario) -> Bounds:
+    n = sc.budget // 8
+    return Bounds(
+        min_prefill=1, max_prefill=n - 1, min_decode=1, max_decode=n - 1, gpu_budget=sc.budget
+    )
+
+
+def _run(sc: Scenario, method: str, split: tuple[int, int] | None, seed: int) -> dict[str, Any]:
+    p, d = sc.profiles()
+    bounds = _bounds(sc)
+    policy: Any = None
+    if method in ("fixed", "exhaustive-point"):
+        assert split is not None
+        n_p, n_d = split
+    elif method == "ours":
+        rec = recommend(_declared(sc), SLO, p, d, bounds)
+        n_p, n_d = rec.n_prefill, rec.n_decode
+        policy = RatioPlannerPolicy(p, d, SLO, bounds)
+    elif method == "mean-based":
+        policy = MeanBasedPolicy(p, d, SLO, bounds)
+        wl = _declared(sc)
+        isl = wl.avg_input_tokens
+        n_p = math.ceil(wl.request_rate * isl / policy.prefill_thpt(isl))
+        n_d = math.ceil(wl.request_rate * wl.avg_output_tokens / policy.decode_thpt(isl))
+        n_p, n_d = policy._clamp(n_p, n_d)
+    else:
+        raise ValueError(method)
+    n = sc.budget // 8
+    cfg = FleetConfig(
+        prefill=p,
+        decode=d,
+        n_prefill=n_p,
+        n_decode=n_d,
+        max_prefill=n,
+        max_decode=n,
+        duration_s=sc.duration_s,
+        warmup_s=sc.warmup_s,
+        seed=seed,
+    )
+    wl = SessionWorkload(sc.mix, sc.modifiers, seed=seed)
+    t0 = time.perf_counter()
+    res = Simulator(cfg, workload=wl, policy=policy).run()
+    g = res.goodput(SLO.ttft_s, SLO.itl_ms)
+    g.update(
+        wall_s=time.perf_counter() - t0,
+        peak_gpus=float(res.peak_gpus),
+        scale_actions=float(res.scale_actions),
+        start=f"{n_p}P:{n_d}D",
+        end=f"{res.series[-1]['prefill']:.0f}P:{res.series[-1]['decode']:.0f}D"
+        if res.series
+        else f"{n_p}P:{n_d}D",
+        retractions=float(res.retractions),
+    )
+    return g
+
+
+def _exhaustive(pool: ProcessPoolExecutor, sc: Scenario, seed: int, stride: int):
+    n = sc.budget // 8
+    splits = list(range(1, n, stride))
+    futs = {k: pool.submit(_run, sc, "exhaustive-point", (k, n - k), seed) for k in splits}
+    scores = {k: f.result() for k, f in futs.items()}
+    best = max(scores, key=lambda k: scores[k]["goodput_rps"])
+    near = [
+        k
+        for k in range(max(1, best - stride + 1), min(n - 1, best + stride - 1) + 1)
+        if k not in scores
+    ]
+    futs = {k: pool.submit(_run, sc, "exhaustive-point", (k, n - k), seed) for k in near}
+    scores.update({k: f.result() for k, f in futs.items()})
+    best = max(scores, key=lambda k: scores[k]["goodput_rps"])
+    return best, scores
+
+
+def run_bench(quick: bool, seed: int, workers: int) -> dict[str, Any]:
+    scs = scenarios(quick)
+    out: dict[str, Any] = {
+        "slo": {"ttft_p90_s": SLO.ttft_s, "itl_ms": SLO.itl_ms},
+        "seed": seed,
+        "scenarios": {},
+    }
+    stride = 4 if quick else 2
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        best_steady, _ = _exhaustive(pool, scs[0], seed, stride)
+        for sc in scs:
+            n = sc.budget // 8
+            best, scores = _exhaustive(pool, sc, seed, stride)
+            steady_share = best_steady / (scs[0].budget // 8)
+            bf = min(n - 1, max(1, round(steady_share * n)))
+            jobs = {
+                "fixed-1:1": pool.submit(_run, sc, "fixed", (n // 2, n - n // 2), seed),
+                "best-fixed": pool.submit(_run, sc, "fixed", (bf, n - bf), seed),
+                "mean-based": pool.submit(_run, sc, "mean-based", None, seed),
+                "ours": pool.submit(_run, sc, "ours", None, seed),
+            }
+            rows = {k: f.result() for k, f in jobs.items()}
+            rows["exhaustive"] = scores[best]
+            out["scenarios"][sc.name] = {
+                "budget": sc.budget,
+                "breaks_mean_model": sc.breaks_mean_model,
+                "exhaustive_split": f"{best}P:{n - best}D",
+                "exhaustive_curve": {
+                    f"{k}P:{n - k}D": v["goodput_rps"] for k, v in sorted(scores.items())
+                },
+                "methods": rows,
+            }
+            print(f"  done {sc.name}", file=sys.stderr, flush=True)
+    return out
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = [
+        "| scenario | method | goodput req/s | goodput/GPU (x1000) | SLO attainment | avg GPUs "
+        "| peak GPUs | scale actions | P:D start -> end |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, sc in result["scenarios"].items():
+        ex = sc["methods"]["exhaustive"]["goodput_rps"]
+        for method, r in sc["methods"].items():
+            rel = f" ({r['goodput_rps'] / ex:.0%} of exh.)" if ex > 0 else ""
+            lines.append(
+                f"| {name} | {method} | {r['goodput_rps']:.2f}{rel} | "
+                f"{1000 * r['goodput_per_gpu']:.1f} | {r['attainment']:.1%} | "
+                f"{r['avg_gpus']:.0f} | {r['peak_gpus']:.0f} | {r['scale_actions']:.0f} | "
+                f"{r['start']} -> {r['end']} |"
+            )
+    return "\n".join(lines)
+
+
+def scale_tables(seed: int) -> dict[str, Any]:
+    """Planner recommendations for 1,000- and 10,000-GPU fleets, with one simulator check
+    each of ours vs 1:1 at the same budget."""
+    p, d = pf.prefill_profile(SPEC), pf.decode_profile(SPEC)
+    out: dict[str, Any] = {}
+    for budget in (1000, 10_000):
+        rows = []
+        n = budget // 8
+        for share in (0.3, 0.5, 0.7, 0.9, 1.0):
+            rate = _max_rate(p, d, budget) * share
+            wl = WorkloadInputs(
+                request_rate=rate,
+                avg_input_tokens=75_000,
+                avg_output_tokens=400,
+                first_turn_input_tokens=32_000,
+            )
+            rec = recommend(wl, SLO, p, d, Bounds(max_prefill=n, max_decode=n, gpu_budget=budget))
+            rows.append(
+                {
+                    "request_rate": rate,
+                    "n_prefill": rec.n_prefill,
+                    "n_decode": rec.n_decode,
+                    "gpus": rec.gpus,
+                    "ttft_p90_s": rec.ttft_p90_s,
+                    "itl_ms": rec.itl_ms,
+                    "hit_rate": rec.hit_rate,
+                    "goodput_rps": rec.goodput_rps,
+                }
+            )
+        # simulator check at 90% of the modelled capacity, 30 minutes after warm-up
+        rate = rows[3]["request_rate"]
+        mix = SessionMix(session_rate=rate / 20.0)
+        checks = {}
+        for label, (n_p, n_d) in {
+            "planner": (rows[3]["n_prefill"], rows[3]["n_decode"]),
+            "fixed-1:1": (n // 2, n - n // 2),
+        }.items():
+            cfg = FleetConfig(
+                prefill=p,
+                decode=d,
+                n_prefill=n_p,
+                n_decode=n_d,
+                max_prefill=n,
+                max_decode=n,
+                duration_s=2700.0,
+                warmup_s=900.0,
+                seed=seed,
+            )
+            t0 = time.perf_counter()
+            res = Simulator(cfg, workload=SessionWorkload(mix, seed=seed)).run()
+            g = res.goodput(SLO.ttft_s, SLO.itl_ms)
+            g["wall_s"] = time.perf_counter() - t0
+            g["split"] = f"{n_p}P:{n_d}D"
+            checks[label] = g
+        out[str(budget)] = {"plans": rows, "sim_check": checks}
+    return out
+
+
+def _max_rate(p: InstanceProfile, d: InstanceProfile, budget: int) -> float:
+    """Highest request rate the model says fits the budget within SLOs (bisection)."""
+    lo, hi = 0.0, budget * 1.0
+    n = budget // 8
+    for _ in range(25):
+        mid = (lo + hi) / 2
+        wl = WorkloadInputs(
+            request_rate=mid,
+            avg_input_tokens=75_000,
+            avg_output_tokens=400,
+            first_turn_input_tokens=32_000,
+        )
+        rec = recommend(wl, SLO, p, d, Bounds(max_prefill=n, max_decode=n, gpu_budget=budget))
+        if rec.meets_slo:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="shorter runs, coarser exhaustive")
+    ap.add_argument("--scale-tables", action="store_true", help="also 1k/10k-GPU tables")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--workers", type=int, default=max(1, min(2, os.cpu_count() or 1)))
+    ap.add_argument("--out", default="bench/results/planner.json")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    result = run_bench(args.quick, args.seed, args.workers)
+    print(table(result))
+    if args.scale_tables:
+        result["scale"] = scale_tables(args.seed)
+        for budget, s in result["scale"].items():
+            print(f"\n{budget} GPUs")
+            for r in s["plans"]:
+                print(
+                    f"  {r['request_rate']:8.1f} req/s -> {r['n_prefill']}P:{r['n_decode']}D "
+                    f"({r['gpus']} GPUs) TTFT p90 {r['ttft_p90_s']:.2f}s "
+                    f"ITL {r['itl_ms']:.1f}ms hit {r['hit_rate']:.1%}"
+                )
+            for k, g in s["sim_check"].items():
+                print(
+                    f"  sim {k} {g['split']}: goodput {g['goodput_rps']:.1f} req/s, "
+                    f"attainment {g['attainment']:.1%}, {g['wall_s']:.1f}s wall"
+                )
+    result["wall_s"] = time.perf_counter() - t0
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as fh:
+        json.dump(result, fh, indent=1, default=float)
+    print(f"\nwrote {args.out} in {result['wall_s']:.0f}s")
+
+
+if __name__ == "__main__":
+    main()

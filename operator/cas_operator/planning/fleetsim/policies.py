@@ -1,0 +1,196 @@
+"""Replica policies run inside the fleet simulator: ours, fixed, and a mean-based baseline.
+
+A policy is called every simulator tick with lagged :class:`Metrics` and the :class:`FleetView`
+and returns target (prefill, decode) replicas. State lives in the policy object.
+
+- :class:`FixedPolicy`: constant replicas (today's ``Fixed`` mode).
+- :class:`RatioPlannerPolicy`: ours. Slow loop: every ``slow_s`` the model in ``ratio.py`` is
+  run on a forecast (max of the recent and smoothed arrival rate, times a headroom) built from
+  the observed lengths, first-turn share and tool pauses; its recommendation passes through
+  ``next_replicas`` (bounded steps, hysteresis, cooldown >= pod start, budget incl. draining
+  pods, drain-confirm-then-grow). Fast loop: every tick, when TTFT p90 or decode KV is over its
+  limit, one bounded step above the slow target on the side at fault.
+- :class:`MeanBasedPolicy`: a Dynamo-style throughput planner from its published equations:
+  ``N_P = ceil(rate * ISL / thpt_P)`` and ``N_D = ceil(rate * OSL / thpt_D)``, where the
+  per-instance throughputs come from the profile at mean lengths, a fixed prefix hit rate and
+  the ITL target, and the load prediction is the last interval's rate; no KV-capacity, tail,
+  transfer or plan-dependent hit-rate terms, scaled every interval without hysteresis.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from cas_operator.planning.ratio import (
+    Bounds,
+    ControlConfig,
+    ControlState,
+    CurrentReplicas,
+    InstanceProfile,
+    ModelLimits,
+    RatioRecommendation,
+    SloInputs,
+    WorkloadInputs,
+    next_replicas,
+    recommend,
+)
+
+from .engine import FleetView, Metrics
+
+
+@dataclass
+class FixedPolicy:
+    prefill: int
+    decode: int
+
+    def __call__(self, now: float, m: Metrics, fleet: FleetView) -> tuple[int, int]:
+        return self.prefill, self.decode
+
+
+@dataclass
+class RatioPlannerPolicy:
+    """Ours: model-based slow loop + bounded fast loop through ``next_replicas``."""
+
+    prefill: InstanceProfile
+    decode: InstanceProfile
+    slo: SloInputs
+    bounds: Bounds
+    slow_s: float = 300.0
+    headroom: float = 1.1
+    smoothing: float = 0.3
+    down_stable_s: float = 600.0
+    max_step_fraction: float = 0.25
+    shared_prefix_tokens: float = 2000.0
+    limits: ModelLimits = field(default_factory=ModelLimits)
+    state: ControlState = field(default_factory=ControlState)
+    target: tuple[int, int] | None = None
+    last_slow: float = -math.inf
+    ewma_rate: float | None = None
+    last_rec: RatioRecommendation | None = None
+    recommendations: int = 0
+
+    def _workload(self, m: Metrics, rate: float) -> WorkloadInputs:
+        return WorkloadInputs(
+            request_rate=rate,
+            avg_input_tokens=max(m.avg_input_tokens, 1.0),
+            avg_output_tokens=max(m.avg_output_tokens, 1.0),
+            p95_input_tokens=max(m.p95_input_tokens, m.avg_input_tokens, 1.0),
+            first_turn_fraction=min(max(m.first_turn_fraction, 0.01), 1.0),
+            tool_pause_s=max(m.tool_pause_s, 0.1),
+            shared_prefix_tokens=self.shared_prefix_tokens,
+        )
+
+    def _slow(self, m: Metrics) -> tuple[int, int] | None:
+        if m.arrival_rate <= 0 or m.avg_output_tokens <= 0:
+            return None
+        a = self.smoothing
+        self.ewma_rate = (
+            m.arrival_rate
+            if self.ewma_rate is None
+            else a * m.arrival_rate + (1 - a) * self.ewma_rate
+        )
+        rate = max(m.arrival_rate, self.ewma_rate) * self.headroom
+        rec = recommend(
+            self._workload(m, rate),
+            self.slo,
+            self.prefill,
+            self.decode,
+            self.bounds,
+            limits=self.limits,
+        )
+        self.last_rec = rec
+        self.recommendations += 1
+        return rec.n_prefill, rec.n_decode
+
+    def __call__(self, now: float, m: Metrics, fleet: FleetView) -> tuple[int, int]:
+        if now - self.last_slow >= self.slow_s:
+            new = self._slow(m)
+            if new is not None:
+                self.target = new
+                self.last_slow = now
+        if self.target is None:
+            return fleet.prefill, fleet.decode
+        want_p, want_d = self.target
+        # fast loop: one step above the slow target on the side that is failing now
+        if m.ttft_p90_s > self.slo.ttft_s * 1.2 and m.prefill_backlog_s > self.slo.ttft_s:
+            want_p = max(want_p, fleet.prefill + 1)
+        if m.decode_kv_usage > 0.95 or (m.decode_waiting > 0 and m.ttft_p90_s > self.slo.ttft_s):
+            want_d = max(want_d, fleet.decode + 1)
+        rec = RatioRecommendation(
+            n_prefill=want_p,
+            n_decode=want_d,
+            gpus=0,
+            ttft_p90_s=0.0,
+            itl_ms=0.0,
+            hit_rate=0.0,
+            goodput_rps=0.0,
+            meets_slo=True,
+            reason="sim",
+        )
+        cfg = ControlConfig(
+            prefill_gpus=self.prefill.gpus,
+            decode_gpus=self.decode.gpus,
+            bounds=self.bounds,
+            pod_start_s=self.prefill.pod_start_s,
+            down_stable_s=self.down_stable_s,
+            max_step_fraction=self.max_step_fraction,
+        )
+        cur = CurrentReplicas(fleet.prefill, fleet.decode, fleet.prefill_pods, fleet.decode_pods)
+        dec = next_replicas(cur, rec, self.state, now, cfg)
+        self.state = dec.state
+        return dec.prefill, dec.decode
+
+
+@dataclass
+class MeanBasedPolicy:
+    """Dynamo-style planner: mean lengths, a fixed hit rate, throughput at the SLO."""
+
+    prefill: InstanceProfile
+    decode: InstanceProfile
+    slo: SloInputs
+    bounds: Bounds
+    fixed_hit_rate: float = 0.9
+    interval_s: float = 180.0
+    last: float = -math.inf
+    target: tuple[int, int] | None = None
+
+    def prefill_thpt(self, isl: float) -> float:
+        """Input tokens/s of one prefill instance at the mean ISL and the fixed hit rate."""
+        cached = isl * self.fixed_hit_rate
+        return isl / self.prefill.prefill_time(isl - cached, cached)
+
+    def decode_thpt(self, isl: float) -> float:
+        """Output tokens/s of one decode instance at the largest batch meeting the ITL target
+        (mean context; KV capacity checked at the mean only)."""
+        d = self.decode
+        best = 0.0
+        for b in range(1, d.max_running + 1):
+            ctx = b * isl
+            step = d.decode_step(b, ctx)
+            if step / d.accept_length * 1000.0 > self.slo.itl_ms or ctx > d.kv_capacity_tokens:
+                break
+            best = b * d.accept_length / step
+        return max(best, 1e-9)
+
+    def __call__(self, now: float, m: Metrics, fleet: FleetView) -> tuple[int, int]:
+        if now - self.last >= self.interval_s and m.arrival_rate > 0:
+            self.last = now
+            isl, osl = max(m.avg_input_tokens, 1.0), max(m.avg_output_tokens, 1.0)
+            n_p = math.ceil(m.arrival_rate * isl / self.prefill_thpt(isl))
+            n_d = math.ceil(m.arrival_rate * osl / self.decode_thpt(isl + osl / 2))
+            self.target = self._clamp(n_p, n_d)
+        return self.target if self.target else (fleet.prefill, fleet.decode)
+
+    def _clamp(self, n_p: int, n_d: int) -> tuple[int, int]:
+        b = self.bounds
+        n_p = min(max(n_p, b.min_prefill), b.max_prefill)
+        n_d = min(max(n_d, b.min_decode), b.max_decode)
+        if b.gpu_budget is not None:
+            gp, gd = self.prefill.gpus, self.decode.gpus
+            total = n_p * gp + n_d * gd
+            if total > b.gpu_budget:  # scale both down proportionally
+                f = b.gpu_budget / total
+                n_p = max(b.min_prefill, int(n_p * f))
+                n_d = max(b.min_decode, (b.gpu_budget - n_p * gp) // gd)
+        return n_p, n_d

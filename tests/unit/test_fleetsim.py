@@ -1,0 +1,168 @@
+"""Fleet simulator: vectorised queue pieces against hand-computed cases, and small end-to-end
+runs whose outcome direction is known (more prefill lowers TTFT, KV pressure causes waits, a
+narrow NIC stretches TTFT, scale commands honour pod start and drain)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from cas_operator.planning import profiles as pf
+from cas_operator.planning.fleetsim import (
+    FleetConfig,
+    Modifier,
+    SessionMix,
+    SessionWorkload,
+    SimResult,
+    parse_trace,
+    simulate,
+)
+from cas_operator.planning.fleetsim.engine import fifo_finish, spread
+from cas_operator.planning.fleetsim.policies import FixedPolicy, MeanBasedPolicy
+from cas_operator.planning.fleetsim.workload import synth_trace_lines
+from cas_operator.planning.ratio import Bounds, SloInputs
+
+SPEC = pf.load_spec("glm5-fp8-h200")
+P = pf.prefill_profile(SPEC)
+D = pf.decode_profile(SPEC)
+MIX = SessionMix(session_rate=0.15)  # ~3 req/s
+
+
+def _cfg(n_p: int, n_d: int, **kw: object) -> FleetConfig:
+    base: dict[str, object] = dict(
+        prefill=P,
+        decode=D,
+        n_prefill=n_p,
+        n_decode=n_d,
+        max_prefill=16,
+        max_decode=16,
+        duration_s=300.0,
+        warmup_s=100.0,
+        seed=3,
+    )
+    base.update(kw)
+    return FleetConfig(**base)  # type: ignore[arg-type]
+
+
+WL = SessionWorkload(MIX, seed=1)
+
+
+@pytest.fixture(scope="module")
+def baseline() -> SimResult:
+    """5 prefill + 2 decode instances at ~3 req/s: the reference run several tests compare to."""
+    return simulate(_cfg(5, 2), WL)
+
+
+def test_fifo_finish_matches_lindley_per_server() -> None:
+    """Guards the vectorised Lindley recursion: two servers, out-of-order input, a busy
+    server; compared with a plain per-server loop."""
+    inst = np.array([1, 0, 1, 0, 1])
+    arr = np.array([0.5, 0.0, 0.2, 3.0, 0.3])
+    svc = np.array([1.0, 2.0, 1.0, 1.0, 0.5])
+    busy = np.array([0.0, 1.0])
+    fin = fifo_finish(inst, arr, svc, busy)
+    # server 0: jobs at 0.0 (2s) -> 2.0, at 3.0 -> 4.0; server 1 busy until 1.0:
+    # 0.2 -> 2.0, 0.3 -> 2.5, 0.5 -> 3.5
+    assert fin.tolist() == pytest.approx([3.5, 2.0, 2.0, 4.0, 2.5])
+    assert busy.tolist() == pytest.approx([4.0, 3.5])
+
+
+def test_spread_prefers_least_loaded_eligible() -> None:
+    """Guards routing of misses: least loaded first, ineligible servers never chosen."""
+    load = np.array([5.0, 1.0, 0.0, 3.0])
+    ok = np.array([True, True, False, True])
+    assert spread(4, load, ok).tolist() == [1, 3, 0, 1]
+    assert spread(2, load, np.zeros(4, dtype=bool)).tolist() == [-1, -1]
+
+
+def test_trace_parsing_reuses_common_block_prefix() -> None:
+    """Guards JSONL replay: a request sharing its first two blocks with the previous request of
+    the same conversation has 2 x 512 cached tokens; millisecond timestamps become seconds."""
+    lines = [
+        '{"timestamp": 5000, "input_length": 1500, "output_length": 10, "hash_ids": [7, 8, 9]}',
+        '{"timestamp": 7000, "input_length": 2000, "output_length": 5, "hash_ids": [7, 8, 10, 11]}',
+        '{"timestamp": 6000, "input_length": 600, "output_length": 3, "hash_ids": [1, 2]}',
+    ]
+    tr = parse_trace(lines)
+    assert tr.arrival.tolist() == [0.0, 1.0, 2.0]
+    assert tr.cached_prefix.tolist() == [0.0, 0.0, 1024.0]
+    assert tr.conversation[0] == tr.conversation[2] != tr.conversation[1]
+
+
+def test_more_prefill_lowers_ttft_and_caches_hit(baseline: SimResult) -> None:
+    """Guards the prefill queue and prefix routing: at the same load, more prefill instances
+    give a lower TTFT p90, and returning turns hit the prefix cache (~90% of tokens)."""
+    few = simulate(_cfg(2, 2), WL).goodput(3.0, 50.0)
+    many = baseline.goodput(3.0, 50.0)
+    assert many["ttft_p90_s"] < few["ttft_p90_s"]
+    assert 0.8 < many["hit_rate"] < 0.98
+    assert many["requests"] > 500
+
+
+def test_decode_kv_pressure_makes_requests_wait(baseline: SimResult) -> None:
+    """Guards KV admission: a decode instance with little KV makes requests wait (TTFT grows)
+    or retract, while ITL alone looks fine."""
+    tight_d = replace(D, kv_capacity_tokens=D.kv_capacity_tokens * 0.12)
+    tight = simulate(_cfg(5, 2, decode=tight_d), WL)
+    g_roomy, g_tight = baseline.goodput(3.0, 50.0), tight.goodput(3.0, 50.0)
+    assert g_tight["ttft_p90_s"] > g_roomy["ttft_p90_s"] + 1.0
+    assert g_tight["itl_p50_ms"] < 50.0
+
+
+def test_narrow_nic_stretches_ttft(baseline: SimResult) -> None:
+    """Guards the KV transfer link: 1% of the NIC bandwidth makes whole-context transfers
+    queue on the prefill side's link."""
+    narrow_p = replace(P, nic_bytes_per_s=P.nic_bytes_per_s * 0.01)
+    base = baseline.goodput(3.0, 50.0)
+    slow = simulate(_cfg(5, 2, prefill=narrow_p), WL).goodput(3.0, 50.0)
+    assert slow["ttft_p90_s"] > base["ttft_p90_s"] + 0.5
+
+
+def test_scale_up_counts_gpus_before_pods_serve() -> None:
+    """Guards pod start: a scale-up holds GPUs at once (Pending counts) but adds capacity only
+    after pod_start_s; the series shows the new spec immediately."""
+    p_slow = replace(P, pod_start_s=300.0)
+    wl = SessionWorkload(MIX, seed=5)
+    res = simulate(_cfg(3, 2, prefill=p_slow, tick_s=30.0), wl, policy=FixedPolicy(8, 2))
+    assert res.peak_gpus == (8 + 2) * 8
+    assert res.scale_actions == 1
+    assert res.series[0]["prefill"] == 8
+    avg = res.gpu_seconds / 300.0
+    assert avg > 70  # GPUs held from the first tick; the new pods serve only after 300 s
+
+
+def test_storm_and_output_shift_modifiers() -> None:
+    """Guards workload modifiers: a session-start storm raises the arrival rate inside its
+    window; an output shift multiplies output lengths after its start."""
+    wl = SessionWorkload(
+        MIX,
+        (Modifier("session_rate", 4.0, 100.0, 200.0), Modifier("output_tokens", 3.0, 300.0)),
+        seed=6,
+    )
+    assert wl.value("session_rate", 150.0) == pytest.approx(4 * MIX.session_rate)
+    assert wl.value("session_rate", 250.0) == pytest.approx(MIX.session_rate)
+    res = simulate(_cfg(5, 3, duration_s=400.0, warmup_s=0.0), wl)
+    early = res.output_tokens[res.arrival < 250.0].mean()
+    late = res.output_tokens[res.arrival > 350.0].mean()
+    assert late > 2.0 * early
+
+
+def test_trace_replay_runs_open_loop() -> None:
+    """Guards trace replay end to end: every trace request completes and repeated prefixes
+    are served from cache."""
+    tr = parse_trace(synth_trace_lines(400, rate=2.0, seed=7))
+    res = simulate(_cfg(2, 1, duration_s=260.0, warmup_s=0.0), trace=tr)
+    assert res.arrival.size >= 380
+    assert res.cached_tokens.sum() > 0.5 * res.input_tokens.sum()
+
+
+def test_mean_based_baseline_ignores_kv_tails() -> None:
+    """Guards the baseline's published equations: decode throughput at the ITL target on the
+    mean context only, prefill throughput at a fixed hit rate."""
+    mb = MeanBasedPolicy(P, D, SloInputs(3.0, 50.0), Bounds())
+    assert mb.prefill_thpt(64_000) == pytest.approx(
+        64_000 / P.prefill_time(64_000 * 0.1, 64_000 * 0.9)
+    )
+    assert mb.decode_thpt(64_000) > 0
