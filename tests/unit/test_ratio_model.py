@@ -18,8 +18,10 @@ from cas_operator.planning.ratio import (
     _kv_need,
     erlang_c,
     evaluate,
+    fast_adjust,
     hit_probabilities,
     recommend,
+    scale_down_ok,
 )
 
 SPEC = pf.load_spec("glm5-fp8-h200")
@@ -238,3 +240,34 @@ def test_observed_hit_rate_recalibrates_the_model() -> None:
     assert not hopeless.meets_slo and 0.0 < hopeless.goodput_rps < WL.request_rate
     busier = recommend(WL, SLO, PREFILL, DECODE, observed=ObservedSignals(arrival_rate=40.0))
     assert busier.gpus > recommend(WL, SLO, PREFILL, DECODE).gpus
+
+
+def test_scale_down_check_counts_the_hit_rate_it_loses() -> None:
+    """Guards the scale-down test: without HiCache, removing prefill instances shrinks the
+    cache, so a plan that passes with the current hit rate held fixed fails once the hit rate
+    is recomputed for the smaller pool."""
+    small = replace(PREFILL, host_cache_tokens=0.0)
+    rec = recommend(WL, SLO, small, DECODE)
+    held = evaluate(WL, SLO, small, DECODE, rec.n_prefill, rec.n_decode).hit_rate
+    for smaller in range(rec.n_prefill - 1, 0, -1):
+        lost = evaluate(WL, SLO, small, DECODE, smaller, rec.n_decode)
+        scale = held / lost.hit_rate  # what a fixed-hit-rate check would assume
+        fixed = evaluate(WL, SLO, small, DECODE, smaller, rec.n_decode, hit_scale=scale)
+        if fixed.feasible:
+            break
+    else:
+        pytest.fail("no scale-down looks safe even at a fixed hit rate")
+    assert lost.hit_rate < held
+    assert not scale_down_ok(WL, SLO, small, DECODE, smaller, rec.n_decode)
+
+
+def test_fast_adjust_steps_only_the_failing_side() -> None:
+    """Guards the fast loop: a TTFT breach with a prefill queue adds one prefill instance above
+    the current size; decode KV over 95% adds one decode; healthy signals change nothing."""
+    slo = SloInputs(ttft_s=2.0, itl_ms=50.0)
+    hot = ObservedSignals(ttft_p90_s=3.0, prefill_queue_depth=5.0, decode_kv_usage=0.5)
+    assert fast_adjust((4, 4), (6, 4), hot, slo) == (7, 4)
+    full = ObservedSignals(ttft_p90_s=1.0, decode_kv_usage=0.97)
+    assert fast_adjust((4, 4), (6, 4), full, slo) == (4, 5)
+    calm = ObservedSignals(ttft_p90_s=1.0, prefill_queue_depth=0.0, decode_kv_usage=0.5)
+    assert fast_adjust((4, 4), (6, 4), calm, slo) == (4, 4)

@@ -52,9 +52,11 @@ __all__ = [
     "WorkloadInputs",
     "erlang_c",
     "evaluate",
+    "fast_adjust",
     "hit_probabilities",
     "next_replicas",
     "recommend",
+    "scale_down_ok",
 ]
 
 Z95 = 1.645
@@ -736,6 +738,41 @@ def _hit_scale(
     if model <= 0.0:
         return 1.0
     return min(1.5, max(0.5, observed.hit_rate / model))
+
+
+def scale_down_ok(
+    workload: WorkloadInputs,
+    slo: SloInputs,
+    prefill: InstanceProfile,
+    decode: InstanceProfile,
+    n_prefill: int,
+    n_decode: int,
+    limits: ModelLimits = ModelLimits(),
+) -> bool:
+    """Whether a smaller plan still meets both SLOs, with the hit rate recomputed for the
+    smaller prefill cache (a fixed-hit-rate check would miss the loss the scale-down causes)."""
+    return evaluate(workload, slo, prefill, decode, n_prefill, n_decode, limits).feasible
+
+
+def fast_adjust(
+    target: tuple[int, int],
+    current: tuple[int, int],
+    observed: ObservedSignals,
+    slo: SloInputs,
+    tolerance: float = 1.2,
+) -> tuple[int, int]:
+    """Fast loop: raise the slow loop's target one instance above the current size on the side
+    that is failing now (TTFT p90 over ``tolerance`` x SLO with a prefill queue; decode KV over
+    95% or aborts); never lowers anything. ``next_replicas`` then bounds the step."""
+    want_p, want_d = target
+    ttft_bad = observed.ttft_p90_s is not None and observed.ttft_p90_s > slo.ttft_s * tolerance
+    queued = (observed.prefill_queue_depth or 0.0) > 0.0
+    if ttft_bad and queued:
+        want_p = max(want_p, current[0] + 1)
+    kv_bad = (observed.decode_kv_usage or 0.0) > 0.95
+    if kv_bad or (observed.aborts_per_s or 0.0) > 0.0:
+        want_d = max(want_d, current[1] + 1)
+    return want_p, want_d
 
 
 # ---------------------------------------------------------------- control

@@ -29,9 +29,11 @@ from cas_operator.planning.ratio import (
     CurrentReplicas,
     InstanceProfile,
     ModelLimits,
+    ObservedSignals,
     RatioRecommendation,
     SloInputs,
     WorkloadInputs,
+    fast_adjust,
     next_replicas,
     recommend,
 )
@@ -111,12 +113,13 @@ class RatioPlannerPolicy:
                 self.last_slow = now
         if self.target is None:
             return fleet.prefill, fleet.decode
-        want_p, want_d = self.target
-        # fast loop: one step above the slow target on the side that is failing now
-        if m.ttft_p90_s > self.slo.ttft_s * 1.2 and m.prefill_backlog_s > self.slo.ttft_s:
-            want_p = max(want_p, fleet.prefill + 1)
-        if m.decode_kv_usage > 0.95 or (m.decode_waiting > 0 and m.ttft_p90_s > self.slo.ttft_s):
-            want_d = max(want_d, fleet.decode + 1)
+        observed = ObservedSignals(
+            ttft_p90_s=m.ttft_p90_s,
+            prefill_queue_depth=m.prefill_backlog_s - self.slo.ttft_s,
+            decode_kv_usage=m.decode_kv_usage,
+            aborts_per_s=float(m.decode_waiting > 0 and m.ttft_p90_s > self.slo.ttft_s),
+        )
+        want_p, want_d = fast_adjust(self.target, (fleet.prefill, fleet.decode), observed, self.slo)
         rec = RatioRecommendation(
             n_prefill=want_p,
             n_decode=want_d,
