@@ -75,7 +75,8 @@ class GuardMonitor:
         self.config = config
         self.capacity = capacity
         self.metrics = metrics
-        self._request_ids: list[str | None] = [None] * capacity
+        # slot -> request id (None: free); read-only for callers, who compare it in bulk
+        self.request_ids: list[str | None] = [None] * capacity
         self._free: list[int] = list(range(capacity - 1, -1, -1))
         self._alloc_init(capacity, config.window)
 
@@ -101,7 +102,7 @@ class GuardMonitor:
         """Start tracking ``request_id`` in ``slot`` (resets whatever the slot held)."""
         self._reset(slot)
         self.active[slot] = True
-        self._request_ids[slot] = request_id
+        self.request_ids[slot] = request_id
 
     def allocate(self, request_id: str) -> int:
         """Pick a free slot, open it and return it (for callers without their own slots)."""
@@ -113,7 +114,7 @@ class GuardMonitor:
         raise RuntimeError(f"guard monitor full ({self.capacity} slots)")
 
     def request_id(self, slot: int) -> str | None:
-        return self._request_ids[slot]
+        return self.request_ids[slot]
 
     def finish(self, slot: int) -> RequestStats | None:
         """End the request in ``slot``: record its histograms if it was judged; free the slot."""
@@ -142,12 +143,12 @@ class GuardMonitor:
             arr[slot] = 0
         self._ring_acc[slot] = 0
         self._ring_prop[slot] = 0
-        self._request_ids[slot] = None
+        self.request_ids[slot] = None
 
     def stats(self, slot: int) -> RequestStats:
         steps, acc, prop = int(self.steps[slot]), int(self.accepted[slot]), int(self.proposed[slot])
         return RequestStats(
-            request_id=self._request_ids[slot],
+            request_id=self.request_ids[slot],
             generated_tokens=int(self.generated[slot]),
             verify_steps=steps,
             accepted=acc,
@@ -166,20 +167,21 @@ class GuardMonitor:
         """Feed one verify step of a batch; return the requests that tripped in this step.
 
         ``slots`` must be unique within one call (numpy's indexed ``+=`` would drop repeats).
-        Slots that are not open or already tripped are ignored.
+        ``proposed`` may be one number for the whole batch. Slots that are not open or already
+        tripped are ignored.
         """
         s = np.asarray(slots, dtype=np.intp).reshape(-1)
         a = np.asarray(accepted, dtype=np.float64).reshape(-1)
-        p = np.asarray(proposed, dtype=np.float64).reshape(-1)
+        p = np.asarray(proposed, dtype=np.float64)
+        p = np.broadcast_to(p, s.shape) if p.ndim == 0 else p.reshape(-1)
         if not (s.shape == a.shape == p.shape):
             raise ValueError("slots, accepted and proposed must have the same length")
-        valid = np.isfinite(a) & np.isfinite(p) & (a >= 0) & (a <= p)
         live = self.active[s] & ~self.tripped[s]
-        keep = valid & live
-        n_invalid = int(np.count_nonzero(~valid & live))
-        if n_invalid and self.metrics is not None:
-            self.metrics.invalid_steps.inc(n_invalid)
+        keep = live & (a >= 0) & (a <= p) & np.isfinite(p)  # NaN fails every comparison
         if not keep.all():
+            n_invalid = int(np.count_nonzero(live & ~keep))
+            if n_invalid and self.metrics is not None:
+                self.metrics.invalid_steps.inc(n_invalid)
             s, a, p = s[keep], a[keep], p[keep]
         if s.size == 0:
             return []
@@ -222,17 +224,16 @@ class GuardMonitor:
                 self.metrics.checked.inc(int(np.count_nonzero(newly)))
         if not cfg.enabled or not eligible.any():
             return []
-        with np.errstate(divide="ignore", invalid="ignore"):
-            acc = self.accepted[s]
-            length = (acc + steps) / steps
-            rate = acc / self.proposed[s]
-            low_req, high_req = length < cfg.min_accept_length, rate > cfg.max_accept_rate
-            low_win = high_win = np.zeros_like(eligible)
-            if cfg.window > 0:
-                full = self._win_fill[s] == cfg.window
-                wacc = self._win_acc[s]
-                low_win = full & ((wacc + cfg.window) / cfg.window < cfg.min_accept_length)
-                high_win = full & (wacc / self._win_prop[s] > cfg.max_accept_rate)
+        # denominators are > 0 wherever the result matters (eligible rows, full windows)
+        acc = self.accepted[s]
+        low_req = (acc + steps) / np.maximum(steps, 1) < cfg.min_accept_length
+        high_req = acc / np.maximum(self.proposed[s], 1) > cfg.max_accept_rate
+        low_win = high_win = np.zeros_like(eligible)
+        if cfg.window > 0:
+            full = self._win_fill[s] == cfg.window
+            wacc = self._win_acc[s]
+            low_win = full & ((wacc + cfg.window) / cfg.window < cfg.min_accept_length)
+            high_win = full & (wacc / np.maximum(self._win_prop[s], 1) > cfg.max_accept_rate)
         trip = eligible & (low_req | high_req | low_win | high_win)
         if not trip.any():
             return []

@@ -119,31 +119,50 @@ class GuardAdapter:
         return self.monitor
 
     def observe_batch(self, processor: Any, batch: Any, result: Any) -> list[GuardTrip]:
-        """Feed one verify step; abort tripped requests via ``req.to_finish``."""
+        """Feed one verify step; abort tripped requests via ``req.to_finish``.
+
+        Hot path: two list comprehensions over the batch (slots; rows whose slot owner is not
+        this request or that SGLang skips), then one vectorised ``observe``. Rows needing
+        attention (new requests, retracted or finished rows) are rare and handled one by one.
+        """
         mon = self._monitor_for(processor)
         if self._proposed is None:
             self._proposed = self.proposed_per_step()
+        reqs = batch.reqs
         accepted = result.num_correct_drafts_per_req_cpu
-        slots, acc, by_slot = [], [], {}
-        for req, a in zip(batch.reqs, accepted, strict=False):
-            if req.is_retracted or req.finished():
-                continue  # SGLang does not count these rows either
-            slot = req.kv.req_pool_idx
-            if slot is None or not 0 <= slot < mon.capacity:
-                continue
-            if mon.request_id(slot) != req.rid:
-                self._open(mon, slot, req.rid)
-            slots.append(slot)
-            acc.append(a)
-            by_slot[slot] = req
+        slots = [r.kv.req_pool_idx for r in reqs]
+        owners, cap = mon.request_ids, mon.capacity
+        odd = [
+            i
+            for i, (r, s) in enumerate(zip(reqs, slots, strict=True))
+            if r.is_retracted or s is None or s >= cap or owners[s] != r.rid
+        ]
+        skip = [i for i in odd if not self._admit(mon, reqs[i], slots[i])]
+        if skip:
+            drop = set(skip)
+            keep = [i for i in range(len(reqs)) if i not in drop]
+            slots = [slots[i] for i in keep]
+            accepted = [accepted[i] for i in keep]
         if not slots:
             return []
-        trips = mon.observe(slots, acc, [self._proposed] * len(slots))
-        for trip in trips:
-            req = by_slot[trip.slot]
-            if req.to_finish is None:  # an earlier abort reason (if any) wins
-                req.to_finish = self.abort_factory(trip)
+        trips = mon.observe(slots, accepted, self._proposed)
+        if trips:
+            by_slot = {r.kv.req_pool_idx: r for r in reqs}
+            for trip in trips:
+                req = by_slot[trip.slot]
+                if req.to_finish is None:  # an earlier abort reason (if any) wins
+                    req.to_finish = self.abort_factory(trip)
         return trips
+
+    def _admit(self, mon: GuardMonitor, req: Any, slot: int | None) -> bool:
+        """Decide about an unusual row: count it (opening its slot if new) or skip it."""
+        if req.is_retracted or req.finished():
+            return False  # SGLang does not count these rows either
+        if slot is None or not 0 <= slot < mon.capacity:
+            return False
+        if mon.request_ids[slot] != req.rid:
+            self._open(mon, slot, req.rid)
+        return True
 
     def _open(self, mon: GuardMonitor, slot: int, rid: str) -> None:
         old = mon.request_id(slot)
