@@ -229,7 +229,7 @@ async def _race_traffic(router: str, n: int) -> list[tuple[int, str]]:
                 return await _post(
                     s,
                     f"{router}/v1/chat/completions",
-                    _chat(f"agent step {i} " * 4, 500, stream=True),
+                    _chat(f"agent step {i} " * 4, 400, stream=True),
                 )
 
         return await asyncio.gather(*[one(i) for i in range(n)])
@@ -249,16 +249,23 @@ async def test_stalled_prefill_corrupts_immediate_reclaim_but_not_strict(tmp_pat
     fleet = Fleet(
         prefills=1,
         decodes=2,
-        speedup=20.0,
+        speedup=5.0,  # budget 0.4 s, stall 0.8 s of wall time: robust on a loaded machine
         log_dir=tmp_path,
-        prefill_args=[["--sim-fault", "kv_write_stall=0.3:4"]],
         decode_args=[
             [*decode, "--sim-kv-reclaim", "Immediate"],
             [*decode, "--sim-kv-reclaim", "Strict"],
         ],
+        router_args=["--disable-circuit-breaker"],
     )
     with fleet:
-        results = await _race_traffic(fleet.router_url, 80)
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+            for i in range(4):  # open the transfer connections to both decodes first
+                status, text = await _post(
+                    s, f"{fleet.router_url}/v1/chat/completions", _chat(f"warm {i}", 4)
+                )
+                assert status == 200, text
+            await _set_fault(s, fleet.prefill_urls[0], {"kv_write_stall": "0.3:4"})
+        results = await _race_traffic(fleet.router_url, 64)
         immediate = await _stats(fleet.decode_urls[0])
         strict = await _stats(fleet.decode_urls[1])
     garbled_streams = [t for st, t in results if st == 200 and any(g in t for g in GARBLE)]
@@ -339,3 +346,25 @@ async def test_corrupted_kv_transfer_garbles_stream_and_trips_guard(fleet: Fleet
     assert any(g in text for g in GARBLE)
     errors = [e for e in _sse_events(text) if isinstance(e, dict) and "error" in e]
     assert errors and errors[0]["error"]["cas_guard"]["reason"] == "low_accept_length"
+
+
+def test_pd_without_mooncake_uses_http_fallback(tmp_path: Path) -> None:
+    """Regression: machines without mooncake (CAS_SIM_KV_TRANSPORT=http) still run PD, with
+    the decode's content check passing on the transferred KV."""
+    import urllib.request
+
+    with Fleet(
+        prefills=1, decodes=1, speedup=20.0, log_dir=tmp_path, env={"CAS_SIM_KV_TRANSPORT": "http"}
+    ) as fleet:
+        req = urllib.request.Request(
+            f"{fleet.router_url}/v1/chat/completions",
+            data=json.dumps(_chat("over http", 50)).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            body = json.loads(resp.read())
+        with urllib.request.urlopen(f"{fleet.decode_urls[0]}/sim/stats", timeout=10) as resp:
+            stats = json.loads(resp.read())["stats"]
+    assert body["usage"]["completion_tokens"] == 50
+    assert not any(g in body["choices"][0]["message"]["content"] for g in GARBLE)
+    assert stats["kv_corrupted"] == 0 and stats["finished"] >= 2  # readiness ping + this one

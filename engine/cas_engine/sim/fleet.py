@@ -60,6 +60,7 @@ class Fleet:
     prefill_args: list[list[str]] = field(default_factory=list)
     decode_args: list[list[str]] = field(default_factory=list)
     router_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
     prefill_urls: list[str] = field(default_factory=list)
     decode_urls: list[str] = field(default_factory=list)
     router_url: str = ""
@@ -146,7 +147,7 @@ class Fleet:
 
     def _spawn(self, name: str, cmd: list[str]) -> None:
         log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - owned by the child
-        env = {**os.environ, "GLOG_minloglevel": "2", "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "GLOG_minloglevel": "2", "PYTHONUNBUFFERED": "1", **self.env}
         self._procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
         log.close()
 

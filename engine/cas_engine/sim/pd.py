@@ -47,6 +47,7 @@ from cas_engine.sim.kvpool import KvPool, corrupt, expected_kv
 log = logging.getLogger("cas_engine.sim.pd")
 
 PREFILL_RANK = 0
+TRANSPORT_ENV = "CAS_SIM_KV_TRANSPORT"
 _MAX_ROOMS = 65536
 
 
@@ -125,7 +126,9 @@ def _read_local(pools: list[KvPool], addr: int, nbytes: int) -> bytes:
 def make_transport(
     host: str, self_url: str, http: Callable[[], aiohttp.ClientSession]
 ) -> Transport:
-    """mooncake when importable, else the HTTP fallback."""
+    """mooncake when importable, else the HTTP fallback (forced by CAS_SIM_KV_TRANSPORT=http)."""
+    if os.environ.get(TRANSPORT_ENV, "").lower() == "http":
+        return HttpTransport(self_url, http)
     try:
         return MooncakeTransport(host)
     except ImportError:
@@ -190,6 +193,7 @@ class DecodeKv:
                 r.raise_for_status()
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("room %s: bootstrap registration failed: %s", room, exc)
+            self._done.pop(room, None)
             self._abort_now(room)
             return None
         return slot

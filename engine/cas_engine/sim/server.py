@@ -283,10 +283,8 @@ class SimServer:
                 "version": "sim",
                 "internal_states": [
                     {
-                        "last_gen_throughput": snap["generated_tokens"],
-                        "avg_spec_accept_length": self.worker._last_accept[0]
-                        if self.worker._last_accept[0] == self.worker._last_accept[0]
-                        else None,
+                        "last_gen_throughput": self.worker.gen_rate,
+                        "avg_spec_accept_length": self.worker.avg_accept_length,
                     }
                 ],
                 "sim": snap,

@@ -22,7 +22,7 @@ Derived defaults:
   twice as much); cached tokens cost nothing but a lookup; 15 ms fixed overhead per batch.
 - decode: step time = 22 ms + 0.09 ms x running requests + 1 ms per million KV tokens read
   (MLA/DSA latent KV of ~35 KB/token at 8 x 4.8 TB/s). With MTP (3 draft tokens, accept length
-  ~2.7) that is ~100 tokens/s per user at batch 1 and ~15k tokens/s per instance at batch 256.
+  ~2.7) that is ~120 tokens/s per user at batch 1 and ~15k tokens/s per instance at batch 256.
 - KV capacity: 2M tokens per instance (8 x 141 GB minus ~750 GB of FP8 weights, at ~70 KB per
   token with activations headroom).
 """

@@ -153,6 +153,7 @@ class SimWorker:
             "generated_tokens": 0,
         }
         self._last_step_at = 0.0
+        self.gen_rate = 0.0
         self._last_accept = (float("nan"), float("nan"))
 
     def _make_guard(self) -> GuardMonitor:
@@ -462,6 +463,7 @@ class SimWorker:
         if self._last_step_at:
             rate = emitted / max(1e-6, now - self._last_step_at) * self.cfg.speedup
             self.metrics.gen_throughput.labels(self.m).set(rate)  # modelled tokens/s
+            self.gen_rate = rate
         self._last_step_at = now
 
     def _trip(self, trip: GuardTrip) -> None:
@@ -512,6 +514,12 @@ class SimWorker:
         if self.prefill_kv is not None:
             m.prefill_prealloc.labels(lab).set(self.prefill_kv.bootstrap_queue)
             m.prefill_inflight.labels(lab).set(self.prefill_kv.inflight)
+
+    @property
+    def avg_accept_length(self) -> float | None:
+        """Mean accept length of the last decode step (None before the first)."""
+        length = self._last_accept[0]
+        return None if length != length else length
 
     def cancel(self, run: Run) -> None:
         """The client went away: the request ends at the next step."""
