@@ -218,10 +218,11 @@ def run_bench(quick: bool, seed: int, workers: int) -> dict[str, Any]:
     }
     stride = 4 if quick else 2
     with ProcessPoolExecutor(max_workers=workers) as pool:
-        best_steady, _ = _exhaustive(pool, scs[0], seed, stride)
+        steady = _exhaustive(pool, scs[0], seed, stride)
+        best_steady = steady[0]
         for sc in scs:
             n = sc.budget // 8
-            best, scores = _exhaustive(pool, sc, seed, stride)
+            best, scores = steady if sc is scs[0] else _exhaustive(pool, sc, seed, stride)
             steady_share = best_steady / (scs[0].budget // 8)
             bf = min(n - 1, max(1, round(steady_share * n)))
             jobs = {
@@ -334,8 +335,8 @@ def _max_rate(p: InstanceProfile, d: InstanceProfile, budget: int) -> float:
             avg_output_tokens=400,
             first_turn_input_tokens=32_000,
         )
-        rec = recommend(wl, SLO, p, d, Bounds(max_prefill=n, max_decode=n, gpu_budget=budget))
-        if rec.meets_slo:
+        rec = recommend(wl, SLO, p, d, Bounds(max_prefill=n, max_decode=n))
+        if rec.meets_slo and rec.gpus <= budget:
             lo = mid
         else:
             hi = mid

@@ -429,9 +429,13 @@ class Simulator:
                 sid = int(self.S.alloc(1)[0])
                 self.conv_sid[c] = sid
                 self.S.home[sid], self.S.tier[sid], self.S.cached[sid] = -1, 0, 0.0
+                self.S.live[sid] = True  # never recycled: the trace may come back to it
             sids[i] = sid
         S = self.S
         S.ctx[sids] = tr.input_tokens[lo:hi]
+        # per-request copies: one conversation may send several requests in one step
+        self._trace_inp = tr.input_tokens[lo:hi].copy()
+        self._trace_cached = np.minimum(S.cached[sids], tr.cached_prefix[lo:hi])
         S.first[sids] = tr.cached_prefix[lo:hi] <= 0
         S.cached[sids] = np.minimum(S.cached[sids], tr.cached_prefix[lo:hi])
         self._trace_out = tr.output_tokens[lo:hi]
@@ -461,14 +465,15 @@ class Simulator:
         if not ready_p.any():
             S.next[sid] = t1  # nothing can take it: retry next step
             return
-        inp = S.ctx[sid].copy()
+        inp = self._trace_inp if self.trace is not None else S.ctx[sid].copy()
+        prev = self._trace_cached if self.trace is not None else S.cached[sid]
         home = S.home[sid]
         safe_home = np.where(home >= 0, home, 0)
         prof = cfg.prefill
         backlog = np.maximum(P.busy - t0, 0.0)
         b_min = backlog[ready_p].min()
         shared = np.maximum(np.minimum(self.shared, inp - 1.0), 0.0)
-        warm = np.maximum(np.minimum(S.cached[sid], inp - 1.0), 0.0)
+        warm = np.maximum(np.minimum(prev, inp - 1.0), 0.0)
         t_hit = prof.prefill_time_array(inp - warm, warm)
         t_miss = prof.prefill_time_array(inp - shared, shared)
         # cost-aware prefix routing: stay home unless finishing elsewhere cold is sooner
