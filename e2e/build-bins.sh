@@ -86,7 +86,12 @@ build_kubernetes() {
   local b
   (cd "${work}" && quiet "${work}/resolve.log" go get "k8s.io/kubernetes@${v}")
   local minor=${v#v1.}; minor=${minor%%.*}
-  local date; date=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+  # buildDate: the release time the module proxy records (reproducible), else now.
+  local date info
+  info=$(go mod download -json "k8s.io/kubernetes@${v}" \
+    | sed -n 's/^[[:space:]]*"Info": "\(.*\)",\{0,1\}$/\1/p')
+  date=$(sed -n 's/.*"Time":"\([^"]*\)".*/\1/p' "${info}" 2>/dev/null || true)
+  [[ -n "${date}" ]] || date=$(date -u +%Y-%m-%dT%H:%M:%SZ)
   local ld="-s -w" key val
   for kv in "gitVersion=${v}" "gitMajor=1" "gitMinor=${minor}" "gitTreeState=clean" \
             "buildDate=${date}"; do

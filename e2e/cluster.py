@@ -46,7 +46,6 @@ PORT_NAMES = (
     "controller_manager",
     "scheduler",
     "lws_webhook",
-    "lws_metrics",
     "lws_health",
 )
 
@@ -442,7 +441,6 @@ class _Starter:
             manifests.lws_config(
                 webhook_port=self.ports["lws_webhook"],
                 cert_dir=self.pki.webhook_dir,
-                metrics_port=self.ports["lws_metrics"],
                 health_port=self.ports["lws_health"],
             )
         )

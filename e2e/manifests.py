@@ -100,15 +100,16 @@ def kwok_config(stages_dir: Path) -> str:
     return "\n---\n".join(f.read_text().strip() for f in files) + "\n"
 
 
-def lws_config(*, webhook_port: int, cert_dir: Path, metrics_port: int, health_port: int) -> str:
-    """The LWS controller's Configuration: loopback listeners, our certs, no leader election."""
+def lws_config(*, webhook_port: int, cert_dir: Path, health_port: int) -> str:
+    """The LWS controller's Configuration: loopback listeners, our certs, no leader election,
+    metrics serving off (nothing scrapes the controller here)."""
     cfg = {
         "apiVersion": "config.lws.x-k8s.io/v1alpha1",
         "kind": "Configuration",
         "leaderElection": {"leaderElect": False},
         "internalCertManagement": {"enable": False},
         "webhook": {"host": "127.0.0.1", "port": webhook_port, "certDir": str(cert_dir)},
-        "metrics": {"bindAddress": f"127.0.0.1:{metrics_port}"},
+        "metrics": {"bindAddress": "0"},
         "health": {"healthProbeBindAddress": f"127.0.0.1:{health_port}"},
     }
     return yaml.safe_dump(cfg, sort_keys=False)

@@ -52,6 +52,15 @@ def _external_cluster(kubeconfig: str) -> ClusterHandle:
     return ClusterHandle(run_dir=path.parent, kubeconfig=path, ports={}, kubectl_path=Path(kubectl))
 
 
+def _remove_stopped_runs(parent: Path) -> None:
+    """Delete the run folders of earlier pytest sessions whose stacks no longer run (a session
+    still running elsewhere keeps its folder; the latest logs stay until the next session)."""
+    for run_dir in parent.glob("pytest-*"):
+        handle = ClusterHandle.load(run_dir)
+        if handle is None or not handle.running():
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[ClusterHandle]:
     """The cluster every e2e test talks to (see the module docstring for which one)."""
@@ -72,6 +81,7 @@ def cluster() -> Iterator[ClusterHandle]:
         if in_ci():
             pytest.fail(f"CI is set, so not skipping: {reason}")
         pytest.skip(reason)
+    _remove_stopped_runs(REPO_ROOT / "run")
     run_dir = REPO_ROOT / "run" / f"pytest-{os.getpid()}"
     try:
         handle = start_cluster(run_dir, log=lambda msg: print(f"[cluster] {msg}", flush=True))
