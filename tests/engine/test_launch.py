@@ -290,3 +290,40 @@ def test_prometheus_multiproc_dir_is_set_before_prometheus_client_is_imported() 
     )
     line = next(x for x in proc.stdout.splitlines() if x.startswith("SEEN"))
     assert "cas-engine-prometheus-" in line, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+def test_plugin_installs_patches_configured_by_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regression: each SGLang process must apply exactly the launcher's configuration."""
+    import prometheus_client
+
+    from cas_engine.sglang import guard_patch, hicache_check
+
+    calls: dict[str, object] = {}
+    monkeypatch.setattr(prometheus_client, "REGISTRY", prometheus_client.CollectorRegistry())
+    monkeypatch.setattr(
+        guard_patch,
+        "install_guard_patch",
+        lambda config, metrics: calls.setdefault("guard", config),
+    )
+    monkeypatch.setattr(
+        hicache_check,
+        "install_read_detector",
+        lambda registry: calls.setdefault("detector", registry),
+    )
+    for key, value in {
+        "CAS_ENGINE_PATCHES": "1",
+        "CAS_GUARD_MIN_ACCEPT_LENGTH": "1.7",
+        "CAS_KV_RECLAIM": "upstream",
+        "CAS_HICACHE_DETECTOR": "true",
+    }.items():
+        monkeypatch.setenv(key, value)
+    launch.sglang_plugin()
+    assert calls["guard"] == GuardConfig(min_accept_length=1.7)
+    assert calls["detector"] is prometheus_client.REGISTRY
+    monkeypatch.setenv("CAS_HICACHE_DETECTOR", "false")
+    calls.clear()
+    monkeypatch.setattr(prometheus_client, "REGISTRY", prometheus_client.CollectorRegistry())
+    launch.sglang_plugin()
+    assert "detector" not in calls and "guard" in calls
