@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
 from cas_engine.kvfence import ReclaimMode
-from cas_engine.kvfence.race import RaceParams, RaceResult, run_race
+from cas_engine.kvfence.race import RaceParams, RaceResult, run_race, steady_throughput
 from cas_engine.kvfence.transport import Transport, mooncake_available
 
 COLUMNS = (
@@ -31,12 +32,15 @@ COLUMNS = (
     "bad/10k",
     "95% CI",
     "thr rps",
-    "good rps",
+    "steady rps",
+    "bursts",
     "reuse p50 ms",
     "reuse p99 ms",
     "q peak",
     "wall s",
 )
+MODES = (ReclaimMode.IMMEDIATE, ReclaimMode.UPSTREAM, ReclaimMode.STRICT)
+Run = tuple[str, RaceParams, RaceResult]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,6 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--stall-prob", type=float, default=RaceParams.stall_prob)
     ap.add_argument("--transport", choices=[t.value for t in Transport], default=None)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=1, help="side-by-side rounds (medians)")
     ap.add_argument("--json", type=Path, default=Path("bench/results/race.json"))
     return ap.parse_args(argv)
 
@@ -63,7 +68,8 @@ def row(phase: str, res: RaceResult) -> list[str]:
         f"{res.bad_per_10k:.2f}",
         f"[{lo:.2f}, {hi:.2f}]",
         f"{res.throughput_rps:.0f}",
-        f"{res.goodput_rps:.0f}",
+        f"{steady_throughput(res)[0]:.0f}",
+        str(steady_throughput(res)[1]),
         f"{res.abort_to_reuse_p50_ms:.1f}",
         f"{res.abort_to_reuse_p99_ms:.1f}",
         str(res.quarantine_peak_pages),
@@ -76,6 +82,48 @@ def print_table(rows: list[list[str]]) -> None:
     print("  ".join(c.rjust(w) for c, w in zip(COLUMNS, widths, strict=True)))
     for r in rows:
         print("  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)))
+
+
+def run_all(base: RaceParams, args: argparse.Namespace) -> list[Run]:
+    """Side-by-side rounds (modes interleaved), then the long Strict run."""
+    runs: list[Run] = []
+    for rnd in range(args.repeats):
+        for mode in MODES:
+            params = replace(base, mode=mode, requests=args.requests, seed=base.seed + rnd)
+            res = run_race(params)
+            runs.append((f"side-by-side {rnd + 1}", params, res))
+            print(
+                f"  round {rnd + 1} {mode.value}: {res.wall_s:.1f} s", file=sys.stderr, flush=True
+            )
+    if args.strict_requests:
+        params = replace(base, mode=ReclaimMode.STRICT, requests=args.strict_requests)
+        runs.append(("strict-long", params, run_race(params)))
+    return runs
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else 0.0
+
+
+def summarise(runs: list[Run]) -> dict[str, float | int]:
+    """Median per-round Strict/Immediate ratios and the total of Strict's corrupted requests."""
+    rounds: dict[str, dict[str, RaceResult]] = {}
+    for phase, _, res in runs:
+        if phase.startswith("side-by-side"):
+            rounds.setdefault(phase, {})[res.mode] = res
+    thr = [
+        _ratio(r["Strict"].throughput_rps, r["Immediate"].throughput_rps) for r in rounds.values()
+    ]
+    steady = [
+        _ratio(steady_throughput(r["Strict"])[0], steady_throughput(r["Immediate"])[0])
+        for r in rounds.values()
+    ]
+    return {
+        "strict_over_immediate_throughput": statistics.median(thr) if thr else 0.0,
+        "strict_over_immediate_steady_throughput": statistics.median(steady) if steady else 0.0,
+        "strict_bad_total": sum(res.bad for _, _, res in runs if res.mode == "Strict"),
+        "strict_requests_total": sum(res.completed for _, _, res in runs if res.mode == "Strict"),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,48 +146,31 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         max_wall_s=max(120.0, 4 * args.strict_requests / args.rate),
     )
-    runs: list[tuple[str, RaceParams, RaceResult]] = []
     started = time.monotonic()
-    for mode in (ReclaimMode.IMMEDIATE, ReclaimMode.UPSTREAM, ReclaimMode.STRICT):
-        params = replace(base, mode=mode, requests=args.requests)
-        runs.append(("side-by-side", params, run_race(params)))
-        print(f"  {mode.value}: done in {runs[-1][2].wall_s:.1f} s", file=sys.stderr, flush=True)
-    if args.strict_requests:
-        params = replace(base, mode=ReclaimMode.STRICT, requests=args.strict_requests)
-        runs.append(("strict-long", params, run_race(params)))
+    runs = run_all(base, args)
     print(
         f"\nrace reproduction, transport={transport.value}, offered {args.rate:.0f} req/s, "
         f"budget {base.budget_s * 1e3:.0f} ms, upstream timer "
         f"{base.upstream_timeout_s * 1e3:.0f} ms (scaled from 30 s)"
     )
     print_table([row(phase, res) for phase, _, res in runs])
-    by_mode = {res.mode: res for phase, _, res in runs if phase == "side-by-side"}
-    ratio = (
-        by_mode["Strict"].throughput_rps / by_mode["Immediate"].throughput_rps
-        if by_mode["Immediate"].throughput_rps
-        else 0.0
-    )
-    good_ratio = (
-        by_mode["Strict"].goodput_rps / by_mode["Immediate"].goodput_rps
-        if by_mode["Immediate"].goodput_rps
-        else 0.0
-    )
+    summary = summarise(runs)
     print(
-        f"Strict/Immediate throughput {ratio:.3f}, goodput {good_ratio:.3f}; "
+        f"Strict/Immediate median over {args.repeats} side-by-side round(s): throughput "
+        f"{summary['strict_over_immediate_throughput']:.3f}, steady throughput (burst seconds "
+        f"excluded) {summary['strict_over_immediate_steady_throughput']:.3f}; "
+        f"Strict corrupted requests: {summary['strict_bad_total']}; "
         f"total {time.monotonic() - started:.0f} s"
     )
-    strict_bad = sum(res.bad for _, _, res in runs if res.mode == "Strict")
     payload = {
         "transport": transport.value,
-        "strict_over_immediate_throughput": ratio,
-        "strict_over_immediate_goodput": good_ratio,
-        "strict_bad_total": strict_bad,
+        **summary,
         "runs": [{"phase": ph, "params": p.to_json(), "result": asdict(r)} for ph, p, r in runs],
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(payload, indent=2))
     print(f"wrote {args.json}")
-    return 1 if strict_bad else 0
+    return 1 if summary["strict_bad_total"] else 0
 
 
 if __name__ == "__main__":

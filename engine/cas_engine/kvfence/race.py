@@ -95,6 +95,7 @@ class RaceResult:
     reclaims: dict[str, int] = field(default_factory=dict)
     ignored_messages: dict[str, int] = field(default_factory=dict)
     aborts_per_second: list[int] = field(default_factory=list)  # bursts show CPU starvation
+    completions_per_second: list[int] = field(default_factory=list)
     timed_out: bool = False
 
 
@@ -337,10 +338,7 @@ class _Decode:
                 return
             del self.active[room]
             self.res.aborted += 1
-            second = int(now - self.t0)
-            per_s = self.res.aborts_per_second
-            per_s.extend([0] * (second + 1 - len(per_s)))
-            per_s[second] += 1
+            _count_second(self.res.aborts_per_second, now - self.t0)
             ab = self.ledger.abort(room)
             self.release(ab.released)
             if ab.notice is not None:
@@ -352,6 +350,7 @@ class _Decode:
             _, req = self.holding.popleft()
             bad = req.bad or not self.verify(req)
             self.res.completed += 1
+            _count_second(self.res.completions_per_second, now - self.t0)
             self.res.bad += int(bad)
             self.release([self.ledger.finish(req.room)])
 
@@ -367,6 +366,28 @@ class _Decode:
 
     def busy(self) -> bool:
         return self.next_room < self.p.requests or bool(self.backlog or self.active or self.holding)
+
+
+def _count_second(per_second: list[int], elapsed: float) -> None:
+    second = int(elapsed)
+    per_second.extend([0] * (second + 1 - len(per_second)))
+    per_second[second] += 1
+
+
+def steady_throughput(res: RaceResult, burst_factor: float = 5.0) -> tuple[float, int]:
+    """Completions per second over the seconds without an abort burst, and how many seconds
+    were bursts (aborts above ``burst_factor`` x the median and 20): on a shared machine CPU
+    starvation makes every in-flight request miss its budget at once, whatever the mode."""
+    aborts = res.aborts_per_second
+    done = res.completions_per_second
+    seconds = max(len(aborts), len(done))
+    aborts = aborts + [0] * (seconds - len(aborts))
+    done = done + [0] * (seconds - len(done))
+    median = sorted(aborts)[seconds // 2] if seconds else 0
+    limit = max(20.0, burst_factor * median)
+    calm = [d for a, d in zip(aborts[:-1], done[:-1], strict=True) if a <= limit]  # last: partial
+    bursts = sum(1 for a in aborts if a > limit)
+    return (sum(calm) / len(calm) if calm else 0.0), bursts
 
 
 def _drain(inq: Any, limit: int = 256) -> list[tuple]:
