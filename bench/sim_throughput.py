@@ -1,5 +1,12 @@
 """Bench: can one sim decode worker sustain N concurrent streams at its modelled token rate?
 
+``cpu us/tok`` is the worker's CPU time per streamed token (HTTP and SSE included): one core
+sustains 1e6 / that many tokens/s, to compare with the modelled rate.
+``realtime`` is the worker's own ``decode_realtime_factor`` (modelled / actual step time;
+1.0 = the sim kept the modelled pace, so the sim was not the bottleneck). The achieved rate is
+below the full-batch model because of ramp-up and the tail of the run (requests finish at
+different steps, so the last steps run smaller batches).
+
 Starts one ``null``-mode sim worker (prefill + decode in one process, speedup 1 = real-time
 model) as a subprocess, opens ``--streams`` concurrent streaming chat requests (short prompts,
 ``--tokens`` output tokens each) from this process, and compares the achieved output token rate
@@ -18,6 +25,7 @@ import json
 import statistics
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -88,6 +96,8 @@ def run_once(streams: int, tokens: int, log: Path) -> dict[str, float]:
         cpu0 = cpu_seconds(proc.pid)
         done, wall, failed = asyncio.run(drive(url, streams, tokens))
         cpu = (cpu_seconds(proc.pid) - cpu0) / wall
+        with urllib.request.urlopen(f"{url}/sim/stats", timeout=10) as resp:
+            realtime = float(json.loads(resp.read())["stats"]["decode_realtime_factor"])
     finally:
         proc.terminate()
         proc.wait(10)
@@ -97,6 +107,8 @@ def run_once(streams: int, tokens: int, log: Path) -> dict[str, float]:
         "tok_per_s": done / wall,
         "worker_cores": cpu,
         "failed": failed,
+        "realtime_factor": realtime,
+        "cpu_us_per_token": 1e6 * cpu * wall / max(1, done),
     }
 
 
@@ -118,11 +130,13 @@ def main() -> int:
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     print(
         f"{'streams':>8} {'tokens':>7} {'model tok/s':>12} {'achieved tok/s':>15} "
-        f"{'ratio':>6} {'worker cores':>13} {'failed':>7}"
+        f"{'ratio':>6} {'worker cores':>13} {'cpu us/tok':>11} {'realtime':>9} {'failed':>7}"
     )
     print(
         f"{args.streams:>8} {args.tokens:>7} {model:>12.0f} {med['tok_per_s']:>15.0f} "
-        f"{med['tok_per_s'] / model:>6.2f} {med['worker_cores']:>13.2f} {med['failed']:>7.0f}"
+        f"{med['tok_per_s'] / model:>6.2f} {med['worker_cores']:>13.2f} "
+        f"{med['cpu_us_per_token']:>11.1f} "
+        f"{med['realtime_factor']:>9.3f} {med['failed']:>7.0f}"
     )
     args.json.write_text(
         json.dumps(

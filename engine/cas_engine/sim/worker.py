@@ -154,6 +154,8 @@ class SimWorker:
         }
         self._last_step_at = 0.0
         self.gen_rate = 0.0
+        self._busy_model_s = 0.0  # modelled wall time of the decode steps run so far
+        self._busy_real_s = 0.0  # wall time those steps actually took
         self._last_accept = (float("nan"), float("nan"))
 
     def _make_guard(self) -> GuardMonitor:
@@ -180,9 +182,10 @@ class SimWorker:
     async def start(self) -> None:
         """Create the HTTP client, the KV parts of the mode and the decode loop."""
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120))
-        url = f"http://{self.cfg.host}:{self.cfg.port}"
+        host = advertised_host(self.cfg.host)
+        url = f"http://{host}:{self.cfg.port}"
         if self.cfg.mode == "decode":
-            transport = make_transport(self.cfg.host, url, self.http)
+            transport = make_transport(host, url, self.http)
             pool = KvPool(self.cfg.kv_slots, self.cfg.kv_slot_bytes)
             transport.register(pool)
             ledger = ReclaimLedger(
@@ -195,7 +198,7 @@ class SimWorker:
                 pool=pool, transport=transport, ledger=ledger, http=self.http, self_url=url
             )
         elif self.cfg.mode == "prefill":
-            transport = make_transport(self.cfg.host, url, self.http)
+            transport = make_transport(host, url, self.http)
             staging = KvPool(self.cfg.kv_slots, self.cfg.kv_slot_bytes)
             transport.register(staging)
             self.prefill_kv = PrefillKv(
@@ -387,10 +390,16 @@ class SimWorker:
                     await asyncio.wait_for(self._wake.wait(), 0.5)
                 next_at = loop.time()
                 continue
-            dt = decode_step_seconds(self.cfg.timing, len(self._running), self._kv_used)
-            next_at = max(next_at, loop.time() - 0.05) + self.cfg.wall(dt * self.faults.slow_decode)
+            t0 = loop.time()
+            dt = self.cfg.wall(
+                decode_step_seconds(self.cfg.timing, len(self._running), self._kv_used)
+                * self.faults.slow_decode
+            )
+            next_at = max(next_at, t0 - 0.05) + dt
             await asyncio.sleep(max(0.0, next_at - loop.time()))
             self._step()
+            self._busy_model_s += dt
+            self._busy_real_s += loop.time() - t0
 
     def _check_kv(self, run: Run) -> None:
         """Collapse the request's statistics once its KV slot stops holding its content."""
@@ -528,6 +537,10 @@ class SimWorker:
     def snapshot(self) -> dict[str, Any]:
         """JSON-able counters for ``/sim/stats`` and ``/get_server_info``."""
         out: dict[str, Any] = dict(self.stats)
+        # 1.0: decode steps ran at the modelled pace; below 1: the sim itself is the bottleneck
+        out["decode_realtime_factor"] = (
+            self._busy_model_s / self._busy_real_s if self._busy_real_s else 1.0
+        )
         out.update(
             running=len(self._running),
             waiting=len(self._waiting),
@@ -550,6 +563,11 @@ class SimWorker:
                 pinned_rooms=self.prefill_kv.tracker.pinned_rooms,
             )
         return out
+
+
+def advertised_host(bind: str) -> str:
+    """The address peers use to reach a worker bound to ``bind`` (wildcards -> loopback)."""
+    return "127.0.0.1" if bind in ("", "0.0.0.0", "::") else bind
 
 
 def new_rid(prefix: str) -> str:
