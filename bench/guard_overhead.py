@@ -4,7 +4,7 @@ What it measures: one ``GuardMonitor.observe`` call per verify step of a batch w
 are all past ``min_generated_tokens`` (the judging path runs for every request), fed
 (a) numpy arrays, (b) Python lists, and (c) ``sglang``: the whole SGLang hook,
 ``GuardAdapter.observe_batch`` over request objects shaped like SGLang's (``rid``,
-``kv.req_pool_idx``, ``finished()``), i.e. the per-request Python loop plus the monitor.
+``kv.req_pool_idx``, ``finished()``) plus ``finish_batch``: both wrappers of the patch.
 Each configuration runs ``--repeats`` times with ``--steps`` steps; the table shows the median
 over repeats of the median step time, and the JSON keeps every repeat. Target: under 200 us
 at batch 256 (1% of a 20 ms decode step).
@@ -108,7 +108,13 @@ def _time_adapter_steps(batch: int, steps: int, seed: int) -> tuple[list[float],
         SimpleNamespace(num_correct_drafts_per_req_cpu=row.tolist())
         for row in rng.integers(1, 3, size=(steps, batch))
     ]
-    return _measure(adapter.observe_batch, [(proc, reqs, r) for r in results])
+
+    def hook(proc: object, batch: object, result: object) -> list:
+        trips = adapter.observe_batch(proc, batch, result)  # after _resolve_spec_v2_tokens
+        adapter.finish_batch(batch)  # after process_batch_result_decode
+        return trips
+
+    return _measure(hook, [(proc, reqs, r) for r in results])
 
 
 def _time_feed(feed: str, batch: int, steps: int, seed: int) -> tuple[list[float], float]:
