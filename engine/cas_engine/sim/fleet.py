@@ -91,10 +91,16 @@ class Fleet:
             extra = self.decode_args[i] if i < len(self.decode_args) else []
             self._sim(f"decode{i}", "decode", port, extra, [])
             self.decode_urls.append(f"http://{self.host}:{port}")
-        for url in self.prefill_urls + self.decode_urls:
-            _wait_http(f"{url}/health", timeout, self._procs)
-        self._router(bootstrap)
-        _wait_router(self.router_url, timeout, self._procs)
+        try:
+            for url in self.prefill_urls + self.decode_urls:
+                _wait_http(f"{url}/health", timeout, self._procs)
+            # the router starts once workers answer: started earlier, its own startup polling
+            # backs off and the fleet is ready later, not sooner
+            self._router(bootstrap)
+            _wait_router(self.router_url, timeout, self._procs)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def _sim(self, name: str, mode: str, port: int, extra: list[str], more: list[str]) -> None:
