@@ -76,10 +76,11 @@ def _measure(fn: Callable[..., list], args_list: list[tuple]) -> tuple[list[floa
 class _Req:
     """The attributes of SGLang's Req that the hook reads."""
 
-    __slots__ = ("is_retracted", "kv", "rid", "to_finish")
+    __slots__ = ("finished_reason", "is_retracted", "kv", "rid", "to_finish")
 
     def __init__(self, rid: str, slot: int) -> None:
         self.rid, self.is_retracted, self.to_finish = rid, False, None
+        self.finished_reason = None
         self.kv = SimpleNamespace(req_pool_idx=slot)
 
     def finished(self) -> bool:

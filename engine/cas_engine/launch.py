@@ -176,13 +176,15 @@ def check_plugin_entry_point(plan: LaunchPlan) -> str:
 
 
 def check_guard_targets(plan: LaunchPlan) -> str:
-    from cas_engine.sglang.guard_patch import TARGET_CLASS, TARGET_MODULE, check_targets
+    from cas_engine.sglang import guard_patch as gp
 
-    cls = getattr(importlib.import_module(TARGET_MODULE), TARGET_CLASS)
-    problems = check_targets(cls)
+    cls = getattr(importlib.import_module(gp.TARGET_MODULE), gp.TARGET_CLASS)
+    problems = gp.check_targets(cls)
+    if not problems:  # the processor is what we expect; now the request type it handles
+        problems = gp.check_req_class(getattr(importlib.import_module(gp.REQ_MODULE), gp.REQ_CLASS))
     if problems:
         raise LaunchRefused("quality gate cannot hook SGLang: " + "; ".join(problems))
-    return f"guard hooks present on {TARGET_CLASS}"
+    return f"guard hooks present on {gp.TARGET_CLASS}"
 
 
 def check_reclaim(plan: LaunchPlan) -> str:

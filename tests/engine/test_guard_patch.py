@@ -193,3 +193,19 @@ def test_refuses_missing_method_changed_signature_and_changed_accounting() -> No
     with pytest.raises(GuardPatchError, match="spec_verify_ct"):
         install_guard_patch(GuardConfig(), cls=NoAccounting, abort_factory=lambda t: t)
     assert check_targets(ReplicaProcessor) == []
+
+
+def test_req_class_check_requires_finished_to_mean_finished_reason() -> None:
+    """Regression: finish_batch reads finished_reason in bulk; a changed finished() must refuse."""
+    from cas_engine.sglang.guard_patch import check_req_class
+
+    class Req:
+        def finished(self) -> bool:
+            return self.finished_reason is not None
+
+    class ChangedReq:
+        def finished(self) -> bool:
+            return self.state == "done"
+
+    assert check_req_class(Req) == []
+    assert "finished_reason is not None" in check_req_class(ChangedReq)[0]

@@ -86,9 +86,12 @@ def _result(accept_lens: list[int]) -> Any:
 
 def test_real_class_matches_the_patch_targets() -> None:
     """Regression: the pinned SGLang still has the accounting lines the patch relies on."""
-    from cas_engine.sglang.guard_patch import check_targets
+    from sglang.srt.managers.schedule_batch import Req
+
+    from cas_engine.sglang.guard_patch import check_req_class, check_targets
 
     assert check_targets(brp.SchedulerBatchResultProcessor) == []
+    assert check_req_class(Req) == []
 
 
 def test_real_resolve_step_trips_and_sets_a_503_abort() -> None:

@@ -83,6 +83,22 @@ def check_targets(cls: type) -> list[str]:
     return problems
 
 
+REQ_MODULE = "sglang.srt.managers.schedule_batch"
+REQ_CLASS = "Req"
+REQ_FINISHED_MARKER = "return self.finished_reason is not None"
+
+
+def check_req_class(req_cls: type) -> list[str]:
+    """``Req.finished()`` must still mean ``finished_reason is not None`` (read in bulk)."""
+    try:
+        source = inspect.getsource(req_cls.finished)
+    except (AttributeError, OSError, TypeError) as exc:
+        return [f"{req_cls.__name__}.finished unreadable: {exc}"]
+    if REQ_FINISHED_MARKER not in source:
+        return [f"{req_cls.__name__}.finished no longer contains {REQ_FINISHED_MARKER!r}"]
+    return []
+
+
 def _default_abort_factory() -> Callable[[GuardTrip], Any]:
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
@@ -173,14 +189,17 @@ class GuardAdapter:
         self.rid_slot[rid] = slot
 
     def finish_batch(self, batch: Any) -> None:
-        """Close the monitor slots of requests that finished in this batch."""
+        """Close the monitor slots of requests that finished in this batch.
+
+        Reads ``req.finished_reason`` directly (what ``Req.finished()`` returns, checked by
+        :func:`check_req_class`): an attribute read per row instead of a method call.
+        """
         if self.monitor is None:
             return
-        for req in batch.reqs:
-            if req.finished():
-                slot = self.rid_slot.pop(req.rid, None)
-                if slot is not None:
-                    self.monitor.finish(slot)
+        for req in [r for r in batch.reqs if r.finished_reason is not None]:
+            slot = self.rid_slot.pop(req.rid, None)
+            if slot is not None:
+                self.monitor.finish(slot)
 
 
 @dataclass
@@ -217,11 +236,13 @@ def install_guard_patch(
 
     Raises :class:`GuardPatchError` listing every problem when the target does not match.
     """
+    problems: list[str] = []
     if cls is None:
         import importlib
 
         cls = getattr(importlib.import_module(TARGET_MODULE), TARGET_CLASS)
-    problems = check_targets(cls)
+        problems += check_req_class(getattr(importlib.import_module(REQ_MODULE), REQ_CLASS))
+    problems += check_targets(cls)
     if problems:
         raise GuardPatchError("cannot install the cas guard patch: " + "; ".join(problems))
     adapter = GuardAdapter(
