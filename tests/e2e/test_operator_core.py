@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import yaml
+
 from tests.paths import ROOT, load_sample
 
 pytestmark = pytest.mark.e2e

@@ -6,7 +6,6 @@ import itertools
 from typing import Any
 
 import pytest
-from tests.paths import load_sample
 
 from cas_operator.api.models import CodingAgentServingSpec, parse_spec
 from cas_operator.planning.layersplit import (
@@ -20,6 +19,7 @@ from cas_operator.planning.replicas import fixed_replicas
 from cas_operator.planning.revision import revision_of
 from cas_operator.planning.shapes import instance_shape
 from cas_operator.planning.validate import validate
+from tests.paths import load_sample
 
 
 def spec_of(**overrides: Any) -> CodingAgentServingSpec:
