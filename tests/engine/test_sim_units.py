@@ -261,3 +261,16 @@ def test_cas_flags_from_operator_pods_select_reclaim_and_guard() -> None:
     assert parse_args(both, env={}).kv_reclaim == "Immediate"
     worker = SimWorker(parse_args(["--cas-guard", "off"], env={}))
     assert worker.guard.config.enabled is False
+
+
+def test_prefill_budget_follows_the_operators_sglang_env() -> None:
+    """Regression: the operator sets the prefill budget via SGLang's environment variables;
+    the sim must use them unless a --sim-* flag overrides."""
+    env = {
+        "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "45",
+        "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": "12",
+    }
+    cfg = parse_args([], env=env)
+    assert cfg.prefill_budget_s == 45.0 and cfg.upstream_release_timeout_s == 12.0
+    assert parse_args(["--sim-prefill-budget", "2"], env=env).prefill_budget_s == 2.0
+    assert parse_args([], env={}).prefill_budget_s == 300.0

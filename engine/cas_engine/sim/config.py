@@ -24,6 +24,8 @@ from cas_engine.sim.timing import TimingParams
 log = logging.getLogger("cas_engine.sim")
 
 MODES = ("prefill", "decode", "null")
+WAITING_TIMEOUT_ENV = "SGLANG_DISAGGREGATION_WAITING_TIMEOUT"
+RELEASE_TIMEOUT_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT"
 RECLAIM_MODES = ("Immediate", "Upstream", "Strict")
 
 
@@ -46,7 +48,7 @@ class SimConfig:
     kv_slots: int = 512
     kv_slot_bytes: int = 256
     kv_reclaim: str = "Strict"
-    prefill_budget_s: float = 60.0
+    prefill_budget_s: float = 300.0
     upstream_release_timeout_s: float = 30.0
     spec_num_steps: int = 3
     spec_accept_prob: float = 0.75
@@ -134,6 +136,14 @@ def _resolve_reclaim(ns: argparse.Namespace, env: Mapping[str, str]) -> str:
     return _reclaim_mode(env.get("CAS_KV_RECLAIM", "Strict"))
 
 
+def _seconds(flag: float | None, env: Mapping[str, str], name: str, default: float) -> float:
+    """``flag`` if given, else the SGLang environment variable ``name``, else ``default``."""
+    if flag is not None:
+        return flag
+    raw = env.get(name, "").strip()
+    return float(raw) if raw else default
+
+
 def _add_sim_arguments(p: argparse.ArgumentParser) -> None:
     d = TimingParams()
     g = p.add_argument_group("simulator options")
@@ -204,14 +214,16 @@ def _add_sim_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--sim-prefill-budget",
         type=float,
-        default=60.0,
-        help="decode aborts a request whose KV has not arrived after this (sim s)",
+        default=None,
+        help="decode aborts a request whose KV has not arrived after this (sim s; default "
+        f"env {WAITING_TIMEOUT_ENV} as the operator sets it, else 300 as in SGLang)",
     )
     g.add_argument(
         "--sim-upstream-release-timeout",
         type=float,
-        default=30.0,
-        help="Upstream mode: release an aborted slot after this without ack (sim s)",
+        default=None,
+        help="Upstream mode: release an aborted slot after this without ack (sim s; default "
+        f"env {RELEASE_TIMEOUT_ENV}, else 30 as in SGLang 0.5.23)",
     )
     g.add_argument(
         "--sim-spec-accept-prob",
@@ -271,8 +283,10 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = No
         kv_slot_bytes=ns.sim_kv_slot_bytes,
         kv_reclaim=kv_reclaim,
         guard_enabled=ns.cas_guard != "off",
-        prefill_budget_s=ns.sim_prefill_budget,
-        upstream_release_timeout_s=ns.sim_upstream_release_timeout,
+        prefill_budget_s=_seconds(ns.sim_prefill_budget, env, WAITING_TIMEOUT_ENV, 300.0),
+        upstream_release_timeout_s=_seconds(
+            ns.sim_upstream_release_timeout, env, RELEASE_TIMEOUT_ENV, 30.0
+        ),
         spec_num_steps=ns.speculative_num_steps,
         spec_accept_prob=ns.sim_spec_accept_prob,
         fault=ns.sim_fault,
