@@ -7,6 +7,7 @@ engine pod would, and can be made slow, broken or absent to exercise the failure
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -18,6 +19,7 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 
 from cas_operator.observe import Observation, PodTarget, PrometheusSource, ScrapeSource
+from cas_operator.observe.prometheus import promql_string
 from cas_operator.observe.scrape import Scrape, parse_exposition, windowed_increase
 
 Responder = Callable[[str, dict[str, list[str]]], tuple[int, bytes]]
@@ -332,3 +334,10 @@ def test_parse_sums_series_and_keeps_trip_reasons() -> None:
     assert scrape.counters["low_accept_length"] == 2.0
     assert scrape.counters["high_accept_rate"] == 3.0
     assert scrape.gauges["sglang:num_running_reqs"] == 9.0
+
+
+def test_pod_names_are_escaped_for_promql_strings() -> None:
+    """Regression: real Prometheus rejected `pod=~"decode\\-0"` (HTTP 400: `\\-` is not a
+    valid escape in a PromQL string); regex escapes must be doubled inside the literal."""
+    assert promql_string(re.escape("decode-0.x")) == "decode\\\\-0\\\\.x"
+    assert promql_string('a"b') == 'a\\"b'

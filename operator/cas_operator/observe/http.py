@@ -19,7 +19,8 @@ def get(url: str, params: dict[str, str] | None, timeout: float, max_bytes: int)
         with urllib.request.urlopen(url, timeout=timeout) as resp:
             body: bytes = resp.read(max_bytes + 1)
     except urllib.error.HTTPError as exc:
-        raise FetchError(f"HTTP {exc.code} from {url.split('?')[0]}") from exc
+        detail = exc.read(300).decode("utf-8", errors="replace").strip()
+        raise FetchError(f"HTTP {exc.code} from {url.split('?')[0]}: {detail}") from exc
     except urllib.error.URLError as exc:
         raise FetchError(f"{url.split('?')[0]}: {exc.reason}") from exc
     except (TimeoutError, OSError) as exc:

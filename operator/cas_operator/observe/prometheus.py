@@ -25,6 +25,11 @@ from cas_operator.planning.anomaly import PodSignals
 Vector = dict[tuple[str, str], dict[str, float]]  # (namespace, pod) -> {extra label: value}
 
 
+def promql_string(text: str) -> str:
+    """Escape `text` for a double-quoted PromQL string (Go escapes: `\\-` alone is invalid)."""
+    return text.replace("\\", "\\\\").replace('"', '\\"')
+
+
 class QueryError(Exception):
     """Prometheus could not answer a query; the message names the query's purpose."""
 
@@ -104,7 +109,7 @@ class PrometheusSource:
         return None
 
     def _selector(self, namespace: str, names: list[str]) -> str:
-        pods = "|".join(re.escape(n) for n in sorted(names))
+        pods = "|".join(promql_string(re.escape(n)) for n in sorted(names))
         return f'{{{self.namespace_label}="{namespace}",{self.pod_label}=~"{pods}"}}'
 
     def _query(self, purpose: str, promql: str, extra: str | None = None) -> Vector:

@@ -1,0 +1,117 @@
+"""Traffic, fault injection and a bare observe -> decide loop for the anomaly tests: chat
+requests through the router, live faults on one sim worker (``POST /sim/fault``).
+
+Ownership: :func:`steady_traffic` runs until its ``stop`` event is set (or ``max_requests`` were
+sent), ``concurrency`` requests in flight, and appends every non-200 answer or garbled text to
+``failures``; the caller owns the event and the list.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from cas_operator.api.models import AnomalyGuardSpec
+from cas_operator.observe import MetricsSource, Observation, PodTarget
+from cas_operator.planning.anomaly import GuardState, PodView, Policy, decide
+
+TIMEOUT = aiohttp.ClientTimeout(total=30)
+REPETITION_MARK = "the same line again"  # what the sim's repetition fault writes
+
+
+@dataclass
+class LoadStats:
+    sent: int = 0
+    ok: int = 0
+    failures: list[str] = field(default_factory=list)
+
+
+async def steady_traffic(
+    router: str,
+    stop: asyncio.Event,
+    stats: LoadStats,
+    *,
+    concurrency: int = 6,
+    max_tokens: int = 200,
+    max_requests: int = 5000,
+) -> None:
+    """Keep `concurrency` chat requests in flight until `stop` is set."""
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+
+        async def worker(w: int) -> None:
+            while not stop.is_set() and stats.sent < max_requests:
+                stats.sent += 1
+                body = {
+                    "model": "sim",
+                    "messages": [{"role": "user", "content": f"agent {w} step {stats.sent}"}],
+                    "max_tokens": max_tokens,
+                }
+                try:
+                    async with session.post(f"{router}/v1/chat/completions", json=body) as resp:
+                        text = await resp.text()
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    stats.failures.append(f"request error: {exc!r}")
+                    continue
+                if resp.status != 200 or REPETITION_MARK in text:
+                    stats.failures.append(f"{resp.status}: {text[:200]}")
+                else:
+                    stats.ok += 1
+
+        await asyncio.gather(*[worker(w) for w in range(concurrency)])
+
+
+async def set_fault(url: str, spec: dict[str, float]) -> None:
+    """Replace fault settings of the sim worker at `url` (raises on a non-200 answer)."""
+    async with (
+        aiohttp.ClientSession(timeout=TIMEOUT) as s,
+        s.post(f"{url}/sim/fault", json=spec) as resp,
+    ):
+        if resp.status != 200:
+            raise RuntimeError(f"set fault on {url}: {resp.status} {await resp.text()}")
+
+
+@dataclass
+class LoopTrace:
+    """What an observe -> decide loop did: drain orders (pod, seconds after start), per-tick
+    verdicts of decode pods, and the last observation."""
+
+    drains: list[tuple[str, float]] = field(default_factory=list)
+    ticks: list[dict[str, tuple[str, float | None, str]]] = field(default_factory=list)
+    last: Observation | None = None
+
+    def report(self) -> str:
+        return "\n".join(map(str, [self.drains, *self.ticks[-15:]]))
+
+
+async def observe_decide_loop(
+    source: MetricsSource,
+    targets: list[PodTarget],
+    spec: AnomalyGuardSpec,
+    policy: Policy,
+    *,
+    seconds: float,
+    tick_s: float = 1.0,
+    stop_after_drains: int = 1,
+) -> LoopTrace:
+    """Run observe -> decide every `tick_s` for at most `seconds` (pure decide; a drained pod
+    just leaves rotation, as the act step's label removal does)."""
+    trace, state = LoopTrace(), GuardState()
+    start = time.monotonic()
+    while time.monotonic() - start < seconds and len(trace.drains) < stop_after_drains:
+        await asyncio.sleep(tick_s)
+        obs = await asyncio.to_thread(source.observe, targets, float(spec.window_seconds))
+        drained = {name for name, _ in trace.drains}
+        views = [
+            PodView(t.name, t.role, True, t.name not in drained, None, obs.signals[t.name])
+            for t in targets
+        ]
+        decision = decide(spec, views, state, time.monotonic(), policy)
+        state = decision.state
+        trace.drains += [(o.name, time.monotonic() - start) for o in decision.drains]
+        decode = {n: v for n, v in decision.verdicts.items() if v.role == "decode"}
+        trace.ticks.append({n: (v.state, v.rate, v.reason) for n, v in decode.items()})
+        trace.last = obs
+    return trace
