@@ -12,12 +12,12 @@ import asyncio
 from collections.abc import Iterator
 
 import pytest
-from e2e.simload import LoadStats, observe_decide_loop, set_fault, steady_traffic
 
 from cas_engine.sim.fleet import Fleet, router_available
 from cas_operator.api.models import AnomalyGuardSpec
 from cas_operator.observe import PodTarget, ScrapeSource
 from cas_operator.planning.anomaly import Policy
+from e2e.simload import LoadStats, observe_decide_loop, set_fault, steady_traffic
 
 pytestmark = [
     pytest.mark.skipif(not router_available(), reason="sglang-router not installed"),

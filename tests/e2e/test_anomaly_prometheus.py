@@ -15,6 +15,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from cas_engine.sim.fleet import Fleet, free_port, router_available
+from cas_operator.api.models import AnomalyGuardSpec
+from cas_operator.observe import PodTarget, PrometheusSource
+from cas_operator.planning.anomaly import Policy
 from e2e.prometheus import (
     PrometheusHandle,
     file_sd_scrape_config,
@@ -23,11 +28,6 @@ from e2e.prometheus import (
     write_file_sd,
 )
 from e2e.simload import LoadStats, observe_decide_loop, set_fault, steady_traffic
-
-from cas_engine.sim.fleet import Fleet, free_port, router_available
-from cas_operator.api.models import AnomalyGuardSpec
-from cas_operator.observe import PodTarget, PrometheusSource
-from cas_operator.planning.anomaly import Policy
 
 pytestmark = [
     pytest.mark.skipif(not router_available(), reason="sglang-router not installed"),
