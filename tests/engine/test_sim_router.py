@@ -368,3 +368,27 @@ def test_pd_without_mooncake_uses_http_fallback(tmp_path: Path) -> None:
     assert body["usage"]["completion_tokens"] == 50
     assert not any(g in body["choices"][0]["message"]["content"] for g in GARBLE)
     assert stats["kv_corrupted"] == 0 and stats["finished"] >= 2  # readiness ping + this one
+
+
+async def test_client_disconnect_frees_decode_kv_slot(fleet: Fleet) -> None:
+    """Regression: a client that drops a stream mid-way must end the request on the decode
+    (the router closes its upstream stream in turn) and must not leak its KV slot."""
+    before = [await _stats(u) for u in fleet.decode_urls]
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+        async with s.post(
+            f"{fleet.router_url}/v1/chat/completions",
+            json=_chat("long answer, then hang up", 20000, stream=True),
+        ) as resp:
+            assert resp.status == 200
+            await resp.content.readline()  # the stream started; drop it
+        for _ in range(50):  # bounded: 5 s, well before 20000 tokens could be generated
+            stats = [await _stats(u) for u in fleet.decode_urls]
+            if all(st["running"] == 0 and st["kv_free_slots"] == 512 for st in stats):
+                break
+            await asyncio.sleep(0.1)
+    aborted = sum(a["aborted"] - b["aborted"] for a, b in zip(stats, before, strict=True))
+    generated = sum(
+        a["generated_tokens"] - b["generated_tokens"] for a, b in zip(stats, before, strict=True)
+    )
+    assert aborted == 1 and generated < 20000, stats
+    assert all(st["running"] == 0 and st["kv_free_slots"] == 512 for st in stats), stats

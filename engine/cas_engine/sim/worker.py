@@ -362,6 +362,7 @@ class SimWorker:
         still: list[Run] = []
         for run in self._waiting:
             if run.cancelled:
+                self._release_kv(run)
                 self._final(run, Event("error", status=499, message="client disconnected"))
             elif len(self._running) < self.cfg.max_running_requests and (
                 self._kv_used + run.kv_tokens <= cap or not self._running
@@ -488,9 +489,14 @@ class SimWorker:
         self._running.remove(run)
         self._kv_used -= run.kv_tokens
         self.guard.finish(run.guard_slot)
-        if self.decode_kv is not None and run.req.bootstrap is not None:
-            self.decode_kv.finish(run.req.bootstrap[2])
+        self._release_kv(run)
         self._final(run, event)
+
+    def _release_kv(self, run: Run) -> None:
+        """Return a decode run's KV slot (its transfer completed, so at once)."""
+        if self.decode_kv is not None and run.kv_slot is not None and run.req.bootstrap:
+            self.decode_kv.finish(run.req.bootstrap[2])
+            run.kv_slot = None
 
     def _final(self, run: Run, event: Event) -> None:
         if run.final:
