@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields, replace
 
 ENV_PREFIX = "CAS_GUARD_"
@@ -73,7 +73,7 @@ def _parse_bool(raw: str) -> bool:
     raise ValueError(f"not a boolean: {raw!r}")
 
 
-_PARSERS = {
+_PARSERS: dict[str, Callable[[str], object]] = {
     "min_generated_tokens": int,
     "min_accept_length": float,
     "max_accept_rate": float,

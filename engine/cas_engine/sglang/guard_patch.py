@@ -88,7 +88,7 @@ REQ_CLASS = "Req"
 REQ_FINISHED_MARKER = "return self.finished_reason is not None"
 
 
-def check_req_class(req_cls: type) -> list[str]:
+def check_req_class(req_cls: Any) -> list[str]:
     """``Req.finished()`` must still mean ``finished_reason is not None`` (read in bulk)."""
     try:
         source = inspect.getsource(req_cls.finished)
@@ -251,8 +251,9 @@ def install_guard_patch(
         abort_factory=abort_factory or _default_abort_factory(),
         proposed_per_step=proposed_per_step or _default_proposed_per_step,
     )
-    resolve = cls._resolve_spec_v2_tokens  # type: ignore[attr-defined]
-    decode = cls.process_batch_result_decode  # type: ignore[attr-defined]
+    target: Any = cls
+    resolve = target._resolve_spec_v2_tokens
+    decode = target.process_batch_result_decode
 
     def _resolve_spec_v2_tokens(self: Any, result: Any, batch: Any) -> Any:
         out = resolve(self, result, batch)
@@ -268,7 +269,7 @@ def install_guard_patch(
         (_resolve_spec_v2_tokens, resolve),
         (process_batch_result_decode, decode),
     ):
-        wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+        setattr(wrapper, "__wrapped__", original)  # noqa: B010 - typed as a function
         setattr(wrapper, ORIGINAL_ATTR, original)
         setattr(cls, wrapper.__name__, wrapper)
     logger.info("cas guard patch installed on %s (%s)", cls.__name__, config)

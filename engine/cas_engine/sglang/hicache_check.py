@@ -83,8 +83,10 @@ def install_read_detector(
                 f"cannot install the hicache detector: {cls.__name__}.{name} missing"
             )
     metric = create_read_counter(registry)
-    set_consumer, wait_until = counter_cls.set_consumer, counter_cls.wait_until
-    get_local_buffer = read_cls.get_local_buffer
+    counter_t: Any = counter_cls
+    read_t: Any = read_cls
+    set_consumer, wait_until = counter_t.set_consumer, counter_t.wait_until
+    get_local_buffer = read_t.get_local_buffer
     patch = DetectorPatch(
         counter_cls,
         read_cls,
@@ -126,7 +128,7 @@ def install_read_detector(
             "wait_until": _wait_until,
             "get_local_buffer": _get_local_buffer,
         }[name]
-        wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+        setattr(wrapper, "__wrapped__", original)  # noqa: B010 - typed as a function
         setattr(wrapper, ORIGINAL_ATTR, original)
         setattr(cls, name, wrapper)
     logger.info("cas hicache read-before-ready detector installed")
