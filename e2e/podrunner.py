@@ -194,15 +194,18 @@ class PodRunner:
             self.stop_all()
 
 
-def kube_pod_lister(kubeconfig: Path) -> Callable[[], list[Pod]]:
-    """All pods of the cluster as plain dicts (camelCase, as the API server sends them)."""
+def kube_pod_lister(kubeconfig: Path, namespace: str | None = None) -> Callable[[], list[Pod]]:
+    """Pods of the cluster (or of one namespace) as plain dicts, camelCase as the API sends."""
     from kubernetes import client, config
 
     api_client = config.new_client_from_config(config_file=str(kubeconfig))
     core = client.CoreV1Api(api_client)
 
     def list_pods() -> list[Pod]:
-        answer = core.list_pod_for_all_namespaces(_request_timeout=10)
+        if namespace:
+            answer = core.list_namespaced_pod(namespace, _request_timeout=10)
+        else:
+            answer = core.list_pod_for_all_namespaces(_request_timeout=10)
         pods: list[Pod] = api_client.sanitize_for_serialization(answer).get("items", [])
         return pods
 
@@ -212,14 +215,14 @@ def kube_pod_lister(kubeconfig: Path) -> Callable[[], list[Pod]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m e2e.podrunner")
     parser.add_argument("--kubeconfig", type=Path, required=True)
+    parser.add_argument("--namespace", default=None, help="only this namespace (default: all)")
     parser.add_argument("--log-dir", type=Path, default=Path("run/podrunner"))
     parser.add_argument("--sd-file", type=Path, default=None)
     parser.add_argument("--sim-arg", action="append", default=[], help="extra sim argument")
     parser.add_argument("--interval", type=float, default=1.0)
     args = parser.parse_args(argv)
-    runner = PodRunner(
-        kube_pod_lister(args.kubeconfig), args.log_dir, args.sd_file, extra_args=args.sim_arg
-    )
+    lister = kube_pod_lister(args.kubeconfig, args.namespace)
+    runner = PodRunner(lister, args.log_dir, args.sd_file, extra_args=args.sim_arg)
     stop = threading.Event()
     try:
         runner.run(stop, args.interval)
