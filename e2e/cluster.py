@@ -39,6 +39,7 @@ SERVICE_CIDR = "10.96.0.0/16"
 SERVICE_IP = "10.96.0.1"
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
 STATE_FILE = "state.json"
+LWS_CRD = "leaderworkersets.leaderworkerset.x-k8s.io"
 PORT_NAMES = (
     "etcd",
     "etcd_peer",
@@ -430,12 +431,7 @@ class _Starter:
         """LWS CRDs, the controller with its webhook server on loopback, then its webhooks."""
         for crd in sorted(self.bins.lws_crds.glob("*.yaml")):
             self.kubectl("apply", "--server-side", "--field-manager=cas-e2e", "-f", str(crd))
-        self.kubectl(
-            "wait",
-            "--for=condition=Established",
-            "--timeout=60s",
-            "crd/leaderworkersets.leaderworkerset.x-k8s.io",
-        )
+        self.wait("LWS CRD established", self._lws_crd_established, timeout=60)
         config = self.run_dir / "lws-config.yaml"
         config.write_text(
             manifests.lws_config(
@@ -472,6 +468,11 @@ class _Starter:
             "-",
             stdin=yaml.safe_dump_all(hooks),
         )
+
+    def _lws_crd_established(self) -> bool:
+        jsonpath = "jsonpath={.status.conditions[?(@.type=='Established')].status}"
+        out = self.kubectl("get", "crd", LWS_CRD, "-o", jsonpath)
+        return out.strip() == "True"
 
     def default_service_account(self) -> None:
         """The serviceaccount controller has made ``default/default`` (pods need it)."""
