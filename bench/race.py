@@ -36,6 +36,7 @@ COLUMNS = (
     "bursts",
     "reuse p50 ms",
     "reuse p99 ms",
+    "ack->reuse p99 ms",
     "q peak",
     "wall s",
 )
@@ -72,6 +73,7 @@ def row(phase: str, res: RaceResult) -> list[str]:
         str(steady_throughput(res)[1]),
         f"{res.abort_to_reuse_p50_ms:.1f}",
         f"{res.abort_to_reuse_p99_ms:.1f}",
+        f"{res.ack_to_reuse_p99_ms:.1f}",
         str(res.quarantine_peak_pages),
         f"{res.wall_s:.1f}",
     ]

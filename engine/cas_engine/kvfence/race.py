@@ -90,6 +90,8 @@ class RaceResult:
     bad_per_10k_ci95: tuple[float, float] = (0.0, 0.0)
     abort_to_reuse_p50_ms: float = 0.0
     abort_to_reuse_p99_ms: float = 0.0
+    ack_to_reuse_p50_ms: float = 0.0  # releasing ack sent -> slots free: the fence's own cost
+    ack_to_reuse_p99_ms: float = 0.0
     quarantine_peak_pages: int = 0
     quarantined_at_end: int = 0
     reclaims: dict[str, int] = field(default_factory=dict)
@@ -238,7 +240,7 @@ class _PrefillRank:
 
     def _send_ack(self, ack: ReclaimAck | None) -> None:
         if ack is not None:
-            self.outq.put(("ack", ack.to_dict()))
+            self.outq.put(("ack", ack.to_dict(), time.monotonic()))
 
 
 def prefill_main(rank: int, params: RaceParams, spec: PoolSpec, inq: Any, outq: Any) -> None:
@@ -295,6 +297,7 @@ class _Decode:
         self.next_arrival = 0.0
         self.t0 = 0.0
         self.waits: list[float] = []
+        self.ack_lags: list[float] = []
         self.res = RaceResult(mode=params.mode.value, transport=params.transport.value)
         self.ranks = list(range(params.prefill_ranks))
 
@@ -318,7 +321,10 @@ class _Decode:
 
     def on_message(self, msg: tuple, now: float) -> None:
         if msg[0] == "ack":
-            self.release(self.ledger.on_ack(ReclaimAck.from_dict(msg[1])))
+            released = self.ledger.on_ack(ReclaimAck.from_dict(msg[1]))
+            if released:  # time from the drained write's ack to the slots' return
+                self.ack_lags.append(now - msg[2])
+            self.release(released)
             return
         _, rank, room, gen = msg
         req = self.active.get(room)
@@ -437,6 +443,10 @@ def _summarise(node: _Decode, wall: float) -> None:
         waits = np.array(node.waits) * 1e3
         res.abort_to_reuse_p50_ms = float(np.percentile(waits, 50))
         res.abort_to_reuse_p99_ms = float(np.percentile(waits, 99))
+    if node.ack_lags:
+        lags = np.array(node.ack_lags) * 1e3
+        res.ack_to_reuse_p50_ms = float(np.percentile(lags, 50))
+        res.ack_to_reuse_p99_ms = float(np.percentile(lags, 99))
     res.quarantine_peak_pages = node.ledger.quarantine_peak
     res.quarantined_at_end = node.ledger.quarantined_slots
     metrics = node.ledger.metrics
