@@ -299,3 +299,16 @@ def test_env_defaults_turn_deferred_release_on_without_overriding() -> None:
     env = {reclaim.ENABLE_ENV: "0"}
     reclaim.apply_env_defaults(env)
     assert env[reclaim.ENABLE_ENV] == "0"
+
+
+def test_backend_capability_read_from_real_sources() -> None:
+    """Strict mode must refuse a transfer backend that frees aborted transfers at once
+    (SGLang's fake backend) and accept mooncake, whose manager defers the release."""
+    assert reclaim.backend_supports_deferred_release("mooncake")
+    assert reclaim.backend_supports_deferred_release("nixl")
+    assert not reclaim.backend_supports_deferred_release("fake")
+    reclaim.require_deferred_capable_backend("mooncake")
+    with pytest.raises(reclaim.StrictReclaimError, match="releases aborted transfers at once"):
+        reclaim.require_deferred_capable_backend("fake")
+    with pytest.raises(reclaim.StrictReclaimError, match="unknown"):
+        reclaim.require_deferred_capable_backend("../etc")

@@ -22,11 +22,21 @@ What this adapter changes (minimal, no upstream code copied):
 Before patching, :func:`check_decode_queue` verifies the SGLang version, that the methods exist
 and that their source still contains the lines this reasoning depends on; any mismatch raises
 :class:`StrictReclaimError` with the reason, and the launcher refuses to start.
+:func:`require_deferred_capable_backend` refuses transfer backends whose KV manager does not
+defer the release of aborted transfers (read from SGLang's source; mooncake, nixl and mori do).
+
+Not covered (yet): source-page pinning on the prefill side. In 0.5.23 the prefill frees a
+failed room's pages in ``handle_inflight_transfer_failure`` while ``_staging_outstanding`` may
+still count an in-flight chunk; holding them needs a flag all-reduced over the TP/CP group
+(polls are MIN-reduced, so one rank cannot hold alone). The writes of such a room land only in
+decode pages that strict mode keeps quarantined, so the decode side's guarantee holds.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
+import importlib.util
 import inspect
 import logging
 import math
@@ -34,6 +44,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import Gauge
@@ -96,14 +107,42 @@ def check_decode_queue(cls: type) -> None:
                 )
 
 
+def backend_supports_deferred_release(backend: str) -> bool:
+    """Whether SGLang's ``backend`` KV manager holds failed transfers for deferred release.
+
+    Read from the installed source (no import, so it works without torch): a backend whose
+    manager does not set ``supports_deferred_decode_kv_release = True`` frees an aborted
+    transfer's KV at once, and strict reclaim cannot be enforced on top of it.
+    """
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or spec.origin is None:
+        raise StrictReclaimError("sglang is not installed")
+    conn = Path(spec.origin).parent / "srt" / "disaggregation" / backend / "conn.py"
+    if not backend.isidentifier() or not conn.is_file():
+        raise StrictReclaimError(f"unknown SGLang transfer backend {backend!r}")
+    for node in ast.walk(ast.parse(conn.read_text(), filename=str(conn))):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
+            names = {t.id for t in node.targets if isinstance(t, ast.Name)}
+            if "supports_deferred_decode_kv_release" in names and node.value.value is True:
+                return True
+    return False
+
+
+def require_deferred_capable_backend(backend: str) -> None:
+    """Refuse strict mode on a transfer backend that cannot hold aborted transfers."""
+    if not backend_supports_deferred_release(backend):
+        raise StrictReclaimError(
+            f"--disaggregation-transfer-backend {backend} releases aborted transfers at once; "
+            "strict KV reclaim needs a backend with deferred release (mooncake, nixl, mori)"
+        )
+
+
 def load_decode_queue_class() -> type:
     """Import the pinned SGLang's ``DecodeTransferQueue`` (version-checked)."""
     try:
         require_sglang()
     except SGLangVersionError as exc:
         raise StrictReclaimError(str(exc)) from exc
-    import importlib
-
     try:
         module = importlib.import_module(DECODE_MODULE)
     except ImportError as exc:
