@@ -27,3 +27,26 @@ def test_generated_crd_matches_models() -> None:
         cwd=ROOT, capture_output=True, text=True,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
+
+
+def test_crd_bounds_use_openapi_v3_booleans() -> None:
+    """Regression: pydantic's numeric exclusiveMinimum is rejected by the API server's
+    OpenAPI v3.0 schema ("expected boolean"); the generator must translate it."""
+    import yaml
+
+    from cas_operator.api.crdgen import build_crd
+
+    def walk(node: object) -> None:
+        if isinstance(node, dict):
+            for key in ("exclusiveMinimum", "exclusiveMaximum"):
+                if key in node:
+                    assert isinstance(node[key], bool), node
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    crd = build_crd()
+    walk(crd)
+    assert yaml.safe_load(yaml.safe_dump(crd)) == crd

@@ -70,6 +70,7 @@ def convert(node: JsonSchema, defs: dict[str, JsonSchema], *, in_list: bool = Fa
     node = _collapse_optional(_resolve(node, defs))
     node = _collapse_optional(_resolve(node, defs))  # a ref may hide behind Optional
     out: JsonSchema = {k: node[k] for k in KEPT_KEYS if k in node}
+    _openapi_v3_bounds(out)
     kind = node.get("type")
     if kind is None and "enum" in node:
         kind = "string"
@@ -82,6 +83,15 @@ def convert(node: JsonSchema, defs: dict[str, JsonSchema], *, in_list: bool = Fa
     if "default" in node and node["default"] is not None and not in_list:
         out["default"] = node["default"]
     return out
+
+
+def _openapi_v3_bounds(out: JsonSchema) -> None:
+    """JSON Schema's numeric `exclusiveMinimum: X` is OpenAPI v3.0's `minimum: X` + `true`."""
+    for exclusive, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        value = out.get(exclusive)
+        if value is not None and not isinstance(value, bool):
+            out[bound] = value
+            out[exclusive] = True
 
 
 def _convert_object(
