@@ -2,7 +2,7 @@
 
 Pydantic's JSON schema is converted into a Kubernetes *structural* schema: `$ref`s inlined,
 `Optional` collapsed, titles dropped, `int | str` as `x-kubernetes-int-or-string`, object
-sections with all-default fields defaulted to `{}` so the API server fills their defaults, and no
+sections defaulted to their models' full defaults so the API server fills them in, and no
 defaults inside list items (Argo CD drift). CEL rules come from the models' `json_schema_extra`.
 """
 
@@ -112,13 +112,17 @@ def _convert_object(
 
 
 def spec_schema() -> JsonSchema:
-    """The structural schema of `.spec`, with `{}` defaults for defaultable sections."""
+    """The structural schema of `.spec`; defaultable sections default to their full defaults
+    (the API server checks a default against the section's CEL rules, so `{}` is refused)."""
     raw = CodingAgentServingSpec.model_json_schema(by_alias=True, mode="validation")
     schema = convert(raw, raw.get("$defs", {}))
     for name, field in CodingAgentServingSpec.model_fields.items():
         alias = field.alias or name
         if field.default_factory is not None:
-            schema["properties"][alias]["default"] = {}
+            section = field.default_factory()  # type: ignore[call-arg]
+            schema["properties"][alias]["default"] = section.model_dump(
+                by_alias=True, exclude_none=True, mode="json"
+            )
     schema["description"] = "Desired state of a PD-disaggregated SGLang fleet for coding agents."
     return schema
 
