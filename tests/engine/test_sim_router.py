@@ -348,28 +348,6 @@ async def test_corrupted_kv_transfer_garbles_stream_and_trips_guard(fleet: Fleet
     assert errors and errors[0]["error"]["cas_guard"]["reason"] == "low_accept_length"
 
 
-def test_pd_without_mooncake_uses_http_fallback(tmp_path: Path) -> None:
-    """Regression: machines without mooncake (CAS_SIM_KV_TRANSPORT=http) still run PD, with
-    the decode's content check passing on the transferred KV."""
-    import urllib.request
-
-    with Fleet(
-        prefills=1, decodes=1, speedup=20.0, log_dir=tmp_path, env={"CAS_SIM_KV_TRANSPORT": "http"}
-    ) as fleet:
-        req = urllib.request.Request(
-            f"{fleet.router_url}/v1/chat/completions",
-            data=json.dumps(_chat("over http", 50)).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            body = json.loads(resp.read())
-        with urllib.request.urlopen(f"{fleet.decode_urls[0]}/sim/stats", timeout=10) as resp:
-            stats = json.loads(resp.read())["stats"]
-    assert body["usage"]["completion_tokens"] == 50
-    assert not any(g in body["choices"][0]["message"]["content"] for g in GARBLE)
-    assert stats["kv_corrupted"] == 0 and stats["finished"] >= 2  # readiness ping + this one
-
-
 async def test_client_disconnect_frees_decode_kv_slot(fleet: Fleet) -> None:
     """Regression: a client that drops a stream mid-way must end the request on the decode
     (the router closes its upstream stream in turn) and must not leak its KV slot."""

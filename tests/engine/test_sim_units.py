@@ -274,3 +274,59 @@ def test_prefill_budget_follows_the_operators_sglang_env() -> None:
     assert cfg.prefill_budget_s == 45.0 and cfg.upstream_release_timeout_s == 12.0
     assert parse_args(["--sim-prefill-budget", "2"], env=env).prefill_budget_s == 2.0
     assert parse_args([], env={}).prefill_budget_s == 300.0
+
+
+async def test_pd_pair_in_process_over_http_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: without mooncake (CAS_SIM_KV_TRANSPORT=http) a prefill/decode pair still
+    hands KV over, the way the router drives it (same body with bootstrap fields to both), and
+    the decode's content check passes."""
+    import aiohttp
+
+    from cas_engine.sim.__main__ import serve
+
+    monkeypatch.setenv("CAS_SIM_KV_TRANSPORT", "http")
+    pp, bp, dp = free_port(), free_port(), free_port()
+    common = ["--sim-speedup", "50", "--host", "127.0.0.1"]
+    cfgs = [
+        parse_args(
+            [
+                "--disaggregation-mode",
+                "prefill",
+                "--port",
+                str(pp),
+                "--disaggregation-bootstrap-port",
+                str(bp),
+                *common,
+            ],
+            env={},
+        ),
+        parse_args(["--disaggregation-mode", "decode", "--port", str(dp), *common], env={}),
+    ]
+    stop = asyncio.Event()
+    readies = [asyncio.Event() for _ in cfgs]
+    tasks = [asyncio.create_task(serve(c, r, stop)) for c, r in zip(cfgs, readies, strict=True)]
+    try:
+        await asyncio.wait_for(asyncio.gather(*(r.wait() for r in readies)), 20)
+        body = {
+            "text": "def main():",
+            "sampling_params": {"max_new_tokens": 20},
+            "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": bp,
+            "bootstrap_room": 4242,
+        }
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as s:
+
+            async def post(port: int) -> tuple[int, dict]:
+                async with s.post(f"http://127.0.0.1:{port}/generate", json=body) as r:
+                    return r.status, await r.json()
+
+            (sp, bprefill), (sd, bdecode) = await asyncio.gather(post(pp), post(dp))
+            async with s.get(f"http://127.0.0.1:{dp}/sim/stats") as r:
+                stats = (await r.json())["stats"]
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), 20)
+    assert sp == 200 and bprefill["meta_info"]["kv_transferred"] is True
+    assert sd == 200 and bdecode["meta_info"]["completion_tokens"] == 20
+    assert stats["kv_transport"] == "HttpTransport"
+    assert stats["kv_corrupted"] == 0 and stats["kv_free_slots"] == 512

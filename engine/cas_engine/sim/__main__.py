@@ -31,18 +31,19 @@ async def serve(
     worker = SimWorker(cfg)
     await worker.start()
     server = SimServer(cfg, worker)
-    runners = [web.AppRunner(server.app(), access_log=None)]
+    runners = [web.AppRunner(server.app(), access_log=None, shutdown_timeout=0.5)]
     if cfg.mode == "prefill":
-        runners.append(web.AppRunner(server.bootstrap_app(), access_log=None))
+        runners.append(web.AppRunner(server.bootstrap_app(), access_log=None, shutdown_timeout=0.5))
     ports = [cfg.port, cfg.bootstrap_port]
     for runner, port in zip(runners, ports, strict=False):
         await runner.setup()
         await web.TCPSite(runner, cfg.host, port, reuse_address=True).start()
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
-            loop.add_signal_handler(sig, stop.set)
+    if stop is None:  # the CLI: stop on a signal (callers passing ``stop`` own shutdown)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
+                loop.add_signal_handler(sig, stop.set)
     log.warning(
         "%s: mode=%s listening on http://%s:%s%s (speedup %sx, reclaim %s)",
         SIMULATOR_NOTICE,

@@ -157,7 +157,7 @@ class Fleet:
         self._procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
         log.close()
 
-    def stop(self, grace: float = 5.0) -> None:
+    def stop(self, grace: float = 3.0) -> None:
         """SIGTERM every process this fleet started, SIGKILL what is left after ``grace``."""
         for proc in self._procs:
             if proc.poll() is None:

@@ -562,6 +562,7 @@ class SimWorker:
                 kv_free_slots=self.decode_kv.pool.free_slots,
                 kv_quarantined_slots=ledger.quarantined_slots,
                 kv_reclaim_mode=ledger.mode.value,
+                kv_transport=type(self.decode_kv.transport).__name__,
             )
         if self.prefill_kv is not None:
             out.update(
