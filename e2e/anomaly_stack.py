@@ -30,7 +30,7 @@ from cas_operator.api import constants as c
 from cas_operator.api.models import AnomalyGuardSpec
 from cas_operator.drain import DrainPolicy, LoopState, TickResult, guard_tick
 from cas_operator.kube import Kube
-from cas_operator.observe import ScrapeSource
+from cas_operator.observe import MetricsSource, ScrapeSource
 from cas_operator.planning.anomaly import Policy
 from e2e.podrunner import PodRunner, kube_pod_lister
 from e2e.simload import REPETITION_MARK
@@ -167,7 +167,7 @@ class AnomalyStack:
         default_factory=lambda: DrainPolicy(min_wait_seconds=3, grace_seconds=30)
     )
     state: LoopState = field(default_factory=LoopState)
-    source: ScrapeSource = field(default_factory=lambda: ScrapeSource(timeout_seconds=2.0))
+    source: MetricsSource = field(default_factory=lambda: ScrapeSource(timeout_seconds=2.0))
     events: list[Event] = field(default_factory=list)
     router: LabelRouter | None = None
     _stop_runner: threading.Event = field(default_factory=threading.Event)
@@ -177,10 +177,16 @@ class AnomalyStack:
 
     @classmethod
     def start(
-        cls, kubeconfig: Path, namespace: str, log_dir: Path, speedup: float = 40.0
+        cls,
+        kubeconfig: Path,
+        namespace: str,
+        log_dir: Path,
+        speedup: float = 40.0,
+        sd_file: Path | None = None,
     ) -> AnomalyStack:
+        """Start the pod runner (writing Prometheus targets to `sd_file` when given)."""
         kube = Kube(config.new_client_from_config(config_file=str(kubeconfig)))
-        runner = PodRunner(kube_pod_lister(kubeconfig, namespace), log_dir,
+        runner = PodRunner(kube_pod_lister(kubeconfig, namespace), log_dir, sd_file,
                            extra_args=["--sim-speedup", f"{speedup:g}"],
                            restart_backoff_s=2.0)  # fmt: skip
         stack = cls(kube=kube, namespace=namespace, runner=runner)
