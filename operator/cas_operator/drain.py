@@ -32,7 +32,12 @@ from cas_operator.planning.anomaly import (
     PodSignals,
     PodView,
     Policy,
+    PoolCounts,
+    PressureState,
+    ScaleBounds,
+    ScaleOutcome,
     decide,
+    suggest_scale,
 )
 
 ANNOTATION_DRAINING_SINCE: Final = "cas.dev/draining-since"
@@ -70,6 +75,7 @@ class LoopState:
     """What the caller keeps per custom resource between ticks (in memory only)."""
 
     guard: GuardState = field(default_factory=GuardState)
+    pressure: PressureState = field(default_factory=PressureState)
 
 
 @dataclass
@@ -87,6 +93,7 @@ class TickResult:
     unavailable: str | None
     pool_rate: dict[str, float | None]
     decision: AnomalyDecision | None = None
+    scale: ScaleOutcome | None = None  # P:D hint, when the caller passed pool counts
 
 
 # --- reading pods ---------------------------------------------------------------------------
@@ -266,6 +273,8 @@ def guard_tick(
     now: float,
     policy: Policy | None = None,
     drain_policy: DrainPolicy | None = None,
+    counts: PoolCounts | None = None,
+    bounds: ScaleBounds | None = None,
 ) -> TickResult:
     """One observe -> decide -> act pass for one CodingAgentServing.
 
@@ -274,7 +283,9 @@ def guard_tick(
     time `now` (epoch seconds; the drain annotations are wall-clock). Steps:
     1. list the engine pods; 2. observe them over `spec.window_seconds`;
     3. decide (pure); 4. start the drains it ordered; 5. advance drains in progress;
-    6. report status.draining, the Degraded messages and per-pool anomaly rates.
+    6. report status.draining, the Degraded messages and per-pool anomaly rates;
+    7. with `counts` (desired/ready instances per pool) and `bounds` (ratio.min/max/gpuBudget),
+       also the P:D pressure hint (`TickResult.scale`); applying it is the caller's job.
     """
     drain_policy = drain_policy or DrainPolicy()
     pods = engine_pods(api, namespace, name)
@@ -293,6 +304,11 @@ def guard_tick(
     stepped, deleted = advance_drains(api, pods, observation, spec.action, now, drain_policy)
     events += stepped
     remaining = [p for p in pods if _meta(p)["name"] not in deleted]
+    scale = None
+    if counts is not None:
+        views = [view_of(p, observation.signals.get(_meta(p)["name"])) for p in remaining]
+        scale = suggest_scale(views, counts, bounds or ScaleBounds(), state.pressure)
+        state.pressure = scale.state
     return TickResult(
         events=events,
         draining=draining_status(remaining, observation),
@@ -300,6 +316,7 @@ def guard_tick(
         unavailable=(decision.unavailable if decision else None) or observation.error,
         pool_rate=decision.pool_rate if decision else {},
         decision=decision,
+        scale=scale,
     )
 
 

@@ -23,7 +23,7 @@ from cas_operator.drain import (
     rfc3339,
 )
 from cas_operator.observe.types import Observation, PodTarget
-from cas_operator.planning.anomaly import PodSignals
+from cas_operator.planning.anomaly import PodSignals, PoolCounts, ScaleBounds
 
 T0 = 1_800_000_000.0  # wall-clock epoch seconds
 
@@ -224,3 +224,26 @@ def test_terminating_pods_are_ignored() -> None:
     api.pods["d0"]["metadata"]["deletionTimestamp"] = rfc3339(T0)
     tick(api, source, LoopState(), 0)
     assert source.asked == [["d1", "p0"]]
+
+
+def test_tick_reports_a_prefill_scale_hint_under_sustained_prefill_queueing() -> None:
+    """Regression: the tick must carry pressure across ticks (LoopState) and hand the caller a
+    prefill scale-up hint once prefill queueing with idle decode is sustained."""
+    api, source, state = fleet(4), CannedSource(), LoopState()
+    source.by_name["p0"] = PodSignals(queued=9.0, aborted=0.0, running=8.0)
+    for i in range(4):
+        source.by_name[f"d{i}"] = PodSignals(checked=500, trips_low_accept=0,
+                                             trips_high_accept=0, queued=0.0, running=1.0,
+                                             token_usage=0.2)  # fmt: skip
+    counts = PoolCounts(prefill=1, decode=4, prefill_ready=1, decode_ready=4)
+    hints = []
+    for t in range(3):
+        result = guard_tick(
+            api, source, name="demo", namespace="ns", spec=AnomalyGuardSpec(), state=state,
+            now=T0 + 5 * t, counts=counts, bounds=ScaleBounds(ratio_max=1.0),
+        )  # fmt: skip
+        assert result.scale is not None
+        hints.append(result.scale.hint)
+    assert hints[:2] == [None, None]
+    assert hints[2] is not None and (hints[2].prefill, hints[2].decode) == (2, 4)
+    assert api.calls == []
