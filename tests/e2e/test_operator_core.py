@@ -223,6 +223,7 @@ def test_multinode_instances_are_lws_groups(
 def test_scaling_a_pool_converges_without_a_new_revision(
     operator: OperatorProcess, kubectl: Kubectl, namespace: str
 ) -> None:
+    """Regression: replica changes must scale in place, never restart engines (new revision)."""
     manifest = small("minimal.yaml", prefill={"tensorParallel": 1}, decode={"tensorParallel": 1})
     apply(kubectl, namespace, manifest)
     revision = wait_ready(kubectl, namespace, "minimal")["status"]["revision"]
@@ -233,7 +234,9 @@ def test_scaling_a_pool_converges_without_a_new_revision(
     cas = wait_ready(kubectl, namespace, "minimal")
     assert cas["status"]["decode"]["readyReplicas"] == 3
     assert cas["status"]["revision"] == revision
-    assert cas["status"]["ratio"]["current"] == "1:3"
+    # prefill.replicas is unset, so it follows decode through ratio 1:1
+    assert cas["status"]["ratio"]["current"] == "3:3"
+    assert cas["status"]["prefill"]["readyReplicas"] == 3
 
 
 def test_engine_change_rolls_a_new_revision_and_retires_the_old(
