@@ -37,8 +37,10 @@ async def steady_traffic(
     concurrency: int = 6,
     max_tokens: int = 200,
     max_requests: int = 5000,
+    prompt_body: str = "",
 ) -> None:
-    """Keep `concurrency` chat requests in flight until `stop` is set."""
+    """Keep `concurrency` chat requests in flight until `stop` is set; each prompt starts
+    with a unique line, so `prompt_body` (long prompts) is never a cached prefix."""
     async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
 
         async def worker(w: int) -> None:
@@ -46,7 +48,9 @@ async def steady_traffic(
                 stats.sent += 1
                 body = {
                     "model": "sim",
-                    "messages": [{"role": "user", "content": f"agent {w} step {stats.sent}"}],
+                    "messages": [
+                        {"role": "user", "content": f"agent {w} step {stats.sent}\n{prompt_body}"}
+                    ],
                     "max_tokens": max_tokens,
                 }
                 try:
