@@ -42,6 +42,12 @@ typecheck: setup ## mypy (strict on cas_operator)
 unit: setup ## Unit and engine tests only (no cluster)
 	$(PY) -m pytest -q tests/unit tests/engine
 
+lint-docker: setup ## hadolint on the Dockerfiles
+	$(VENV)/bin/hadolint engine/Dockerfile operator/Dockerfile
+
+image: ## Build the engine image (needs a container engine)
+	docker build -f engine/Dockerfile -t cas-engine:sglang-v0.5.23 .
+
 ##@ Local stack
 
 bins: ## Build (or reuse) kube-apiserver, controller-manager, scheduler, kubectl, etcd, kwok, lws
@@ -53,9 +59,24 @@ cluster-up: setup bins ## Start the local control plane as processes
 cluster-down: setup ## Stop exactly the processes cluster-up started
 	$(PY) -m e2e.cluster down
 
+##@ Simulator (no GPU)
+
+sim-demo: setup ## Router + 1 prefill + 2 decode sims on loopback, coding-agent load, prints the table
+	$(PY) -m cas_engine.sim.load --launch --prefills 1 --decodes 2 --speedup 20 --requests 300 --duration 60
+
 ##@ Benchmarks
 
-bench: setup ## All benchmarks (never part of make test)
-	@echo "benchmarks: see bench/"
+bench: bench-guard bench-sim bench-operator ## All benchmarks (never part of make test)
 
-.PHONY: run test help setup crds verify lint typecheck unit bins cluster-up cluster-down bench
+bench-sim: setup ## Sim: 256-stream throughput; PD reclaim race Immediate/Upstream/Strict side by side
+	$(PY) bench/sim_throughput.py --streams 256 --tokens 400 --runs 3
+	$(PY) bench/sim_race.py --requests 600
+
+bench-guard: setup ## Quality-gate overhead per verify step (batch 1/64/256)
+	$(PY) bench/guard_overhead.py
+
+bench-operator: setup bins ## N = 10, 50, 200 resources at once -> Ready latency, CPU, memory
+	$(PY) bench/operator_scale.py
+
+.PHONY: run test help setup crds verify lint lint-docker image typecheck unit bins cluster-up \
+	cluster-down bench bench-guard bench-operator bench-sim sim-demo

@@ -191,7 +191,7 @@ def test_glm5_sample_plans_layersplit_and_flags(
     prefill, decode = args_of(deployments["prefill"]), args_of(deployments["decode"])
     assert "--enable-dsa-cache-layer-split" in prefill and "--attn-cp-size" in prefill
     assert "--enable-hierarchical-cache" in prefill and "--speculative-algorithm" in decode
-    assert decode[decode.index("--cas-guard") + 1] == "on"
+    assert decode[decode.index("--cas-guard-enabled") + 1] == "true"
     template = deployments["prefill"]["spec"]["template"]
     assert template["metadata"]["annotations"]["sglang.ai/bootstrap-port"] == "8998"
 

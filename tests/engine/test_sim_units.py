@@ -251,15 +251,15 @@ def test_crash_fault_exits_process() -> None:
 
 
 def test_cas_flags_from_operator_pods_select_reclaim_and_guard() -> None:
-    """Regression: the operator's ``--cas-kv-reclaim`` / ``--cas-guard`` pod flags must take
+    """Regression: the operator's ``--cas-kv-reclaim`` / ``--cas-guard-enabled`` flags must take
     effect in the sim (``--sim-kv-reclaim`` > flag > ``CAS_KV_RECLAIM`` > Strict)."""
-    cfg = parse_args(["--cas-kv-reclaim", "upstream", "--cas-guard", "off"], env={})
+    cfg = parse_args(["--cas-kv-reclaim", "upstream", "--cas-guard-enabled", "false"], env={})
     assert cfg.kv_reclaim == "Upstream" and cfg.guard_enabled is False
     assert parse_args([], env={"CAS_KV_RECLAIM": "immediate"}).kv_reclaim == "Immediate"
     assert parse_args([], env={}).kv_reclaim == "Strict"
     both = ["--sim-kv-reclaim", "Immediate", "--cas-kv-reclaim", "strict"]
     assert parse_args(both, env={}).kv_reclaim == "Immediate"
-    worker = SimWorker(parse_args(["--cas-guard", "off"], env={}))
+    worker = SimWorker(parse_args(["--cas-guard-enabled", "false"], env={}))
     assert worker.guard.config.enabled is False
 
 

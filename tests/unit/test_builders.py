@@ -184,12 +184,13 @@ def test_cas_flags_reclaim_and_guard() -> None:
     decode, prefill = engine_args(plan, plan.decode), engine_args(plan, plan.prefill)
     assert flag(decode, "--cas-kv-reclaim") == "upstream"
     assert flag(prefill, "--cas-kv-reclaim") == "upstream"
-    assert flag(decode, "--cas-guard") == "on" and "--cas-guard" not in prefill
+    assert flag(decode, "--cas-guard-enabled") == "true"
+    assert not any(arg.startswith("--cas-guard") for arg in prefill)
     assert flag(decode, "--cas-guard-min-generated-tokens") == "64"
     assert flag(decode, "--cas-guard-min-accept-length") == "1.5"
     assert flag(decode, "--cas-guard-max-accept-rate") == "0.9"
     no_spec = plan_of()
-    assert flag(engine_args(no_spec, no_spec.decode), "--cas-guard") == "off"
+    assert flag(engine_args(no_spec, no_spec.decode), "--cas-guard-enabled") == "false"
     assert flag(engine_args(no_spec, no_spec.decode), "--cas-kv-reclaim") == "strict"
 
 

@@ -112,12 +112,6 @@ def _add_cas_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="strict | upstream | immediate (env CAS_KV_RECLAIM)",
     )
-    g.add_argument(
-        "--cas-guard",
-        choices=("on", "off"),
-        default=None,
-        help="off: the quality gate observes but never aborts",
-    )
 
 
 def _reclaim_mode(text: str) -> str:
@@ -282,7 +276,7 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = No
         kv_slots=ns.sim_kv_slots,
         kv_slot_bytes=ns.sim_kv_slot_bytes,
         kv_reclaim=kv_reclaim,
-        guard_enabled=ns.cas_guard != "off",
+        guard_enabled=ns.cas_guard_enabled is not False,
         prefill_budget_s=_seconds(ns.sim_prefill_budget, env, WAITING_TIMEOUT_ENV, 300.0),
         upstream_release_timeout_s=_seconds(
             ns.sim_upstream_release_timeout, env, RELEASE_TIMEOUT_ENV, 30.0

@@ -90,17 +90,21 @@ def speculative_args(plan: Plan) -> list[str]:
 
 
 def cas_args(plan: Plan, pool: PoolPlan) -> list[str]:
-    """Our engine layer: reclaim mode on both roles; the quality gate where tokens are decoded."""
+    """Our engine layer: reclaim mode on both roles; the quality gate where tokens are decoded.
+
+    Without speculative decoding there is nothing for the gate to judge; with the guard
+    disabled it still observes (metrics) but never aborts (`--cas-guard-enabled false`).
+    """
     reclaim = "strict" if plan.spec.engine.kv_reclaim == KvReclaim.STRICT else "upstream"
     args = ["--cas-kv-reclaim", reclaim]
     guard = plan.spec.anomaly_guard
     if pool.role != c.ROLE_DECODE:
         return args
     if not guard.enabled or plan.spec.engine.speculative is None:
-        return [*args, "--cas-guard", "off"]
+        return [*args, "--cas-guard-enabled", "false"]
     return [
         *args,
-        "--cas-guard", "on",
+        "--cas-guard-enabled", "true",
         "--cas-guard-min-generated-tokens", str(guard.min_generated_tokens),
         "--cas-guard-min-accept-length", fmt(guard.min_accept_length),
         "--cas-guard-max-accept-rate", fmt(guard.max_accept_rate),
