@@ -26,6 +26,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +34,7 @@ import yaml
 
 from e2e import bins as binmod
 from e2e import manifests, pki, procs
+from e2e.api import Api, ApiError, condition
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SERVICE_CIDR = "10.96.0.0/16"
@@ -40,6 +42,7 @@ SERVICE_IP = "10.96.0.1"
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
 STATE_FILE = "state.json"
 LWS_CRD = "leaderworkersets.leaderworkerset.x-k8s.io"
+CRD_APPLY_TIMEOUT_S = 180
 PORT_NAMES = (
     "etcd",
     "etcd_peer",
@@ -198,7 +201,7 @@ def wait_for(
         try:
             if probe():
                 return time.monotonic() - start
-        except (OSError, ClusterError, subprocess.TimeoutExpired):
+        except (OSError, ClusterError, ApiError, subprocess.TimeoutExpired):
             pass
         if time.monotonic() > deadline:
             raise ClusterError(f"timed out after {timeout:.0f}s waiting for {what}")
@@ -295,10 +298,9 @@ class _Starter:
         self.timings[what] = took
         self.log(f"{what}: ok after {took:.1f}s")
 
-    def kubectl(self, *args: str, stdin: str | None = None, timeout: float = 60) -> str:
-        return run_kubectl(
-            self.bins.kubectl, self.handle.kubeconfig, *args, stdin=stdin, timeout=timeout
-        )
+    @property
+    def api(self) -> Api:
+        return Api(f"https://127.0.0.1:{self.ports['apiserver']}", admin_ctx(self.pki))
 
     # -- components ----------------------------------------------------------------------------
     def etcd(self) -> None:
@@ -412,25 +414,28 @@ class _Starter:
             ],
         )
         version = binmod.read_versions()["KUBERNETES_VERSION"]
-        nodes = manifests.gpu_nodes(shape, kubelet_version=version)
-        self.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(nodes))
+        api = self.api
+        for node in manifests.gpu_nodes(shape, kubelet_version=version):
+            api.create("/api/v1/nodes", node)
         self.wait(f"{shape.count} KWOK nodes Ready", lambda: self._nodes_ready(shape.count), 60)
 
     def _nodes_ready(self, count: int) -> bool:
-        out = self.kubectl(
-            "get",
-            "nodes",
-            "-l",
-            f"{manifests.KWOK_NODE_LABEL}={manifests.KWOK_NODE_LABEL_VALUE}",
-            "-o",
-            "jsonpath={range .items[*]}{.status.conditions[?(@.type=='Ready')].status}{'\\n'}{end}",
-        )
-        return out.split().count("True") >= count
+        selector = f"{manifests.KWOK_NODE_LABEL}%3D{manifests.KWOK_NODE_LABEL_VALUE}"
+        nodes = self.api.request("GET", f"/api/v1/nodes?labelSelector={selector}")["items"]
+        return sum(condition(n, "Ready") == "True" for n in nodes) >= count
+
+    def lws_crds(self) -> None:
+        """Create the LWS CRDs as shipped (server-side apply over an existing one)."""
+        api = Api(self.api.server, self.api.ctx, timeout=CRD_APPLY_TIMEOUT_S)
+        for path in sorted(self.bins.lws_crds.glob("*.yaml")):
+            for crd in yaml.safe_load_all(path.read_text()):
+                if crd:
+                    api.create_or_apply(
+                        "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd
+                    )
 
     def lws(self) -> None:
-        """LWS CRDs, the controller with its webhook server on loopback, then its webhooks."""
-        for crd in sorted(self.bins.lws_crds.glob("*.yaml")):
-            self.kubectl("apply", "--server-side", "--field-manager=cas-e2e", "-f", str(crd))
+        """The LWS controller with its webhook server on loopback, then its webhooks."""
         self.wait("LWS CRD established", self._lws_crd_established, timeout=60)
         config = self.run_dir / "lws-config.yaml"
         config.write_text(
@@ -460,31 +465,20 @@ class _Starter:
             port=self.ports["lws_webhook"],
             ca_pem=self.pki.ca_crt.read_bytes(),
         )
-        self.kubectl(
-            "apply",
-            "--server-side",
-            "--field-manager=cas-e2e",
-            "-f",
-            "-",
-            stdin=yaml.safe_dump_all(hooks),
-        )
+        api = self.api
+        for hook in hooks:
+            plural = hook["kind"].lower() + "s"
+            name = hook["metadata"]["name"]
+            api.apply(f"/apis/admissionregistration.k8s.io/v1/{plural}/{name}", hook)
 
     def _lws_crd_established(self) -> bool:
-        jsonpath = "jsonpath={.status.conditions[?(@.type=='Established')].status}"
-        out = self.kubectl("get", "crd", LWS_CRD, "-o", jsonpath)
-        return out.strip() == "True"
+        crd = self.api.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{LWS_CRD}")
+        return condition(crd, "Established") == "True"
 
     def default_service_account(self) -> None:
         """The serviceaccount controller has made ``default/default`` (pods need it)."""
-        self.wait(
-            "default service account",
-            lambda: bool(
-                self.kubectl(
-                    "get", "serviceaccount", "default", "-n", "default", "-o", "name"
-                ).strip()
-            ),
-            timeout=60,
-        )
+        path = "/api/v1/namespaces/default/serviceaccounts/default"
+        self.wait("default service account", lambda: self.api.get(path) is not None, 60)
 
 
 def _port_open(port: int) -> bool:
@@ -516,6 +510,12 @@ def start_cluster(
     run_dir = (run_dir or default_run_dir()).resolve()
     say = log or (lambda _msg: None)
     previous = ClusterHandle.load(run_dir)
+    if previous is not None and previous.running() and previous.crashed():
+        names = ", ".join(r.name for r in previous.crashed())
+        raise ClusterError(
+            f"the local cluster in {run_dir} is partly running ({names} crashed); "
+            "run 'python -m e2e.cluster down' first"
+        )
     if previous is not None and previous.running():
         raise AlreadyRunning(
             f"the local cluster in {run_dir} is already running (kubeconfig: {previous.kubeconfig})"
@@ -541,8 +541,12 @@ def start_cluster(
     try:
         starter.etcd()
         starter.apiserver()
-        starter.controllers()
-        starter.kwok_and_nodes(shape or manifests.NodeShape())
+        # The LWS CRDs are large (over 600 KB each): apply them while the rest starts.
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            crds = pool.submit(starter.lws_crds)
+            starter.controllers()
+            starter.kwok_and_nodes(shape or manifests.NodeShape())
+            crds.result(timeout=CRD_APPLY_TIMEOUT_S)
         starter.lws()
         starter.default_service_account()
     except BaseException:

@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 LOG_TAIL_LINES = 25
+LOG_LINE_MAX = 400
+EXEC_SETTLE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -90,10 +92,15 @@ def spawn(
             env={**os.environ, **(env or {})},
             close_fds=True,
         )
+    _CHILDREN[proc.pid] = proc
+    # Popen returns once exec has begun, but the kernel fills /proc/<pid>/cmdline a moment
+    # later; until then the new process would not look like ours to is_running().
+    deadline = time.monotonic() + EXEC_SETTLE_S
+    while _argv0(proc.pid) != argv[0] and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
     ticks = _start_ticks(proc.pid)
     if ticks is None:  # exited at once; keep a record so the caller reports its log
         ticks = -1
-    _CHILDREN[proc.pid] = proc
     return ProcRecord(name=name, pid=proc.pid, exe=argv[0], start_ticks=ticks, log=str(log_path))
 
 
@@ -144,4 +151,7 @@ def log_tail(rec: ProcRecord, lines: int = LOG_TAIL_LINES) -> str:
             text = f.read().decode(errors="replace")
     except OSError:
         return ""
-    return "\n".join(text.splitlines()[-lines:])
+    tail = text.splitlines()[-lines:]
+    return "\n".join(
+        line if len(line) <= LOG_LINE_MAX else line[:LOG_LINE_MAX] + " ..." for line in tail
+    )

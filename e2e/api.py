@@ -1,0 +1,94 @@
+"""A minimal Kubernetes REST client for the harness's start-up steps (standard library only).
+
+Why not kubectl: every kubectl call is a process start plus discovery (seconds on a busy
+2-core machine), and ``up`` polls a lot. Data flow: the cluster module builds an :class:`Api`
+from the apiserver URL and the admin TLS context; it creates nodes, server-side applies CRDs and
+webhook configurations, and reads readiness conditions. Tests and users keep using kubectl.
+"""
+
+from __future__ import annotations
+
+import json
+import ssl
+import urllib.error
+import urllib.request
+from typing import Any
+
+FIELD_MANAGER = "cas-e2e"
+
+
+class ApiError(RuntimeError):
+    """A non-2xx answer; ``status`` is the HTTP code (0 when the server was unreachable)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+
+
+class Api:
+    """JSON over HTTPS to one apiserver with a fixed TLS context (CA + client certificate)."""
+
+    def __init__(self, server: str, ctx: ssl.SSLContext, timeout: float = 30.0) -> None:
+        self.server = server.rstrip("/")
+        self.ctx = ctx
+        self.timeout = timeout
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        content_type: str = "application/json",
+    ) -> dict[str, Any]:
+        """Send one request; return the decoded JSON answer or raise :class:`ApiError`."""
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.server + path, data=data, method=method)
+        req.add_header("Accept", "application/json")
+        if data is not None:
+            req.add_header("Content-Type", content_type)
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout, context=self.ctx) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as exc:
+            raise ApiError(exc.code, exc.read().decode(errors="replace")[:500]) from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise ApiError(0, str(exc)) from None
+        return dict(json.loads(raw)) if raw else {}
+
+    def get(self, path: str) -> dict[str, Any] | None:
+        """The object at ``path``, or None when it does not exist (404)."""
+        try:
+            return self.request("GET", path)
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def create(self, collection: str, obj: dict[str, Any]) -> dict[str, Any]:
+        """POST ``obj`` into ``collection`` (e.g. ``/api/v1/nodes``)."""
+        return self.request("POST", collection, obj)
+
+    def apply(self, path: str, obj: dict[str, Any]) -> dict[str, Any]:
+        """Server-side apply ``obj`` at its object path (JSON is valid apply YAML), forcing
+        ownership of conflicting fields to this harness's field manager."""
+        query = f"?fieldManager={FIELD_MANAGER}&force=true"
+        return self.request("PATCH", path + query, obj, "application/apply-patch+yaml")
+
+    def create_or_apply(self, collection: str, obj: dict[str, Any]) -> dict[str, Any]:
+        """Create ``obj`` (cheap on a fresh cluster); if it exists, server-side apply it."""
+        try:
+            return self.create(collection, obj)
+        except ApiError as exc:
+            if exc.status != 409:
+                raise
+        return self.apply(f"{collection}/{obj['metadata']['name']}", obj)
+
+
+def condition(obj: dict[str, Any] | None, kind: str) -> str | None:
+    """``status`` of the condition of type ``kind`` in ``obj['status']['conditions']``."""
+    if not obj:
+        return None
+    for cond in obj.get("status", {}).get("conditions", []) or []:
+        if cond.get("type") == kind:
+            return str(cond.get("status"))
+    return None
