@@ -18,7 +18,11 @@ test: setup bins ## Unit, engine and end-to-end tests (what CI runs)
 help: ## Show this help
 	@awk 'BEGIN {FS = ":.*##"} /^##@/ {printf "\n\033[1m%s\033[0m\n", substr($$0, 5)} /^[a-zA-Z0-9_-]+:.*##/ {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-setup: $(STAMP) ## Create .venv and install the project with all extras
+setup: sysdeps $(STAMP) ## Debian packages, .venv and the project with all extras
+
+sysdeps: ## Install missing Debian packages the tests need (apt-get; root)
+	@tools/sysdeps.sh
+
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -81,5 +85,5 @@ bench-guard: setup ## Quality-gate overhead per verify step (batch 1/64/256)
 bench-operator: setup bins ## N = 10, 50, 200 resources at once -> Ready latency, CPU, memory
 	$(PY) bench/operator_scale.py
 
-.PHONY: run test help setup crds verify lint lint-docker image typecheck unit bins cluster-up \
+.PHONY: run test help setup sysdeps crds verify lint lint-docker image typecheck unit bins cluster-up \
 	cluster-down bench bench-race bench-guard bench-operator bench-sim sim-demo

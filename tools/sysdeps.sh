@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Debian packages the tests need: mooncake's CPU build links libibverbs and libnuma; prometheus
+# is the real metrics server of the anomaly-loop e2e tests. Installs only what is missing.
+set -euo pipefail
+packages=(libibverbs1 libnuma1 openssl prometheus)
+missing=()
+for pkg in "${packages[@]}"; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+if ! command -v apt-get >/dev/null 2>&1 || [ "$(id -u)" -ne 0 ]; then
+  echo "sysdeps: please install: ${missing[*]} (needs root and apt-get)" >&2
+  exit 0
+fi
+echo "sysdeps: installing ${missing[*]}"
+apt-get update -qq
+DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
