@@ -37,11 +37,16 @@ class NodeShape:
     pods: int = 110
     pool: str = "gpu-h200"
     name_prefix: str = "kwok-gpu"
+    pod_cidr_prefix: str = "127.10"  # first two octets; node i gets <prefix>.<i>.0/24
 
 
-def node_pod_cidr(index: int) -> str:
-    """Pod CIDR of node ``index``: ``127.10.<index>.0/24`` (loopback, one /24 per node)."""
-    return f"127.10.{index}.0/24"
+def node_pod_cidr(index: int, prefix: str = "127.10") -> str:
+    """Pod CIDR of node ``index``: ``<prefix>.<index>.0/24`` (default loopback, one /24 each).
+
+    Note: the API server refuses loopback addresses in EndpointSlices, so Services that select
+    these pods get no endpoints (pods themselves, their IPs and pod-role discovery work).
+    """
+    return f"{prefix}.{index}.0/24"
 
 
 def gpu_nodes(shape: NodeShape, kubelet_version: str) -> list[dict[str, Any]]:
@@ -49,6 +54,7 @@ def gpu_nodes(shape: NodeShape, kubelet_version: str) -> list[dict[str, Any]]:
     nodes = []
     for i in range(shape.count):
         name = f"{shape.name_prefix}-{i}"
+        cidr = node_pod_cidr(i, shape.pod_cidr_prefix)
         resources = {
             "cpu": shape.cpu,
             "memory": shape.memory,
@@ -72,7 +78,7 @@ def gpu_nodes(shape: NodeShape, kubelet_version: str) -> list[dict[str, Any]]:
                     },
                     "annotations": {"kwok.x-k8s.io/node": "fake"},
                 },
-                "spec": {"podCIDR": node_pod_cidr(i), "podCIDRs": [node_pod_cidr(i)]},
+                "spec": {"podCIDR": cidr, "podCIDRs": [cidr]},
                 "status": {
                     "capacity": resources,
                     "allocatable": dict(resources),

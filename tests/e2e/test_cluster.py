@@ -14,9 +14,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import e2e.manifests as manifests
 import pytest
 import yaml
+
+import e2e.manifests as manifests
 from e2e.bins import read_versions
 
 pytestmark = pytest.mark.e2e

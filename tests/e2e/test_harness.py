@@ -14,11 +14,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+import yaml
+
 import e2e.cluster as cluster
 import e2e.manifests as manifests
 import e2e.procs as procs
-import pytest
-import yaml
 from e2e.bins import BUILD_SCRIPT, VERSIONS_FILE, read_versions, resolve
 
 
@@ -177,3 +178,42 @@ def test_cli_status_without_cluster_exits_1(tmp_path: Path) -> None:
     )
     assert proc.returncode == 1, proc.stderr
     assert "not running" in proc.stdout
+
+
+def _fake_bin_dir(root: Path, broken: str) -> None:
+    """A CAS_BIN_DIR where every binary exists; ``broken`` exits 1 at once, the others sleep."""
+    bins = resolve(root)
+    for name in (
+        "kube_apiserver",
+        "kube_controller_manager",
+        "kube_scheduler",
+        "kubectl",
+        "etcd",
+        "kwok",
+        "lws_controller",
+    ):
+        path = getattr(bins, name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        body = "echo fatal: $0 cannot start >&2; exit 1" if name == broken else "exec sleep 30"
+        path.write_text(f"#!/bin/sh\n{body}\n")
+        path.chmod(0o755)
+    for folder in (bins.kwok_stages, bins.lws_crds, bins.lws_webhook):
+        folder.mkdir(parents=True, exist_ok=True)
+
+
+def test_component_crash_at_start_is_named_and_cleaned_up(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Regression: a component dying during `up` shows as a generic timeout after a minute, or
+    leaves the components started before it running."""
+    monkeypatch.setenv("CAS_BIN_DIR", str(tmp_path / "bin"))
+    _fake_bin_dir(tmp_path / "bin", broken="etcd")
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    with pytest.raises(cluster.ClusterError) as err:
+        cluster.start_cluster(run_dir)
+    assert time.monotonic() - started < 20
+    message = str(err.value)
+    assert "etcd" in message
+    assert "fatal:" in message and "cannot start" in message
+    assert cluster.load_cluster(run_dir) is None
