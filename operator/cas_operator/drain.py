@@ -9,8 +9,11 @@ a restarted operator resumes drains in progress from what it observes, never fro
                                                                    +-----> Drain: Held (state
                                                                             annotation), deleted
                                                                             after hold_seconds
-Removing the label is what takes the pod out of rotation: the router discovers workers by a
-selector that includes it, and the workload selector does not, so the pod keeps its owner.
+Removing the label is what takes the pod out of rotation for any label-based discovery, and the
+workload selector does not include it, so the pod keeps its owner. The SGLang router (0.3.2)
+does not drop a worker whose pod merely stops matching its selector (its watch ignores the
+"no longer matches" event; measured on the local stack), so every tick also deregisters each
+draining pod from every router replica (`GET /workers`, `DELETE /workers/{id}`; idempotent).
 
 Entry point for the operator's timer: `guard_tick(api, source, ...)` (see its docstring).
 Ownership: `api` (the operator's `Kube`) does all API I/O; `source` all metrics I/O; the caller
@@ -19,6 +22,10 @@ keeps the returned `LoopState` in memory for the next tick and posts the returne
 
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Final, Protocol
@@ -68,6 +75,52 @@ class DrainPolicy:
     min_wait_seconds: float = 15.0
     grace_seconds: float = 120.0
     hold_seconds: float = 3600.0
+
+
+class Routers(Protocol):
+    """The router replicas' worker registries (the act step's second way out of rotation)."""
+
+    def deregister(self, worker_url: str) -> list[str]:
+        """Remove `worker_url` from every replica that lists it; returns what was done."""
+        ...
+
+
+@dataclass
+class HttpRouters:
+    """SGLang router replicas at `urls()` (e.g. http://<router pod IP>:8000), over HTTP."""
+
+    urls: Callable[[], list[str]]
+    timeout_seconds: float = 3.0
+
+    def _json(self, method: str, url: str) -> Any:
+        req = urllib.request.Request(url, method=method)
+        with urllib.request.urlopen(req, timeout=self.timeout_seconds) as resp:  # http only
+            return json.loads(resp.read() or b"null")
+
+    def deregister(self, worker_url: str) -> list[str]:
+        done = []
+        for router in self.urls():
+            try:
+                listed = self._json("GET", f"{router}/workers").get("workers", [])
+                for worker in listed:
+                    if worker.get("url") == worker_url:
+                        self._json("DELETE", f"{router}/workers/{worker['id']}")
+                        done.append(f"{worker_url} removed from router {router}")
+            except (urllib.error.URLError, OSError, ValueError, AttributeError) as exc:
+                done.append(f"router {router} unreachable: {exc}")  # retried next tick
+        return done
+
+
+def router_pod_urls(api: PodApi, namespace: str, name: str) -> Callable[[], list[str]]:
+    """The resource's router replicas, found by their pods' labels."""
+
+    def urls() -> list[str]:
+        selector = {c.LABEL_NAME: name, c.LABEL_ROLE: c.ROLE_ROUTER}
+        pods = api.list("Pod", namespace, selector)
+        ips = [p.get("status", {}).get("podIP") for p in pods]
+        return [f"http://{ip}:{c.ROUTER_PORT}" for ip in ips if ip]
+
+    return urls
 
 
 @dataclass
@@ -237,6 +290,21 @@ def _drained_why(running: float | None) -> str:
     return "no running requests" if running == 0 else "grace period over"
 
 
+def deregister_draining(pods: list[Manifest], routers: Routers) -> list[Event]:
+    """Make sure no router replica still lists a draining pod (level-based, every tick)."""
+    events: list[Event] = []
+    for pod in pods:
+        meta = _meta(pod)
+        ip = pod.get("status", {}).get("podIP")
+        if draining_since(pod) is None or not ip:
+            continue
+        for line in routers.deregister(f"http://{ip}:{c.ENGINE_PORT}"):
+            kind = "Warning" if "unreachable" in line else "Normal"
+            events.append((kind, "WorkerDeregistered" if kind == "Normal" else
+                           "RouterUnreachable", f"pod {meta['name']}: {line}"))  # fmt: skip
+    return events
+
+
 def draining_status(pods: list[Manifest], observation: Observation) -> list[dict[str, Any]]:
     """`status.draining`: one entry per pod out of rotation by us, oldest first."""
     entries = []
@@ -275,6 +343,7 @@ def guard_tick(
     drain_policy: DrainPolicy | None = None,
     counts: PoolCounts | None = None,
     bounds: ScaleBounds | None = None,
+    routers: Routers | None = None,
 ) -> TickResult:
     """One observe -> decide -> act pass for one CodingAgentServing.
 
@@ -282,7 +351,9 @@ def guard_tick(
     `spec.anomalyGuard`, the LoopState from the previous tick (mutated in place), and wall
     time `now` (epoch seconds; the drain annotations are wall-clock). Steps:
     1. list the engine pods; 2. observe them over `spec.window_seconds`;
-    3. decide (pure); 4. start the drains it ordered; 5. advance drains in progress;
+    3. decide (pure); 4. start the drains it ordered (label off, annotations) and deregister
+    every draining pod from every router replica (`routers`, default: the resource's router
+    pods over HTTP); 5. advance drains in progress;
     6. report status.draining, the Degraded messages and per-pool anomaly rates;
     7. with `counts` (desired/ready instances per pool) and `bounds` (ratio.min/max/gpuBudget),
        also the P:D pressure hint (`TickResult.scale`); applying it is the caller's job.
@@ -301,6 +372,8 @@ def guard_tick(
         for order in decision.drains:
             events.append(start_drain(api, by_name[order.name], order.reason, now))
             _mark_draining(by_name[order.name], order.reason, now)
+    routers = routers or HttpRouters(router_pod_urls(api, namespace, name))
+    events += deregister_draining(pods, routers)
     stepped, deleted = advance_drains(api, pods, observation, spec.action, now, drain_policy)
     events += stepped
     remaining = [p for p in pods if _meta(p)["name"] not in deleted]

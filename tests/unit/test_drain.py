@@ -247,3 +247,41 @@ def test_tick_reports_a_prefill_scale_hint_under_sustained_prefill_queueing() ->
     assert hints[:2] == [None, None]
     assert hints[2] is not None and (hints[2].prefill, hints[2].decode) == (2, 4)
     assert api.calls == []
+
+
+class RecordingRouters:
+    """Router replicas that list every worker once; records deregistrations."""
+
+    def __init__(self) -> None:
+        self.removed: list[str] = []
+
+    def deregister(self, worker_url: str) -> list[str]:
+        if worker_url in self.removed:
+            return []
+        self.removed.append(worker_url)
+        return [f"{worker_url} removed from router r0"]
+
+
+def test_draining_pods_are_deregistered_from_routers_until_gone() -> None:
+    """Regression: the SGLang router keeps a worker whose pod only lost the label; every tick
+    must make sure no router lists a draining pod (and say so once), healthy pods untouched."""
+    api, source, state, routers = fleet(), CannedSource(), LoopState(), RecordingRouters()
+    source.by_name["d2"] = CORRUPT
+    api.pods["d2"]["status"]["podIP"] = "127.10.0.3"
+    results = [
+        guard_tick(
+            api,
+            source,
+            name="demo",
+            namespace="ns",
+            spec=AnomalyGuardSpec(),
+            state=state,
+            now=T0 + t,
+            routers=routers,
+        )  # fmt: skip
+        for t in (0, 5, 10)
+    ]
+    assert routers.removed == ["http://127.10.0.3:30000"]  # d2's URL, once
+    assert [e[1] for e in results[1].events].count("WorkerDeregistered") == 1
+    assert "WorkerDeregistered" not in [e[1] for e in results[2].events]
+    assert [e[1] for e in results[0].events] == []
