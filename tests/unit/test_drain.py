@@ -278,7 +278,7 @@ def test_draining_pods_are_deregistered_from_routers_until_gone() -> None:
             state=state,
             now=T0 + t,
             routers=routers,
-        )  # fmt: skip
+        )
         for t in (0, 5, 10)
     ]
     assert routers.removed == ["http://127.10.0.3:30000"]  # d2's URL, once
