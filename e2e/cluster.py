@@ -15,6 +15,7 @@ Importable: :func:`start_cluster` returns a :class:`ClusterHandle` (``.kubeconfi
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -394,7 +395,9 @@ class _Starter:
         ctx = insecure_ctx()
         for name in ("controller_manager", "scheduler"):
             url = f"https://127.0.0.1:{self.ports[name]}/healthz"
-            self.wait(f"{name.replace('_', '-')} /healthz", lambda u=url: http_ok(u, ctx), 60)
+            self.wait(
+                f"{name.replace('_', '-')} /healthz", functools.partial(http_ok, url, ctx), 60
+            )
 
     def kwok_and_nodes(self, shape: manifests.NodeShape) -> None:
         """KWOK managing nodes labelled type=kwok, then the nodes themselves, then Ready."""

@@ -89,13 +89,13 @@ def test_kwok_nodes_ready_with_gpus(kubectl: Kubectl) -> None:
     selector = f"{manifests.KWOK_NODE_LABEL}={manifests.KWOK_NODE_LABEL_VALUE}"
     nodes = get_json(kubectl, "nodes", "-l", selector)["items"]
     assert len(nodes) >= manifests.NodeShape().count
-    loopback = ipaddress.ip_network("127.0.0.0/8")
+    loopback = ipaddress.IPv4Network("127.0.0.0/8")
     for node in nodes:
         conds = {c["type"]: c["status"] for c in node["status"]["conditions"]}
         assert conds.get("Ready") == "True", node["metadata"]["name"]
         assert node["status"]["allocatable"][manifests.GPU_RESOURCE] == "8"
         assert node["metadata"]["labels"][manifests.NODE_POOL_LABEL] == "gpu-h200"
-        assert ipaddress.ip_network(node["spec"]["podCIDR"]).subnet_of(loopback)
+        assert ipaddress.IPv4Network(node["spec"]["podCIDR"]).subnet_of(loopback)
         taints = [t["key"] for t in node["spec"].get("taints", [])]
         assert not taints, f"{node['metadata']['name']} is tainted: {taints}"
 

@@ -119,8 +119,8 @@ def test_gpu_nodes_have_distinct_loopback_pod_cidrs() -> None:
     """Regression: overlapping pod CIDRs would give two pods the same loopback IP."""
     shape = manifests.NodeShape(count=4)
     nodes = manifests.gpu_nodes(shape, kubelet_version="v1.37.2")
-    cidrs = [ipaddress.ip_network(n["spec"]["podCIDR"]) for n in nodes]
-    loopback = ipaddress.ip_network("127.0.0.0/8")
+    cidrs = [ipaddress.IPv4Network(n["spec"]["podCIDR"]) for n in nodes]
+    loopback = ipaddress.IPv4Network("127.0.0.0/8")
     assert all(c.subnet_of(loopback) for c in cidrs)
     assert all(not a.overlaps(b) for i, a in enumerate(cidrs) for b in cidrs[i + 1 :])
     for node in nodes:
