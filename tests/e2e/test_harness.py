@@ -217,3 +217,32 @@ def test_component_crash_at_start_is_named_and_cleaned_up(
     assert "etcd" in message
     assert "fatal:" in message and "cannot start" in message
     assert cluster.load_cluster(run_dir) is None
+
+
+@pytest.mark.parametrize("ci", ["", "true"])
+def test_missing_binaries_skip_locally_but_fail_in_ci(tmp_path: Path, ci: str) -> None:
+    """Regression: CI silently skipping every e2e test because the build step did not run."""
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "CAS_BIN_DIR": str(tmp_path / "no-bins"),
+        "CAS_RUN_DIR": str(tmp_path / "no-run"),
+        "CI": ci,
+    }
+    target = "tests/e2e/test_cluster.py::test_kwok_nodes_ready_with_gpus"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", target],
+        capture_output=True,
+        text=True,
+        cwd=cluster.REPO_ROOT,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+    if ci:
+        assert proc.returncode != 0, proc.stdout
+        assert "CI is set, so not skipping" in proc.stdout
+    else:
+        assert proc.returncode == 0, proc.stdout
+        assert "1 skipped" in proc.stdout
+        assert "make bins" in proc.stdout
