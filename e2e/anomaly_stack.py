@@ -13,7 +13,10 @@ Ownership: the stack owns its runner thread, traffic tasks and the sims the runn
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -26,9 +29,10 @@ import aiohttp
 import yaml
 from kubernetes import config
 
+from cas_engine.sim.fleet import free_port
 from cas_operator.api import constants as c
 from cas_operator.api.models import AnomalyGuardSpec
-from cas_operator.drain import DrainPolicy, LoopState, TickResult, guard_tick
+from cas_operator.drain import DrainPolicy, HttpRouters, LoopState, Routers, TickResult, guard_tick
 from cas_operator.kube import Kube
 from cas_operator.observe import MetricsSource, ScrapeSource
 from cas_operator.planning.anomaly import Policy
@@ -170,6 +174,8 @@ class AnomalyStack:
     source: MetricsSource = field(default_factory=lambda: ScrapeSource(timeout_seconds=2.0))
     events: list[Event] = field(default_factory=list)
     router: LabelRouter | None = None
+    routers: Routers | None = None  # what guard_tick deregisters draining pods from
+    _router_proc: subprocess.Popen[bytes] | None = None
     _stop_runner: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
     _stop_traffic: asyncio.Event | None = None
@@ -217,6 +223,26 @@ class AnomalyStack:
         """URL -> pod name of the serving pods."""
         return {url_of(p): p["metadata"]["name"] for p in self.serving() if url_of(p) in urls}
 
+    def start_sglang_router(self, kubeconfig: Path, log_dir: Path) -> str:
+        """The real SGLang router with Kubernetes discovery of serving pods (KUBECONFIG from
+        the local cluster); `routers` then points guard_tick at it. Returns its URL."""
+        port = free_port()
+        argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+                "--port", str(port), "--prometheus-port", str(free_port()),
+                "--service-discovery", "--selector", *[f"{k}={v}" for k, v in SELECTOR.items()],
+                f"{c.LABEL_SERVING}=true", "--service-discovery-namespace", self.namespace,
+                "--service-discovery-port", str(c.ENGINE_PORT), "--policy", "round_robin",
+                "--log-level", "info"]  # fmt: skip
+        log_dir.mkdir(parents=True, exist_ok=True)
+        with open(log_dir / "router.log", "wb") as log:
+            self._router_proc = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT,
+                env={**os.environ, "KUBECONFIG": str(kubeconfig)},
+            )  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        self.routers = HttpRouters(lambda: [url])
+        return url
+
     async def start_traffic(self, concurrency: int = 6) -> LabelRouter:
         self.router, self._stop_traffic = LabelRouter(self.kube, self.namespace), asyncio.Event()
         self._tasks = [
@@ -237,7 +263,7 @@ class AnomalyStack:
         result = await asyncio.to_thread(
             guard_tick, self.kube, self.source, name=NAME, namespace=self.namespace,
             spec=self.spec, state=self.state, now=time.time(), policy=self.policy,
-            drain_policy=self.drain_policy,
+            drain_policy=self.drain_policy, routers=self.routers,
         )  # fmt: skip
         self.events += result.events
         return result
@@ -256,6 +282,9 @@ class AnomalyStack:
 
     async def close(self) -> None:
         await self.stop_traffic()
+        if self._router_proc is not None:
+            self._router_proc.terminate()
+            await asyncio.to_thread(self._router_proc.wait, 10)
         self._stop_runner.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)

@@ -8,15 +8,18 @@ runner starts a sim at each pod IP; a client discovers workers by the `cas.dev/s
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
 
 from cas_operator.drain import ANNOTATION_DRAINING_SINCE
-from e2e.anomaly_stack import AnomalyStack
-from e2e.simload import set_fault
+from e2e.anomaly_stack import AnomalyStack, wait_for
+from e2e.simload import LoadStats, set_fault, steady_traffic
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -95,3 +98,45 @@ async def test_healthy_noisy_fleet_under_load_drains_nothing(
     await stack.stop_traffic()
     assert not [e for e in stack.events if e[1] == "PodDraining"], stack.events
     assert len(stack.serving()) == 3 and router.ok > 100
+
+
+async def test_real_router_with_kubernetes_discovery_loses_no_request(
+    stack: AnomalyStack, kubectl: Callable[..., str], kubeconfig: Path, tmp_path: Path
+) -> None:
+    """Regression: behind the REAL SGLang router discovering workers from the API server, a
+    drained pod must stop receiving requests before it is deleted (the router ignores a pod
+    that merely stops matching its selector, so the act step deregisters it), and no client
+    request may fail during drain and replacement."""
+    router_url = stack.start_sglang_router(kubeconfig, tmp_path / "router")
+    urls = stack.deploy(kubectl, 3)
+    bad = stack.pod_names(urls)[urls[1]]
+    await asyncio.to_thread(
+        wait_for, "router sees 3 workers", lambda: router_workers(router_url) == 3, 60
+    )
+    stop, stats = asyncio.Event(), LoadStats()
+    load = asyncio.create_task(steady_traffic(router_url, stop, stats))
+    try:
+        await asyncio.to_thread(wait_for, "traffic", lambda: stats.ok > 20, 30)
+        await set_fault(urls[1], {"repetition": 0.5})
+        deleted = await stack.tick_until(
+            lambda r: any(e[1] == "PodReplaced" for e in r.events), timeout=90
+        )
+        stack.wait_serving(3, timeout=60)
+        await asyncio.to_thread(wait_for, "router sees the replacement",
+                                lambda: router_workers(router_url) == 3, 60)  # fmt: skip
+        ok_before = stats.ok
+        await asyncio.to_thread(wait_for, "traffic after", lambda: stats.ok > ok_before + 20, 30)
+    finally:
+        stop.set()
+        await load
+    assert deleted is not None, stack.events
+    assert any(e[1] == "WorkerDeregistered" and bad in e[2] for e in stack.events), stack.events
+    assert stats.failures == [] and stats.ok > 40, stats.failures[:3]
+
+
+def router_workers(url: str) -> int:
+    try:
+        with urllib.request.urlopen(f"{url}/workers", timeout=2) as resp:
+            return len(json.loads(resp.read())["workers"])
+    except OSError:
+        return -1
