@@ -63,6 +63,12 @@ cluster-up: setup bins ## Start the local control plane as processes
 cluster-down: setup ## Stop exactly the processes cluster-up started
 	$(PY) -m e2e.cluster down
 
+cluster-status: setup ## Processes of the local control plane; crashed ones with their log tails
+	$(PY) -m e2e.cluster status
+
+e2e: setup bins ## End-to-end tests only (reuses a running cluster-up)
+	$(PY) -m pytest -q tests/e2e
+
 ##@ Simulator (no GPU)
 
 sim-demo: setup ## Router + 1 prefill + 2 decode sims on loopback, coding-agent load, prints the table
@@ -85,5 +91,5 @@ bench-guard: setup ## Quality-gate overhead per verify step (batch 1/64/256)
 bench-operator: setup bins ## N = 10, 50, 200 resources at once -> Ready latency, CPU, memory
 	$(PY) bench/operator_scale.py
 
-.PHONY: run test help setup sysdeps crds verify lint lint-docker image typecheck unit bins cluster-up \
+.PHONY: run test help setup sysdeps cluster-status e2e crds verify lint lint-docker image typecheck unit bins cluster-up \
 	cluster-down bench bench-race bench-guard bench-operator bench-sim sim-demo
