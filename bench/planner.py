@@ -85,15 +85,15 @@ def scenarios(quick: bool) -> list[Scenario]:
         ),
         Scenario(
             "long-tool-pauses",
-            replace(base, tool_pause_s=160.0),
-            host_cache_factor=0.25,
+            replace(base, tool_pause_s=80.0),
+            host_cache_factor=0.5,
             duration_s=dur,
             breaks_mean_model="hit rate falls with the working set",
         ),
         Scenario(
             "output-shift",
             base,
-            (Modifier("output_tokens", 4.0, 1200.0),),
+            (Modifier("output_tokens", 4.0, 900.0),),
             duration_s=dur,
             breaks_mean_model="decode KV on long-context tails",
         ),
@@ -107,7 +107,7 @@ def scenarios(quick: bool) -> list[Scenario]:
         Scenario(
             "budget-capped-rebalance",
             replace(base, session_rate=1.6),
-            (Modifier("output_tokens", 3.0, 1200.0),),
+            (Modifier("output_tokens", 3.0, 900.0),),
             budget=224,
             duration_s=dur,
             breaks_mean_model="budget cap: shrink one side before growing the other",

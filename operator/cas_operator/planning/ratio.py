@@ -760,18 +760,27 @@ def fast_adjust(
     observed: ObservedSignals,
     slo: SloInputs,
     tolerance: float = 1.2,
+    at_budget: bool = False,
 ) -> tuple[int, int]:
     """Fast loop: raise the slow loop's target one instance above the current size on the side
     that is failing now (TTFT p90 over ``tolerance`` x SLO with a prefill queue; decode KV over
-    95% or aborts); never lowers anything. ``next_replicas`` then bounds the step."""
+    95% or aborts). Off the budget cap it never lowers anything; at the cap (``at_budget``) the
+    side that is not failing gives up one instance so the other can grow after it drained.
+    ``next_replicas`` then bounds the steps and orders them."""
     want_p, want_d = target
     ttft_bad = observed.ttft_p90_s is not None and observed.ttft_p90_s > slo.ttft_s * tolerance
-    queued = (observed.prefill_queue_depth or 0.0) > 0.0
-    if ttft_bad and queued:
-        want_p = max(want_p, current[0] + 1)
+    prefill_bad = ttft_bad and (observed.prefill_queue_depth or 0.0) > 0.0
     kv_bad = (observed.decode_kv_usage or 0.0) > 0.95
-    if kv_bad or (observed.aborts_per_s or 0.0) > 0.0:
+    decode_bad = kv_bad or (observed.aborts_per_s or 0.0) > 0.0
+    if prefill_bad:
+        want_p = max(want_p, current[0] + 1)
+    if decode_bad:
         want_d = max(want_d, current[1] + 1)
+    if at_budget and prefill_bad != decode_bad:
+        if prefill_bad:
+            want_d = min(want_d, current[1] - 1)
+        else:
+            want_p = min(want_p, current[0] - 1)
     return want_p, want_d
 
 
@@ -893,6 +902,17 @@ def next_replicas(
         config,
     )
     p, d, why = _fit_budget(current, p, d, config)
+    # At the cap a pool that wants to grow is blocked until the other one shrinks: a lower
+    # target on the other side is then a rebalance, taken without the scale-in stabilisation
+    # wait (cooldown and step bounds still apply); the growth follows once the pods are gone.
+    if p < min(recommendation.n_prefill, b.max_prefill) and d_why == "waiting":
+        d, d_since, d_why = _rebalance_down(
+            current.decode, recommendation.n_decode, b.min_decode, config
+        )
+    if d < min(recommendation.n_decode, b.max_decode) and p_why == "waiting":
+        p, p_since, p_why = _rebalance_down(
+            current.prefill, recommendation.n_prefill, b.min_prefill, config
+        )
     new_state = ControlState(
         last_prefill_change=now if p != current.prefill else state.last_prefill_change,
         last_decode_change=now if d != current.decode else state.last_decode_change,
@@ -900,6 +920,14 @@ def next_replicas(
         down_since_decode=d_since,
     )
     return ControlDecision(p, d, new_state, f"prefill {p_why}, decode {d_why}{why}")
+
+
+def _rebalance_down(
+    current: int, want: int, lo: int, cfg: ControlConfig
+) -> tuple[int, float | None, str]:
+    """One bounded scale-down step toward ``want`` (never below the floor ``lo``)."""
+    step = _step_limit(current, cfg.max_step_fraction)
+    return max(want, lo, current - step), None, "rebalance"
 
 
 def _fit_budget(

@@ -119,7 +119,12 @@ class RatioPlannerPolicy:
             decode_kv_usage=m.decode_kv_usage,
             aborts_per_s=float(m.decode_waiting > 0 and m.ttft_p90_s > self.slo.ttft_s),
         )
-        want_p, want_d = fast_adjust(self.target, (fleet.prefill, fleet.decode), observed, self.slo)
+        budget = self.bounds.gpu_budget
+        held = fleet.prefill_pods * self.prefill.gpus + fleet.decode_pods * self.decode.gpus
+        at_budget = budget is not None and held + min(self.prefill.gpus, self.decode.gpus) > budget
+        want_p, want_d = fast_adjust(
+            self.target, (fleet.prefill, fleet.decode), observed, self.slo, at_budget=at_budget
+        )
         rec = RatioRecommendation(
             n_prefill=want_p,
             n_decode=want_d,
