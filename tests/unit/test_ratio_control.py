@@ -169,3 +169,25 @@ def test_scale_down_waits_for_stable_lower_target_and_is_bounded() -> None:
     assert values[-1] == 10
     assert all(a - b <= 5 for a, b in itertools.pairwise(values))
     assert next(i for i, v in enumerate(values) if v < 20) * TICK >= 300.0
+
+
+def test_rebalance_at_cap_does_not_wait_for_scale_in_stabilisation() -> None:
+    """Guards rebalancing at the budget cap: when decode must grow and prefill must shrink to
+    make room, the prefill step is taken at once (not after down_stable_s), and decode grows
+    only after the removed prefill pods are gone."""
+    bounds = Bounds(min_prefill=1, max_prefill=40, min_decode=1, max_decode=40, gpu_budget=320)
+    cfg = ControlConfig(
+        prefill_gpus=8,
+        decode_gpus=8,
+        bounds=bounds,
+        pod_start_s=60.0,
+        down_stable_s=3600.0,
+        max_step_fraction=0.25,
+    )
+    world = World(prefill=30, decode=10, drain_s=90.0)
+    hist = _run(world, [(24, 16)], cfg, ticks_per=60)
+    first_p_down = next(t for t, dec, _ in hist if dec.prefill < 30)
+    first_d_up = next(t for t, dec, _ in hist if dec.decode > 10)
+    assert first_p_down < 3600.0
+    assert first_d_up >= first_p_down + 90.0
+    assert hist[-1][1].prefill == 24 and hist[-1][1].decode == 16
