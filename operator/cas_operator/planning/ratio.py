@@ -600,21 +600,19 @@ def _best_split(ctx: _Ctx, wl: WorkloadInputs, budget: int) -> tuple[PlanEvaluat
 def _spend_leftover(
     ctx: _Ctx, wl: WorkloadInputs, plan: PlanEvaluation, budget: int, rate: float
 ) -> PlanEvaluation:
-    """Give GPUs left under the budget to the side that is closer to its limit at the full rate."""
-    n_p, n_d = plan.n_prefill, plan.n_decode
+    """Give GPUs left under the budget to both sides in proportion to the plan that sustains
+    ``rate`` (each step to the side with less relative headroom), so neither side is starved
+    by a full-rate comparison that is infinite on both sides."""
+    base_p, base_d = plan.n_prefill, plan.n_decode
+    n_p, n_d = base_p, base_d
     b = ctx.bounds
-    for _ in range(10_000):
+    for _ in range(100_000):
         left = budget - (n_p * ctx.prefill.gpus + n_d * ctx.decode.gpus)
         can_p = left >= ctx.prefill.gpus and n_p < b.max_prefill
         can_d = left >= ctx.decode.gpus and n_d < b.max_decode
         if not (can_p or can_d):
             break
-        ev = ctx.eval(wl, n_p, n_d)
-        decode_pressure = max(ev.decode_kv_need_fraction, ev.itl_ms / ctx.slo.itl_ms)
-        prefill_pressure = max(
-            ev.prefill_util / ctx.limits.max_prefill_util, min(ev.ttft_p90_s / ctx.slo.ttft_s, 10.0)
-        )
-        if can_p and (not can_d or prefill_pressure >= decode_pressure):
+        if can_p and (not can_d or n_p / base_p <= n_d / base_d):
             n_p += 1
         else:
             n_d += 1

@@ -59,6 +59,7 @@ class RatioPlannerPolicy:
     slo: SloInputs
     bounds: Bounds
     slow_s: float = 300.0
+    start_s: float = 150.0  # first slow loop once the metric window holds real traffic
     headroom: float = 1.1
     smoothing: float = 0.3
     down_stable_s: float = 600.0
@@ -106,7 +107,7 @@ class RatioPlannerPolicy:
         return rec.n_prefill, rec.n_decode
 
     def __call__(self, now: float, m: Metrics, fleet: FleetView) -> tuple[int, int]:
-        if now - self.last_slow >= self.slow_s:
+        if now >= self.start_s and now - self.last_slow >= self.slow_s:
             new = self._slow(m)
             if new is not None:
                 self.target = new
