@@ -30,7 +30,7 @@ GPU_RESOURCE = "nvidia.com/gpu"
 class NodeShape:
     """What every fake node advertises."""
 
-    count: int = 4
+    count: int = 8
     gpus: int = 8
     cpu: str = "64"
     memory: str = "512Gi"

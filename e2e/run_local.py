@@ -28,7 +28,6 @@ from e2e.cluster import (
     run_kubectl,
     start_cluster,
 )
-from e2e.manifests import NodeShape
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ("minimal.yaml", "glm5-long-context.yaml")
@@ -103,7 +102,7 @@ def open_cluster() -> tuple[ClusterHandle, bool]:
         return running, False
     say("starting the local control plane (etcd, apiserver, controllers, KWOK, LWS)")
     started = time.monotonic()
-    handle = start_cluster(default_run_dir(), shape=NodeShape(count=8), log=say)
+    handle = start_cluster(default_run_dir(), log=say)
     say(f"control plane ready in {time.monotonic() - started:.1f}s")
     return handle, True
 
