@@ -426,7 +426,7 @@ class ModelLimits:
 
     max_prefill_util: float = 0.9
     max_link_util: float = 0.8
-    kv_headroom: float = 0.8  # admission of long tails fragments per-instance KV
+    kv_headroom: float = 0.7  # calibrated on the simulator: long tails fragment per-instance KV
     queue_pool: int = 1  # instances sharing one queue: sticky prefix routing pools poorly
     session_imbalance: bool = True  # per-instance load varies with the sessions homed there
 
@@ -807,6 +807,7 @@ class ControlConfig:
     max_step_fraction: float = 0.25
     deadband_fraction: float = 0.1
     down_stable_s: float = 900.0
+    rebalance_stable_s: float = 300.0
 
     def cooldown(self) -> float:
         return max(self.cooldown_s, self.pod_start_s)
@@ -901,13 +902,17 @@ def next_replicas(
     )
     p, d, why = _fit_budget(current, p, d, config)
     # At the cap a pool that wants to grow is blocked until the other one shrinks: a lower
-    # target on the other side is then a rebalance, taken without the scale-in stabilisation
-    # wait (cooldown and step bounds still apply); the growth follows once the pods are gone.
-    if p < min(recommendation.n_prefill, b.max_prefill) and d_why == "waiting":
+    # target on the other side that has held for ``rebalance_stable_s`` (instead of the longer
+    # scale-in ``down_stable_s``) is then a rebalance step; cooldown and step bounds still
+    # apply, and the growth follows only once the removed pods are gone.
+    settled = now - config.rebalance_stable_s
+    d_ready = d_why == "waiting" and d_since is not None and d_since <= settled
+    if p < min(recommendation.n_prefill, b.max_prefill) and d_ready:
         d, d_since, d_why = _rebalance_down(
             current.decode, recommendation.n_decode, b.min_decode, config
         )
-    if d < min(recommendation.n_decode, b.max_decode) and p_why == "waiting":
+    p_ready = p_why == "waiting" and p_since is not None and p_since <= settled
+    if d < min(recommendation.n_decode, b.max_decode) and p_ready:
         p, p_since, p_why = _rebalance_down(
             current.prefill, recommendation.n_prefill, b.min_prefill, config
         )
