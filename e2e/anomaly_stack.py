@@ -191,7 +191,8 @@ class AnomalyStack:
         sd_file: Path | None = None,
     ) -> AnomalyStack:
         """Start the pod runner (writing Prometheus targets to `sd_file` when given)."""
-        kube = Kube(config.new_client_from_config(config_file=str(kubeconfig)))
+        api_client = config.new_client_from_config(config_file=str(kubeconfig))  # type: ignore[no-untyped-call]
+        kube = Kube(api_client)
         runner = PodRunner(kube_pod_lister(kubeconfig, namespace), log_dir, sd_file,
                            extra_args=["--sim-speedup", f"{speedup:g}"],
                            restart_backoff_s=2.0)  # fmt: skip

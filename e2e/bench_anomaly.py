@@ -37,7 +37,7 @@ from cas_operator.planning.anomaly import GuardState, PodSignals, PodView, Polic
 from e2e.anomaly_stack import AnomalyStack, wait_for
 from e2e.cluster import load_cluster, run_kubectl
 from e2e.prometheus import file_sd_scrape_config, prometheus_binary, start_prometheus
-from e2e.simload import set_fault
+from e2e.simload import LoadStats, set_fault, steady_traffic
 
 NOISE_RATE = 0.0005  # repetition probability per request on healthy pods
 
@@ -89,9 +89,13 @@ async def live(args: argparse.Namespace, kubeconfig: Path, run: Path) -> dict[st
     stack.policy = Policy(cooldown_seconds=0)  # injections follow each other closely
     stack.drain_policy = DrainPolicy()
     out: dict[str, Any] = {"out_of_rotation_s": [], "replacement_serving_s": [], "misses": 0}
+    stop, load = asyncio.Event(), LoadStats()
+    traffic: asyncio.Task[None] | None = None
     try:
+        router_url = stack.start_sglang_router(kubeconfig, run / "router")
         urls = await asyncio.to_thread(stack.deploy, kubectl, args.pods, 120)
-        router = await stack.start_traffic()
+        await asyncio.sleep(3.0)  # the router's discovery adds the workers
+        traffic = asyncio.create_task(steady_traffic(router_url, stop, load, max_requests=10**7))
         await asyncio.sleep(2 * args.scrape)  # Prometheus has scraped every pod
         for i in range(args.injections):
             await _inject_once(stack, args, out, i)
@@ -105,10 +109,13 @@ async def live(args: argparse.Namespace, kubeconfig: Path, run: Path) -> dict[st
             healthy_seconds=args.healthy_seconds,
             false_drains=false,
             false_drains_per_hour=false * 3600 / args.healthy_seconds,
-            requests_ok=router.ok,
-            requests_failed=len(router.failures),
         )
     finally:
+        stop.set()
+        if traffic is not None:
+            await traffic
+        out.update(requests_ok=load.ok, requests_failed=len(load.failures),
+                   failures_sample=load.failures[:3])  # fmt: skip
         await stack.close()
         prom.stop()
         kubectl("delete", "namespace", namespace, "--wait=false", check=False)

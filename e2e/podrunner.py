@@ -3,10 +3,11 @@
 KWOK only pretends to run containers; this runner makes engine pods real processes. Each
 `sync()` (level-based, one pass):
 1. lists pods (any callable returning pod dicts; :func:`kube_pod_lister` reads the API server);
-2. for each runnable pod - bound to a node, podIP inside 127.0.0.0/8 (the fake nodes' pod
-   CIDRs), not terminating, with a container whose command runs ``cas_engine.launch_server``
-   or ``cas_engine.sim`` - ensures one ``python -m cas_engine.sim`` runs with the container's
-   args ($(VAR) expanded from its env), bound to the pod IP and its ``http`` container port;
+2. for each runnable pod - bound to a node, podIP inside `networks` (default 127.0.0.0/8, the
+   fake nodes' pod CIDRs), not terminating, with a container whose command runs
+   ``cas_engine.launch_server`` or ``cas_engine.sim`` - ensures one ``python -m cas_engine.sim``
+   runs with the container's args ($(VAR) expanded from its env), bound to the pod IP and its
+   ``http`` container port;
    a process that exited is restarted after ``restart_backoff_s``;
 3. stops (SIGTERM, by recorded pid) the processes of pods that went away or were replaced
    (a new pod UID under the same name);
@@ -35,7 +36,7 @@ from e2e.prometheus import write_file_sd
 
 Pod = dict[str, Any]
 LAUNCHERS = ("cas_engine.launch_server", "cas_engine.sim")
-LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
+LOOPBACK = ipaddress.IPv4Network("127.0.0.0/8")
 DEFAULT_PORT = 30000
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
@@ -73,8 +74,14 @@ def _http_port(container: dict[str, Any]) -> int:
     return DEFAULT_PORT
 
 
-def launch_for(pod: Pod, python: str, extra_args: list[str]) -> Launch | None:
-    """The sim command for a runnable pod, or None when the pod is not ours to run (pure)."""
+def launch_for(
+    pod: Pod,
+    python: str,
+    extra_args: list[str],
+    networks: tuple[ipaddress.IPv4Network, ...] = (LOOPBACK,),
+) -> Launch | None:
+    """The sim command for a runnable pod, or None when the pod is not ours to run (pure):
+    only pods whose IP lies in `networks` (addresses this machine can bind) are run."""
     meta, status = pod.get("metadata", {}), pod.get("status", {})
     ip = status.get("podIP")
     if meta.get("deletionTimestamp") or not pod.get("spec", {}).get("nodeName") or not ip:
@@ -82,7 +89,7 @@ def launch_for(pod: Pod, python: str, extra_args: list[str]) -> Launch | None:
     if status.get("phase") in ("Succeeded", "Failed"):
         return None
     try:
-        if ipaddress.ip_address(ip) not in LOOPBACK:
+        if not any(ipaddress.ip_address(ip) in net for net in networks):
             return None
     except ValueError:
         return None
@@ -124,6 +131,7 @@ class PodRunner:
     python: str = sys.executable
     extra_args: list[str] = field(default_factory=list)
     restart_backoff_s: float = 5.0
+    networks: tuple[ipaddress.IPv4Network, ...] = (LOOPBACK,)
     running: dict[tuple[str, str], _Running] = field(default_factory=dict)
 
     def sync(self) -> list[str]:
@@ -132,7 +140,7 @@ class PodRunner:
         pods = self.list_pods()
         wanted: dict[tuple[str, str], Launch] = {}
         for pod in pods:
-            launch = launch_for(pod, self.python, self.extra_args)
+            launch = launch_for(pod, self.python, self.extra_args, self.networks)
             if launch is not None:
                 wanted[(launch.namespace, launch.name)] = launch
         for key in [k for k, r in self.running.items() if wanted.get(k) != r.launch]:
@@ -198,7 +206,8 @@ def kube_pod_lister(kubeconfig: Path, namespace: str | None = None) -> Callable[
     """Pods of the cluster (or of one namespace) as plain dicts, camelCase as the API sends."""
     from kubernetes import client, config
 
-    api_client = config.new_client_from_config(config_file=str(kubeconfig))
+    load = config.new_client_from_config
+    api_client = load(config_file=str(kubeconfig))  # type: ignore[no-untyped-call]
     core = client.CoreV1Api(api_client)
 
     def list_pods() -> list[Pod]:

@@ -284,7 +284,9 @@ def _hot_pods(n: int, bad: set[str], draining: set[str] = frozenset()) -> list[P
     ]  # fmt: skip
 
 
-def _run(spec: AnomalyGuardSpec, pods: list[PodView], ticks: int = 2) -> tuple[list[str], dict]:
+def _run(
+    spec: AnomalyGuardSpec, pods: list[PodView], ticks: int = 2
+) -> tuple[list[str], dict[str, str]]:
     state = GuardState()
     drained: list[str] = []
     blocked: dict[str, str] = {}
