@@ -94,7 +94,7 @@ async def test_healthy_noisy_fleet_under_load_drains_nothing(
     router = await stack.start_traffic()
     for url in urls:
         await set_fault(url, {"repetition": 0.0005})
-    await stack.tick_until(lambda r: False, timeout=25)  # ~25 ticks of 1 s
+    await stack.tick_until(lambda r: False, timeout=15)  # ~15 ticks of 1 s
     await stack.stop_traffic()
     assert not [e for e in stack.events if e[1] == "PodDraining"], stack.events
     assert len(stack.serving()) == 3 and router.ok > 100
