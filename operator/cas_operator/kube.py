@@ -147,6 +147,14 @@ class Kube:
         )
         return result
 
+    def patch_status(self, kind: str, namespace: str, name: str, status: Manifest) -> Manifest:
+        """JSON merge patch of the status subresource (only the given keys change)."""
+        path = f"{KINDS[kind].base_path(namespace)}/{name}/status"
+        result: Manifest = self._call(
+            "PATCH", path, body={"status": status}, content_type="application/merge-patch+json"
+        )
+        return result
+
 
 def _kind_of(path: str) -> str:
     """The plural resource name of an API path (the segment after the namespace)."""

@@ -3,7 +3,8 @@
 Called from create, update, resume and a timer (handlers.py). It reads like the steps it takes:
 1. parse and validate the spec; plan it (pure);
 2. build every child manifest (pure);
-3. apply them with server-side apply, skipping workloads whose spec-hash already matches;
+3. apply them with server-side apply, in dependency tiers, each tier concurrently, skipping
+   (outside full passes) workloads whose spec-hash already matches;
 4. observe the workloads; retire children of older revisions once the current one is ready;
 5. compute the status (pure) and hand back only what changed.
 Per-child failures are collected, never abort the pass, and end up in the Degraded condition.
@@ -11,6 +12,7 @@ Per-child failures are collected, never abort the pass, and end up in the Degrad
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +28,8 @@ from cas_operator.resources.meta import Owner
 from cas_operator.status import ObservedWorkload, Problem, Status, compute_status, invalid_status
 
 WORKLOAD_KINDS = ("Deployment", "LeaderWorkerSet")
+# Shared by all reconciles: bounds the operator's concurrent API writes.
+_APPLY_POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="apply")
 
 
 @dataclass
@@ -67,33 +71,50 @@ def observe(kube: Kube, namespace: str, name: str) -> list[ObservedWorkload]:
     return found
 
 
+def apply_tier(manifest: dict[str, Any]) -> int:
+    """Dependency tier: identity, config, Services, PDBs (0) -> pools (1) -> router (2)."""
+    if manifest["metadata"]["labels"].get(c.LABEL_ROLE) == c.ROLE_ROUTER:
+        return 2 if manifest["kind"] == "Deployment" else 0
+    return 1 if manifest["kind"] in WORKLOAD_KINDS else 0
+
+
+def _apply_one(kube: Kube, manifest: dict[str, Any]) -> Problem | None:
+    key = (manifest["kind"], manifest["metadata"]["name"])
+    try:
+        kube.apply(manifest)
+    except KindNotInstalled as exc:
+        return Problem(
+            c.REASON_LWS_MISSING,
+            f"{exc.kind} API ({c.LWS_API_VERSION}) is not installed: multi-node instances "
+            f"need the LeaderWorkerSet controller ({key[1]} not created)",
+        )
+    except Exception as exc:
+        return Problem(c.REASON_APPLY_FAILED, f"{key[0]} {key[1]}: {exc}")
+    return None
+
+
 def apply_children(
     kube: Kube, manifests: list[dict[str, Any]], observed: list[ObservedWorkload], full: bool
 ) -> tuple[int, list[Problem]]:
-    """Step 3: apply in order; a workload with an unchanged spec-hash is skipped unless `full`."""
+    """Step 3: apply tier by tier, each tier's children concurrently (a tier waits for the one
+    before). Without `full`, only workloads whose spec-hash differs from the observed one."""
     current_hashes = {(w.kind, w.name): w.spec_hash for w in observed}
-    applied, problems = 0, []
-    for manifest in manifests:
-        key = (manifest["kind"], manifest["metadata"]["name"])
-        wanted = manifest["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH]
-        if not full and current_hashes.get(key) == wanted:
-            continue
-        if not full and manifest["kind"] not in WORKLOAD_KINDS:
-            continue
-        try:
-            kube.apply(manifest)
-            applied += 1
-        except KindNotInstalled as exc:
-            problems.append(
-                Problem(
-                    c.REASON_LWS_MISSING,
-                    f"{exc.kind} API ({c.LWS_API_VERSION}) is not installed: multi-node "
-                    f"instances need the LeaderWorkerSet controller ({key[1]} not created)",
-                )
-            )
-        except Exception as exc:
-            problems.append(Problem(c.REASON_APPLY_FAILED, f"{key[0]} {key[1]}: {exc}"))
-    return applied, problems
+    todo = [
+        m
+        for m in manifests
+        if full
+        or (
+            m["kind"] in WORKLOAD_KINDS
+            and current_hashes.get((m["kind"], m["metadata"]["name"]))
+            != m["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH]
+        )
+    ]
+    problems: list[Problem] = []
+    for tier in sorted({apply_tier(m) for m in todo}):
+        batch = [m for m in todo if apply_tier(m) == tier]
+        results = list(_APPLY_POOL.map(lambda m: _apply_one(kube, m), batch))
+        problems += [p for p in results if p is not None]
+    return len(todo) - len(problems), problems
 
 
 def retire_stale(
@@ -122,8 +143,10 @@ def reconcile(
     generation: int,
     raw_spec: dict[str, Any],
     full_apply: bool,
+    anomaly: dict[str, Any] | None = None,
 ) -> Outcome:
-    """One pass; see the module docstring for the steps."""
+    """One pass; see the module docstring for the steps. `anomaly` is the anomaly loop's last
+    `status.anomaly`, folded into the conditions here so they have one writer."""
     try:
         plan = plan_for(name, namespace, raw_spec)
     except InvalidSpec as exc:
@@ -133,11 +156,11 @@ def reconcile(
     applied, problems = apply_children(kube, manifests, observed, full_apply)
     if applied:
         observed = observe(kube, namespace, name)
-    status = compute_status(plan, observed, problems, generation)
+    status = compute_status(plan, observed, problems, generation, anomaly)
     events = []
     current_ready = status["conditions"][0]["status"] == "True"
     if current_ready and any(w.revision != plan.revision for w in observed):
         events = retire_stale(kube, plan, observed)
         observed = [w for w in observed if w.revision == plan.revision]
-        status = compute_status(plan, observed, problems, generation)
+        status = compute_status(plan, observed, problems, generation, anomaly)
     return Outcome(status=status, events=events, applied=applied)

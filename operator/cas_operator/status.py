@@ -114,17 +114,49 @@ def _readiness(plan: Plan, observed: list[ObservedWorkload]) -> tuple[bool, list
     return not waiting, waiting, stale
 
 
+def anomaly_findings(anomaly: dict[str, Any] | None) -> tuple[list[Problem], str | None]:
+    """What the anomaly loop last wrote to `status.anomaly`: a fleet-wide incident (Degraded,
+    not a pod problem) and whether its signal is unavailable (message) or not (None)."""
+    anomaly = anomaly or {}
+    problems = []
+    if anomaly.get("fleetWide"):
+        problems.append(Problem(c.REASON_FLEET_ANOMALY, str(anomaly["fleetWide"])))
+    return problems, anomaly.get("signalUnavailable")
+
+
+def _signal_condition(anomaly: dict[str, Any] | None, generation: int) -> dict[str, Any]:
+    _, unavailable = anomaly_findings(anomaly)
+    if anomaly is None:
+        return condition(
+            c.COND_ANOMALY_SIGNAL, False, c.REASON_NOT_OBSERVED, "no data yet", generation
+        )
+    if unavailable:
+        return condition(
+            c.COND_ANOMALY_SIGNAL, False, c.REASON_SIGNAL_UNAVAILABLE, unavailable, generation
+        )
+    return condition(c.COND_ANOMALY_SIGNAL, True, c.REASON_AS_EXPECTED, "", generation)
+
+
 def compute_status(
-    plan: Plan, observed: list[ObservedWorkload], problems: list[Problem], generation: int
+    plan: Plan,
+    observed: list[ObservedWorkload],
+    problems: list[Problem],
+    generation: int,
+    anomaly: dict[str, Any] | None = None,
 ) -> Status:
-    """The full desired status (without conditions' transition times)."""
+    """The full desired status (without conditions' transition times).
+
+    `problems` (failed applies, missing APIs) make the resource Degraded and not Ready; the
+    anomaly loop's findings (`status.anomaly`, written by its own timer) only make it Degraded.
+    """
     ready, waiting, stale = _readiness(plan, observed)
     ready = ready and not problems
     summary = plan_summary(plan)
-    if problems:
+    degradations = [*problems, *anomaly_findings(anomaly)[0]]
+    if degradations:
         degraded = condition(
-            c.COND_DEGRADED, True, problems[0].reason,
-            "; ".join(p.message for p in problems), generation,
+            c.COND_DEGRADED, True, degradations[0].reason,
+            "; ".join(p.message for p in degradations), generation,
         )  # fmt: skip
     else:
         degraded = condition(c.COND_DEGRADED, False, c.REASON_AS_EXPECTED, "", generation)
@@ -151,7 +183,7 @@ def compute_status(
     return {
         "observedGeneration": generation,
         "revision": plan.revision,
-        "conditions": [ready_cond, progressing, degraded],
+        "conditions": [ready_cond, progressing, degraded, _signal_condition(anomaly, generation)],
         "prefill": pool_status(plan, plan.prefill, observed),
         "decode": pool_status(plan, plan.decode, observed),
         "ratio": {

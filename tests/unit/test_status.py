@@ -106,3 +106,27 @@ def test_unchanged_status_produces_an_empty_patch() -> None:
     assert status_patch(first, desired, T1) == {}
     newer = compute_status(plan, all_ready(plan), [], 2)
     assert set(status_patch(first, newer, T1)) == {"conditions", "observedGeneration"}
+
+
+def test_fleet_wide_anomaly_degrades_but_keeps_ready() -> None:
+    """Regression: a fleet-wide incident is not a capacity problem: Degraded, still Ready, and
+    the condition has one writer (the anomaly loop only writes status.anomaly)."""
+    plan = plan_of()
+    anomaly = {"fleetWide": "7 of 8 decode pods anomalous", "signalUnavailable": None}
+    conds = conditions(compute_status(plan, all_ready(plan), [], 1, anomaly))
+    assert conds["Ready"]["status"] == "True"
+    assert conds["Degraded"]["status"] == "True"
+    assert conds["Degraded"]["reason"] == c.REASON_FLEET_ANOMALY
+    assert conds[c.COND_ANOMALY_SIGNAL]["status"] == "True"
+
+
+def test_unavailable_signal_is_a_condition_not_an_action() -> None:
+    plan = plan_of()
+    anomaly = {"fleetWide": None, "signalUnavailable": "prometheus unavailable: timeout"}
+    conds = conditions(compute_status(plan, all_ready(plan), [], 1, anomaly))
+    assert conds["Degraded"]["status"] == "False"
+    signal = conds[c.COND_ANOMALY_SIGNAL]
+    assert signal["status"] == "False" and "prometheus" in signal["message"]
+    assert signal["reason"] == c.REASON_SIGNAL_UNAVAILABLE
+    fresh = conditions(compute_status(plan, all_ready(plan), [], 1, None))
+    assert fresh[c.COND_ANOMALY_SIGNAL]["reason"] == c.REASON_NOT_OBSERVED

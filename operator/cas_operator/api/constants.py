@@ -41,6 +41,7 @@ ROUTER_METRICS_PORT: Final = 29000
 COND_READY: Final = "Ready"
 COND_PROGRESSING: Final = "Progressing"
 COND_DEGRADED: Final = "Degraded"
+COND_ANOMALY_SIGNAL: Final = "AnomalySignalAvailable"
 
 REASON_INVALID_SPEC: Final = "InvalidSpec"
 REASON_LWS_MISSING: Final = "LeaderWorkerSetNotInstalled"
@@ -50,5 +51,8 @@ REASON_WAITING: Final = "WaitingForPools"
 REASON_ROLLING: Final = "RollingOutRevision"
 REASON_RECONCILED: Final = "Reconciled"
 REASON_AS_EXPECTED: Final = "AsExpected"
+REASON_FLEET_ANOMALY: Final = "FleetWideAnomaly"
+REASON_SIGNAL_UNAVAILABLE: Final = "AnomalySignalUnavailable"
+REASON_NOT_OBSERVED: Final = "NotObservedYet"
 
 LWS_API_VERSION: Final = "leaderworkerset.x-k8s.io/v1"
