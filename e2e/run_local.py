@@ -85,7 +85,8 @@ class Session:
             for line in self.cluster.stop():
                 say(line)
         else:
-            say(f"leaving the cluster running (kubeconfig: {self.cluster.kubeconfig})")
+            say(f"deleting namespace {DEMO_NAMESPACE}; leaving the cluster running")
+            self.kubectl("delete", "namespace", DEMO_NAMESPACE, "--wait=false", check=False)
 
 
 def open_cluster() -> tuple[ClusterHandle, bool]:

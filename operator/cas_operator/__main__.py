@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     logging.getLogger("kubernetes").setLevel(logging.WARNING)
+    if not args.verbose:  # kopf logs every successful timer run at INFO
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     import cas_operator.handlers  # noqa: F401  (registers the handlers)
 
     if args.metrics_port:
