@@ -271,3 +271,14 @@ def test_fast_adjust_steps_only_the_failing_side() -> None:
     assert fast_adjust((4, 4), (6, 4), full, slo) == (4, 5)
     calm = ObservedSignals(ttft_p90_s=1.0, prefill_queue_depth=0.0, decode_kv_usage=0.5)
     assert fast_adjust((4, 4), (6, 4), calm, slo) == (4, 4)
+
+
+def test_observed_decode_kv_use_recalibrates_decode() -> None:
+    """Guards the decode calibration path: a fleet whose decode KV is measured fuller than the
+    model predicts (long-tail fragmentation, retractions) gets more decode instances."""
+    base = recommend(WL, SLO, PREFILL, DECODE)
+    obs = ObservedSignals(decode_kv_usage=0.95, decode_replicas=base.n_decode)
+    more = recommend(WL, SLO, PREFILL, DECODE, observed=obs)
+    assert more.n_decode > base.n_decode
+    idle = ObservedSignals(decode_kv_usage=0.001, decode_replicas=base.n_decode)
+    assert recommend(WL, SLO, PREFILL, DECODE, observed=idle).n_decode <= base.n_decode

@@ -171,7 +171,8 @@ class ObservedSignals:
     hit_rate: float | None = None
     prefill_replicas: int | None = None
     prefill_queue_depth: float | None = None
-    decode_kv_usage: float | None = None
+    decode_kv_usage: float | None = None  # used (plus waiting) KV over capacity, 0..1+
+    decode_replicas: int | None = None
     transfer_backlog_bytes: float | None = None
     ttft_p90_s: float | None = None
     itl_ms: float | None = None
@@ -428,6 +429,7 @@ class ModelLimits:
     max_link_util: float = 0.8
     kv_headroom: float = 0.7  # calibrated on the simulator: long tails fragment per-instance KV
     queue_pool: int = 1  # instances sharing one queue: sticky prefix routing pools poorly
+    kv_scale: float = 1.0  # observed / modelled decode KV use (set by ``recommend``)
     session_imbalance: bool = True  # per-instance load varies with the sessions homed there
 
 
@@ -445,7 +447,9 @@ def evaluate(
     w = wl.resolved()
     active, step = _decode_state(w, decode, n_decode)
     itl_ms = step / decode.accept_length * 1000.0
-    kv_frac = _kv_need(w, active) / (decode.kv_capacity_tokens * limits.kv_headroom)
+    kv_frac = (
+        _kv_need(w, active) * limits.kv_scale / (decode.kv_capacity_tokens * limits.kv_headroom)
+    )
     # Hit rate: one fixed-point pass on the session cycle (pause + ~TTFT + decode time).
     decode_s = w.avg_output_tokens * (step if math.isfinite(step) else 1.0) / decode.accept_length
     cycle = w.tool_pause_s + decode_s + prefill.prefill_overhead_s
@@ -678,14 +682,16 @@ def recommend(
     """Recommend (N_P, N_D) for ``workload`` (rate replaced by the observed one when larger).
 
     ``observed.hit_rate`` measured at ``observed.prefill_replicas`` rescales the modelled
-    returning-turn hit probability (clamped to [0.5, 1.5]). ``prefill_alternatives`` are other
-    CP shapes of the prefill instance; one that needs 5% fewer GPUs (or gives 5% more goodput at
-    the cap) is reported as ``cp_hint``.
+    returning-turn hit probability (clamped to [0.5, 1.5]); ``observed.decode_kv_usage`` at
+    ``observed.decode_replicas`` rescales the modelled decode KV need (clamped to [0.8, 2.5]).
+    ``prefill_alternatives`` are other CP shapes of the prefill instance; one that needs 5%
+    fewer GPUs (or gives 5% more goodput at the cap) is reported as ``cp_hint``.
     """
     wl = workload.resolved()
     if observed is not None and observed.arrival_rate is not None:
         wl = replace(wl, request_rate=max(wl.request_rate, observed.arrival_rate))
     hit_scale = _hit_scale(wl, slo, prefill, decode, bounds, observed, limits)
+    limits = replace(limits, kv_scale=_kv_scale(wl, decode, observed))
     ctx = _Ctx(slo, prefill, decode, bounds, limits, hit_scale)
     ev, rate, meets = _plan(ctx, wl)
     hint = None
@@ -717,6 +723,23 @@ def recommend(
         + (f"; prefill CP {hint} would need fewer GPUs (restart)" if hint else ""),
         cp_hint=hint,
     )
+
+
+def _kv_scale(
+    wl: WorkloadInputs, decode: InstanceProfile, observed: ObservedSignals | None
+) -> float:
+    """Observed / modelled mean decode KV use at the observed decode size, clamped to
+    [0.8, 2.5]; 1.0 without a usable observation or when the fleet is nearly idle."""
+    if observed is None or observed.decode_kv_usage is None or not observed.decode_replicas:
+        return 1.0
+    w = wl.resolved()
+    active, _ = _decode_state(w, decode, observed.decode_replicas)
+    if not math.isfinite(active):
+        return 1.0
+    model = active * (w.avg_input_tokens + w.avg_output_tokens / 2.0) / decode.kv_capacity_tokens
+    if model < 0.05:
+        return 1.0
+    return min(2.5, max(0.8, observed.decode_kv_usage / model))
 
 
 def _hit_scale(

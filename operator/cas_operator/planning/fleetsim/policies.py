@@ -60,6 +60,7 @@ class RatioPlannerPolicy:
     bounds: Bounds
     slow_s: float = 300.0
     start_s: float = 150.0  # first slow loop once the metric window holds real traffic
+    calibrate: bool = True  # rescale the decode KV model by the observed KV use
     headroom: float = 1.1
     smoothing: float = 0.3
     down_stable_s: float = 600.0
@@ -84,7 +85,15 @@ class RatioPlannerPolicy:
             shared_prefix_tokens=self.shared_prefix_tokens,
         )
 
-    def _slow(self, m: Metrics) -> tuple[int, int] | None:
+    def _observed(self, m: Metrics, fleet: FleetView) -> ObservedSignals | None:
+        """Decode KV in use plus what waits for it, as a share of ready capacity."""
+        if not self.calibrate or fleet.decode <= 0:
+            return None
+        cap = fleet.decode * self.decode.kv_capacity_tokens
+        usage = m.decode_kv_usage + m.decode_waiting * m.avg_input_tokens / cap
+        return ObservedSignals(decode_kv_usage=usage, decode_replicas=fleet.decode)
+
+    def _slow(self, m: Metrics, fleet: FleetView) -> tuple[int, int] | None:
         if m.arrival_rate <= 0 or m.avg_output_tokens <= 0:
             return None
         a = self.smoothing
@@ -100,6 +109,7 @@ class RatioPlannerPolicy:
             self.prefill,
             self.decode,
             self.bounds,
+            observed=self._observed(m, fleet),
             limits=self.limits,
         )
         self.last_rec = rec
@@ -108,7 +118,7 @@ class RatioPlannerPolicy:
 
     def __call__(self, now: float, m: Metrics, fleet: FleetView) -> tuple[int, int]:
         if now >= self.start_s and now - self.last_slow >= self.slow_s:
-            new = self._slow(m)
+            new = self._slow(m, fleet)
             if new is not None:
                 self.target = new
                 self.last_slow = now
