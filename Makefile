@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 run: setup bins ## Local control plane, operator, sample fleet, live view until Ctrl-C
 	$(PY) -m e2e.run_local
 
-test: setup bins ## Unit, engine and end-to-end tests (what CI runs)
+test: setup bins verify lint typecheck ## CRD drift, lint, types, then unit, engine and e2e tests (CI)
 	$(PY) -m pytest -q tests
 
 ##@ Development
