@@ -2,8 +2,9 @@
 
 - create, spec update, resume: apply everything (an invalid spec raises `PermanentError`
   once, after its Degraded/InvalidSpec status is patched: no retry storm);
-- a change of a child workload (Deployment, LeaderWorkerSet): re-observe its owner at once,
-  re-apply a drifted workload, write status if it changed (so Ready follows pods quickly);
+- a change of a child workload (Deployment, LeaderWorkerSet): queue one re-observation of its
+  owner (coalesced while queued; 4 workers), re-apply a drifted workload, write status if it
+  changed (so Ready follows pods within seconds, not a timer period);
 - a timer: the same re-observation as a safety net, plus a full apply every FULL_APPLY_SECONDS;
 - a second timer: the anomaly loop (observe -> decide -> act, `drain.guard_tick`), which writes
   only `status.anomaly` and `status.draining`; `reconcile` folds those into the conditions.
@@ -15,6 +16,7 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any
 
@@ -47,6 +49,8 @@ _kube: Kube | None = None
 _source: MetricsSource | None = None
 _last_full_apply: dict[str, float] = {}
 _guard_state: dict[str, LoopState] = {}
+_dirty: set[tuple[str, str]] = set()  # owners with a status refresh queued
+_refresh_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="refresh")
 
 
 def kube() -> Kube:
@@ -164,19 +168,37 @@ def serving_index(
 @kopf.on.event("apps", "v1", "deployments", labels=CHILD_LABELS)
 @kopf.on.event("leaderworkerset.x-k8s.io", "v1", "leaderworkersets", labels=CHILD_LABELS)
 def on_child_event(labels: kopf.Labels, namespace: str | None, **kwargs: Any) -> None:
-    """A child workload changed: refresh its owner's status now instead of at the next tick."""
+    """A child workload changed: queue one refresh of its owner (coalesced while queued)."""
     owner_name = labels.get(c.LABEL_NAME)
-    index: kopf.Index[Any, Any] = kwargs["serving_index"]
-    if kwargs.get("type") is None or owner_name is None:
+    if kwargs.get("type") is None or owner_name is None or namespace is None:
         return  # kopf's initial listing: resume and the timer cover it
-    for owner in index.get((namespace, owner_name), []):
-        meta = owner["metadata"]
-        outcome, changes = _reconcile(
-            meta, owner.get("spec", {}), owner.get("status"), full=False, trigger="child"
-        )
-        if outcome.invalid is None and changes:
-            kube().patch_status(c.KIND, str(namespace), owner_name, changes)
-        _post(owner, outcome.events)
+    key = (namespace, owner_name)
+    with _lock:
+        if key in _dirty:
+            return
+        _dirty.add(key)
+    _refresh_pool.submit(_refresh_owner, key, kwargs["serving_index"])
+
+
+def _refresh_owner(key: tuple[str, str], index: kopf.Index[Any, Any]) -> None:
+    """Re-observe one resource after its children changed and write status if it changed.
+
+    The key leaves the dirty set before the pass, so a change during the pass queues another.
+    """
+    with _lock:
+        _dirty.discard(key)
+    namespace, name = key
+    try:
+        for owner in index.get(key, []):
+            outcome, changes = _reconcile(
+                owner["metadata"], owner.get("spec", {}), owner.get("status"),
+                full=False, trigger="child",
+            )  # fmt: skip
+            if outcome.invalid is None and changes:
+                kube().patch_status(c.KIND, namespace, name, changes)
+            _post(owner, outcome.events)
+    except Exception:  # the timer retries; a refresh must never kill the pool
+        logging.getLogger(__name__).exception("status refresh of %s/%s failed", namespace, name)
 
 
 @kopf.timer(c.GROUP, c.VERSION, c.PLURAL, interval=GUARD_SECONDS, initial_delay=GUARD_SECONDS)
