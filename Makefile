@@ -76,7 +76,7 @@ sim-demo: setup ## Router + 1 prefill + 2 decode sims on loopback, coding-agent 
 
 ##@ Benchmarks
 
-bench: bench-race bench-guard bench-sim bench-operator bench-anomaly ## All benchmarks (never part of make test)
+bench: bench-race bench-guard bench-sim bench-operator bench-anomaly bench-planner ## All benchmarks (never part of make test)
 
 bench-sim: setup ## Sim: 256-stream throughput; PD reclaim race Immediate/Upstream/Strict side by side
 	$(PY) bench/sim_throughput.py --streams 256 --tokens 400 --runs 3
@@ -88,6 +88,9 @@ bench-race: setup ## Race reproduction: bad requests per 10,000 by KV reclaim mo
 bench-anomaly: setup bins ## Anomaly reaction: onset -> out of rotation / replaced, false drains
 	$(PY) -m e2e.bench_anomaly --out bench/results/anomaly.json
 
+bench-planner: setup ## P:D planner vs 1:1, best fixed, mean-based and exhaustive on the fleet simulator
+	$(PY) bench/planner.py --quick --scale-tables --out bench/results/planner.json
+
 bench-guard: setup ## Quality-gate overhead per verify step (batch 1/64/256)
 	$(PY) bench/guard_overhead.py
 
@@ -95,4 +98,4 @@ bench-operator: setup bins ## N = 10, 50, 200 resources at once -> Ready latency
 	$(PY) bench/operator_scale.py
 
 .PHONY: run test help setup sysdeps cluster-status e2e crds verify lint lint-docker image typecheck unit bins cluster-up \
-	cluster-down bench bench-race bench-anomaly bench-guard bench-operator bench-sim sim-demo
+	cluster-down bench bench-race bench-anomaly bench-planner bench-guard bench-operator bench-sim sim-demo

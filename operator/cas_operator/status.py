@@ -186,14 +186,33 @@ def compute_status(
         "conditions": [ready_cond, progressing, degraded, _signal_condition(anomaly, generation)],
         "prefill": pool_status(plan, plan.prefill, observed),
         "decode": pool_status(plan, plan.decode, observed),
-        "ratio": {
-            "mode": plan.spec.ratio.mode.value,
-            "current": plan.replicas.ratio,
-            "reason": plan.replicas.reason,
-        },
+        "ratio": ratio_status(plan),
         "layerSplit": summary.get("layerSplit"),
         "gpus": summary["gpus"],
     }
+
+
+def ratio_status(plan: Plan) -> dict[str, Any]:
+    """Current P:D, who owns the replica counts, and the planner's recommendation if asked."""
+    mode = plan.spec.ratio.mode.value
+    status: dict[str, Any] = {
+        "mode": mode,
+        "current": plan.replicas.ratio,
+        "reason": plan.replicas.reason,
+        "replicasOwner": "operator (Auto)" if mode == "Auto" else "spec",
+    }
+    rec = plan.recommendation
+    if rec is not None:
+        status["recommended"] = rec.ratio
+        status["recommendationReason"] = rec.reason
+        if rec.ratio is not None:
+            status["predicted"] = {
+                "ttftP90Seconds": rec.ttft_p90_seconds,
+                "itlMilliseconds": rec.itl_milliseconds,
+                "hitRate": rec.hit_rate,
+                "meetsSlo": rec.meets_slo,
+            }
+    return status
 
 
 def invalid_status(message: str, generation: int) -> Status:

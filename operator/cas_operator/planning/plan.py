@@ -18,6 +18,7 @@ from cas_operator.planning.layersplit import (
     layer_shards,
     lookup_model,
 )
+from cas_operator.planning.recommend import Recommendation, recommendation_for
 from cas_operator.planning.replicas import ReplicaPlan, budget_errors, fixed_replicas
 from cas_operator.planning.revision import revision_of
 from cas_operator.planning.shapes import InstanceShape, instance_shape
@@ -64,6 +65,7 @@ class Plan:
     decode: PoolPlan
     replicas: ReplicaPlan
     layout: LayerLayout | None
+    recommendation: Recommendation | None = None
 
     @property
     def router_name(self) -> str:
@@ -95,11 +97,16 @@ def _layout(spec: CodingAgentServingSpec) -> LayerLayout | None:
     )
 
 
-def replica_plan(spec: CodingAgentServingSpec) -> ReplicaPlan:
-    """Fixed mode today. Recommend keeps the Fixed counts; Auto arrives with the planner."""
+def replica_plan(
+    spec: CodingAgentServingSpec, recommendation: Recommendation | None
+) -> ReplicaPlan:
+    """Fixed and Recommend: the spec's counts. Auto: the planner's, when it has an answer."""
     plan = fixed_replicas(spec)
     if spec.ratio.mode == RatioMode.FIXED:
         return plan
+    if spec.ratio.mode == RatioMode.AUTO and recommendation and recommendation.ratio:
+        assert recommendation.prefill is not None and recommendation.decode is not None
+        return ReplicaPlan(recommendation.prefill, recommendation.decode, "Auto: planner")
     return ReplicaPlan(plan.prefill, plan.decode, f"{plan.reason} ({spec.ratio.mode.value} mode)")
 
 
@@ -117,8 +124,15 @@ def build_plan(name: str, namespace: str, spec: CodingAgentServingSpec) -> Plan:
     decode_shape = instance_shape(
         tensor_parallel=spec.decode.tensor_parallel, gpus_per_node=spec.decode.gpus_per_node
     )
-    replicas = replica_plan(spec)
+    recommendation = recommendation_for(spec, prefill_shape, decode_shape)
+    replicas = replica_plan(spec, recommendation)
     errors = budget_errors(spec, replicas, prefill_shape.gpus, decode_shape.gpus)
+    if errors and spec.ratio.mode == RatioMode.AUTO and replicas.reason == "Auto: planner":
+        fixed = fixed_replicas(spec)  # the planner's answer breaks a bound: keep the spec's
+        why = "; ".join(str(e) for e in errors)
+        replicas = ReplicaPlan(fixed.prefill, fixed.decode, f"Auto: planner's {replicas.ratio} "
+                               f"rejected ({why}); kept {fixed.ratio}")  # fmt: skip
+        errors = budget_errors(spec, replicas, prefill_shape.gpus, decode_shape.gpus)
     if errors:
         raise InvalidSpec(errors)
     return Plan(
@@ -132,4 +146,5 @@ def build_plan(name: str, namespace: str, spec: CodingAgentServingSpec) -> Plan:
         decode=PoolPlan(c.ROLE_DECODE, f"{name}-decode-{revision}", replicas.decode, decode_shape),
         replicas=replicas,
         layout=_layout(spec),
+        recommendation=recommendation,
     )

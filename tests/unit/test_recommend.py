@@ -1,0 +1,57 @@
+"""Ratio modes in the operator: Fixed ignores the planner, Recommend reports, Auto applies."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cas_operator.api.models import parse_spec
+from cas_operator.planning.plan import build_plan
+from cas_operator.status import ratio_status
+from tests.paths import load_sample
+
+
+def glm5(**ratio: Any) -> dict[str, Any]:
+    raw: dict[str, Any] = load_sample("glm5-long-context.yaml")["spec"]
+    raw["ratio"] = {**raw["ratio"], **ratio}
+    return raw
+
+
+def test_fixed_mode_never_consults_the_planner() -> None:
+    plan = build_plan("x", "ns", parse_spec(glm5(mode="Fixed")))
+    assert plan.recommendation is None
+    assert "recommended" not in ratio_status(plan)
+
+
+def test_recommend_reports_without_changing_replicas() -> None:
+    """Regression: Recommend is the GitOps-friendly mode: it must never change replicas."""
+    plan = build_plan("x", "ns", parse_spec(glm5(mode="Recommend")))
+    assert (plan.prefill.replicas, plan.decode.replicas) == (3, 2)
+    status = ratio_status(plan)
+    assert status["replicasOwner"] == "spec"
+    assert status["recommended"] is not None and ":" in status["recommended"]
+    assert status["predicted"]["ttftP90Seconds"] > 0 and 0 < status["predicted"]["hitRate"] <= 1
+    assert "GPUs" in status["recommendationReason"]
+
+
+def test_recommend_needs_a_request_rate() -> None:
+    raw = glm5(mode="Recommend")
+    del raw["workload"]["requestRate"]
+    plan = build_plan("x", "ns", parse_spec(raw))
+    assert plan.recommendation is not None and plan.recommendation.ratio is None
+    assert "requestRate" in ratio_status(plan)["recommendationReason"]
+
+
+def test_auto_applies_the_planners_counts_within_the_budget() -> None:
+    plan = build_plan("x", "ns", parse_spec(glm5(mode="Auto", min=0.1, max=10)))
+    rec = plan.recommendation
+    assert rec is not None and rec.prefill is not None and rec.decode is not None
+    assert (plan.prefill.replicas, plan.decode.replicas) == (rec.prefill, rec.decode)
+    assert plan.prefill.gpus + plan.decode.gpus <= 64
+    assert ratio_status(plan)["replicasOwner"] == "operator (Auto)"
+
+
+def test_auto_keeps_the_spec_counts_when_the_planner_breaks_a_bound() -> None:
+    """Regression: a planner answer outside ratio.min/max must not turn the spec invalid."""
+    plan = build_plan("x", "ns", parse_spec(glm5(mode="Auto", min=1.4, max=1.6)))
+    assert (plan.prefill.replicas, plan.decode.replicas) == (3, 2)
+    assert "rejected" in plan.replicas.reason
