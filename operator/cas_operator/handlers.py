@@ -35,8 +35,8 @@ from cas_operator.planning.anomaly import PoolCounts, ScaleBounds
 from cas_operator.reconcile import Outcome, reconcile
 from cas_operator.status import Status, status_patch
 
-TIMER_SECONDS = 10.0
-GUARD_SECONDS = 5.0
+TIMER_SECONDS = 30.0  # a safety net: child events drive status
+GUARD_SECONDS = 10.0
 FULL_APPLY_SECONDS = 300.0
 OWNED_STATUS_KEYS = ("observedGeneration", "revision", "conditions", "prefill", "decode",
                      "ratio", "layerSplit", "gpus")  # fmt: skip
