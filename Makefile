@@ -3,7 +3,8 @@ SHELL := /bin/bash
 .DEFAULT_GOAL := help
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+SGLANG_VERSION := 0.5.23
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
 
 ##@ Quick start
 
@@ -27,6 +28,9 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev,operator,engine]'
+	@# SGLang's source without its CUDA dependencies: the engine adapters are tested against the
+	@# real 0.5.23 code (modules that need torch are compiled from the wheel with stubs).
+	$(PY) -m pip install -q --no-deps sglang==$(SGLANG_VERSION)
 	@rm -f $(VENV)/.installed-* && touch $@
 
 crds: setup ## Generate crds/ from the typed models in cas_operator/api
