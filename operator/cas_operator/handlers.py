@@ -95,7 +95,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 def _reconcile(
     meta: Any, spec: Any, status: Any, *, full: bool, trigger: str
 ) -> tuple[Outcome, Status]:
-    """One reconcile pass and the status keys that changed."""
+    """One reconcile pass and the status to write (empty when nothing changed)."""
     uid = str(meta["uid"])
     started = time.monotonic()
     outcome = reconcile(

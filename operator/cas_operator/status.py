@@ -1,8 +1,8 @@
 """Status of a CodingAgentServing, computed purely from the plan and the observed children.
 
 Conditions follow Kubernetes conventions: `lastTransitionTime` changes only when a condition's
-status flips, every condition carries `observedGeneration`, and `status_patch` returns only the
-keys that changed so an unchanged resource gets no status write at all.
+status flips, every condition carries `observedGeneration`, and `status_patch` returns the
+whole status only when something changed, so an unchanged resource gets no status write.
 """
 
 from __future__ import annotations
@@ -228,6 +228,13 @@ def invalid_status(message: str, generation: int) -> Status:
 
 
 def status_patch(old: Status, new: Status, now: str) -> Status:
-    """Only the top-level keys whose values differ; conditions keep their transition times."""
+    """Empty when nothing changed; else the WHOLE new status (conditions keep their times).
+
+    Whole, not only the changed keys: two writers (the spec/timer handlers and the child-event
+    refresh) may hold different stale copies of the old status, and a partial patch computed
+    against a stale copy can pair a Ready condition with another pass's replica counts. A
+    whole snapshot is always internally consistent.
+    """
     new = {**new, "conditions": merge_conditions(old.get("conditions", []), new["conditions"], now)}
-    return {key: value for key, value in new.items() if old.get(key) != value}
+    changed = any(old.get(key) != value for key, value in new.items())
+    return new if changed else {}

@@ -105,7 +105,9 @@ def test_unchanged_status_produces_an_empty_patch() -> None:
     assert set(first) >= {"conditions", "prefill", "decode", "observedGeneration"}
     assert status_patch(first, desired, T1) == {}
     newer = compute_status(plan, all_ready(plan), [], 2)
-    assert set(status_patch(first, newer, T1)) == {"conditions", "observedGeneration"}
+    # a change writes the whole snapshot (consistent even against a stale copy of `old`)
+    assert set(status_patch(first, newer, T1)) == set(first)
+    assert status_patch(first, newer, T1)["observedGeneration"] == 2
 
 
 def test_fleet_wide_anomaly_degrades_but_keeps_ready() -> None:
