@@ -128,7 +128,7 @@ def status_table(session: Session) -> str:
         lines.append(f"{name}: pods {roles or 'none yet'}")
         for cond in item.get("status", {}).get("conditions", []):
             lines.append(
-                f"    {cond['type']:<12} {cond['status']:<6} {cond.get('reason', ''):<22} "
+                f"    {cond['type']:<23} {cond['status']:<6} {cond.get('reason', ''):<25} "
                 f"{cond.get('message', '')[:80]}"
             )
     return "\n".join(lines)
