@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import urllib.request
@@ -27,6 +26,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from e2e.cluster import ClusterHandle, run_kubectl, start_cluster  # noqa: E402
 from e2e.manifests import NodeShape  # noqa: E402
+from e2e.operator_process import OperatorProcess  # noqa: E402
 
 RESULTS = REPO_ROOT / "bench" / "results" / "operator_scale.json"
 METRICS_PORT = 18081
@@ -140,21 +140,16 @@ class Round:
         return to_ready, pods_ready_at, ready_at
 
     def run(self) -> dict[str, Any]:
-        log = (REPO_ROOT / "run" / f"bench-operator-{self.n}.log").open("wb")
-        env = {**os.environ, "KUBECONFIG": str(self.cluster.kubeconfig)}
-        operator = subprocess.Popen(
-            [sys.executable, "-m", "cas_operator", "--liveness", "",
-             "--metrics-port", str(METRICS_PORT)],
-            cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+        log_path = REPO_ROOT / "run" / f"bench-operator-{self.n}.log"
+        operator = OperatorProcess(self.cluster.kubeconfig, log_path, metrics_port=METRICS_PORT)
+        operator.start()
         try:
             time.sleep(3.0)
             to_ready, pods_ready_abs, ready_abs = self.poll()
             cpu, peak = proc_usage(operator.pid)
             metrics = scrape(METRICS_PORT)
         finally:
-            operator.terminate()
-            operator.wait(timeout=30)
+            operator.stop()
             self.kubectl("delete", "namespace", self.namespace, "--wait=false")
         after_pods = [ready_abs[k] - pods_ready_abs[k] for k in ready_abs if k in pods_ready_abs]
         count = metrics.get("cas_operator_reconcile_seconds_count", 0.0) or 1.0

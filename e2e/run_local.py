@@ -13,7 +13,6 @@ import copy
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ from e2e.cluster import (
     run_kubectl,
     start_cluster,
 )
+from e2e.operator_process import OperatorProcess
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ("minimal.yaml", "glm5-long-context.yaml")
@@ -55,7 +55,7 @@ class Session:
     def __init__(self, cluster: ClusterHandle, started_cluster: bool) -> None:
         self.cluster = cluster
         self.started_cluster = started_cluster
-        self.operator: subprocess.Popen[bytes] | None = None
+        self.operator: OperatorProcess | None = None
 
     def kubectl(self, *args: str, stdin: str | None = None, check: bool = True) -> str:
         return run_kubectl(
@@ -64,22 +64,14 @@ class Session:
 
     def start_operator(self) -> Path:
         log_path = self.cluster.run_dir / "logs" / "operator.log"
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "KUBECONFIG": str(self.cluster.kubeconfig)}
-        self.operator = subprocess.Popen(
-            [sys.executable, "-m", "cas_operator", "--liveness", ""],
-            cwd=REPO_ROOT, env=env, stdout=log_path.open("ab"), stderr=subprocess.STDOUT,
-        )  # fmt: skip
+        self.operator = OperatorProcess(self.cluster.kubeconfig, log_path, metrics_port=8081)
+        self.operator.start()
         return log_path
 
     def teardown(self) -> None:
-        if self.operator and self.operator.poll() is None:
+        if self.operator and self.operator.running():
             say("stopping the operator")
-            self.operator.terminate()
-            try:
-                self.operator.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.operator.kill()
+            self.operator.stop()
         if self.started_cluster:
             say("stopping the local cluster")
             for line in self.cluster.stop():
@@ -142,8 +134,8 @@ def live_view(session: Session, duration: float | None) -> None:
         if interactive:
             print("\033[2J\033[H", end="")
         print(time.strftime("%H:%M:%S"), "— Ctrl-C to stop and tear down\n" + screen, flush=True)
-        if session.operator and session.operator.poll() is not None:
-            say("the operator exited; see its log above the run folder")
+        if session.operator and not session.operator.running():
+            say(f"the operator exited:\n{session.operator.log_tail()}")
             return
         time.sleep(2.0)
 

@@ -11,60 +11,20 @@ from __future__ import annotations
 import copy
 import json
 import os
-import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from e2e.operator_process import OperatorProcess
 from tests.paths import ROOT, load_sample
 
 pytestmark = pytest.mark.e2e
 Kubectl = Callable[..., str]
 READY_TIMEOUT_S = 120.0
-
-
-class OperatorProcess:
-    """`python -m cas_operator` against the e2e cluster; restartable, logs under run/."""
-
-    def __init__(self, kubeconfig: Path, log_path: Path) -> None:
-        self.kubeconfig, self.log_path = kubeconfig, log_path
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cas_operator", "--liveness", "", "--metrics-port", "0"],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-
-    def kill(self) -> None:
-        """SIGKILL: no cleanup, as a crashed or evicted operator."""
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(timeout=10)
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-    def assert_alive(self) -> None:
-        assert self.proc is not None and self.proc.poll() is None, self.log_tail()
-
-    def log_tail(self, lines: int = 40) -> str:
-        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
 
 
 @pytest.fixture(scope="session")
@@ -169,7 +129,7 @@ def test_minimal_sample_becomes_ready_with_every_child(
     pods = children(kubectl, namespace, "pods", "minimal")
     roles = sorted(p["metadata"]["labels"]["cas.dev/role"] for p in pods)
     assert roles == ["decode", "prefill", "router"]
-    operator.assert_alive()
+    assert operator.running(), operator.log_tail()
 
 
 def test_glm5_sample_plans_layersplit_and_flags(
@@ -337,7 +297,7 @@ def test_operator_reports_invalid_spec_once(
     assert not children(kubectl, namespace, "deploy", "minimal")
     time.sleep(12)  # a guard tick and more: the condition stays, nothing is created
     assert degraded() is not None and not children(kubectl, namespace, "deploy", "minimal")
-    operator.assert_alive()
+    assert operator.running(), operator.log_tail()
 
 
 def test_operator_killed_mid_reconcile_converges_without_duplicates(
