@@ -119,3 +119,28 @@ async def observe_decide_loop(
         trace.ticks.append({n: (v.state, v.rate, v.reason) for n, v in decode.items()})
         trace.last = obs
     return trace
+
+
+async def loop_under_repetition_fault(
+    router_url: str,
+    faulty_url: str,
+    source: MetricsSource,
+    targets: list[PodTarget],
+    policy: Policy,
+    *,
+    seconds: float,
+) -> tuple[LoopTrace, LoadStats]:
+    """Steady traffic through `router_url` while the sim at `faulty_url` repeats itself half
+    the time; run the observe -> decide loop meanwhile, then clear the fault and stop."""
+    stop, stats = asyncio.Event(), LoadStats()
+    load = asyncio.create_task(steady_traffic(router_url, stop, stats))
+    await set_fault(faulty_url, {"repetition": 0.5})
+    try:
+        trace = await observe_decide_loop(
+            source, targets, AnomalyGuardSpec(window_seconds=60), policy, seconds=seconds
+        )
+    finally:
+        await set_fault(faulty_url, {"repetition": 0.0})
+        stop.set()
+        await load
+    return trace, stats

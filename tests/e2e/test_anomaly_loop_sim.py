@@ -8,16 +8,14 @@ one pod the planner wants drained, while the router's retries keep every client 
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 
 import pytest
 
 from cas_engine.sim.fleet import Fleet, router_available
-from cas_operator.api.models import AnomalyGuardSpec
 from cas_operator.observe import PodTarget, ScrapeSource
 from cas_operator.planning.anomaly import Policy
-from e2e.simload import LoadStats, observe_decide_loop, set_fault, steady_traffic
+from e2e.simload import loop_under_repetition_fault
 
 pytestmark = [
     pytest.mark.skipif(not router_available(), reason="sglang-router not installed"),
@@ -54,17 +52,9 @@ async def test_repetition_decode_is_the_only_pod_flagged(fleet: Fleet) -> None:
     source, tgts = ScrapeSource(timeout_seconds=2.0), targets(fleet)
     first = source.observe(tgts, 60)
     assert first.error is None, first
-    stop, stats = asyncio.Event(), LoadStats()
-    load = asyncio.create_task(steady_traffic(fleet.router_url, stop, stats))
-    await set_fault(fleet.decode_urls[1], {"repetition": 0.5})
-    try:
-        trace = await observe_decide_loop(
-            source, tgts, AnomalyGuardSpec(window_seconds=60), POLICY, seconds=60
-        )
-    finally:
-        await set_fault(fleet.decode_urls[1], {"repetition": 0.0})
-        stop.set()
-        await load
+    trace, stats = await loop_under_repetition_fault(
+        fleet.router_url, fleet.decode_urls[1], source, tgts, POLICY, seconds=60
+    )
     assert stats.failures == [] and stats.ok > 0, stats.failures[:3]
     assert [name for name, _ in trace.drains] == ["decode-1"], trace.report()
     last = trace.ticks[-1]

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 
 from cas_engine.sim.fleet import Fleet, free_port, router_available
-from cas_operator.api.models import AnomalyGuardSpec
 from cas_operator.observe import PodTarget, PrometheusSource
 from cas_operator.planning.anomaly import Policy
 from e2e.prometheus import (
@@ -27,7 +26,7 @@ from e2e.prometheus import (
     start_prometheus,
     write_file_sd,
 )
-from e2e.simload import LoadStats, observe_decide_loop, set_fault, steady_traffic
+from e2e.simload import loop_under_repetition_fault
 
 pytestmark = [
     pytest.mark.skipif(not router_available(), reason="sglang-router not installed"),
@@ -92,17 +91,9 @@ async def test_promql_loop_flags_the_faulty_decode(
     source = PrometheusSource(prom.url, timeout_seconds=5.0, stale_seconds=30.0)
     tgts = targets(fleet)
     await asyncio.to_thread(wait_scraped, source, tgts, 30.0)
-    stop, stats = asyncio.Event(), LoadStats()
-    load = asyncio.create_task(steady_traffic(fleet.router_url, stop, stats))
-    await set_fault(fleet.decode_urls[1], {"repetition": 0.5})
-    try:
-        trace = await observe_decide_loop(
-            source, tgts, AnomalyGuardSpec(window_seconds=60), POLICY, seconds=75
-        )
-    finally:
-        await set_fault(fleet.decode_urls[1], {"repetition": 0.0})
-        stop.set()
-        await load
+    trace, stats = await loop_under_repetition_fault(
+        fleet.router_url, fleet.decode_urls[1], source, tgts, POLICY, seconds=75
+    )
     assert stats.failures == [] and stats.ok > 0, stats.failures[:3]
     assert [name for name, _ in trace.drains] == ["decode-1"], trace.report()
     last = trace.ticks[-1]
