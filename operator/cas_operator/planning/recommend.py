@@ -11,7 +11,6 @@ takes up to a second). Observed signals are not fed in yet (see the issue notes)
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -63,44 +62,43 @@ def recommendation_for(
     profile = profile_for(spec.model.name)
     if profile is None:
         return Recommendation(None, None, f"no instance profile for model {spec.model.name!r}")
-    key = json.dumps(
-        {
-            "profile": profile,
-            "workload": spec.workload.model_dump(mode="json"),
-            "slo": spec.slo.model_dump(mode="json"),
-            "budget": spec.ratio.gpu_budget,
-            "cp": prefill.context_parallel,
-            "layerSplit": layer_split_enabled(spec.prefill),
-            "gpus": [prefill.gpus, decode.gpus],
-        },
-        sort_keys=True,
+    workload = WorkloadInputs(
+        request_rate=spec.workload.request_rate,
+        avg_input_tokens=spec.workload.avg_input_tokens,
+        avg_output_tokens=spec.workload.avg_output_tokens,
+        prefix_cache_hit_rate=spec.workload.prefix_cache_hit_rate,
     )
-    return _cached(key)
+    slo = SloInputs(ttft_s=spec.slo.ttft_seconds, itl_ms=spec.slo.itl_milliseconds)
+    return _recommend(
+        profile,
+        workload,
+        slo,
+        Bounds(gpu_budget=spec.ratio.gpu_budget),
+        prefill.context_parallel,
+        layer_split_enabled(spec.prefill),
+        (prefill.gpus, decode.gpus),
+    )
 
 
 @lru_cache(maxsize=256)
-def _cached(key: str) -> Recommendation:
-    data = json.loads(key)
-    spec = load_spec(data["profile"])
-    workload = data["workload"]
-    result = recommend(
-        WorkloadInputs(
-            request_rate=workload["request_rate"],
-            avg_input_tokens=workload["avg_input_tokens"],
-            avg_output_tokens=workload["avg_output_tokens"],
-            prefix_cache_hit_rate=workload["prefix_cache_hit_rate"],
-        ),
-        SloInputs(ttft_s=data["slo"]["ttft_seconds"], itl_ms=data["slo"]["itl_milliseconds"]),
-        prefill_profile(spec, cp=data["cp"], layer_split=data["layerSplit"]),
-        decode_profile(spec),
-        Bounds(gpu_budget=data["budget"]),
-    )
-    prefill_gpus, decode_gpus = data["gpus"]
-    planned_prefill = result.n_prefill * prefill_profile(spec, cp=data["cp"]).gpus
-    planned_decode = result.n_decode * decode_profile(spec).gpus
+def _recommend(
+    profile: str,
+    workload: WorkloadInputs,
+    slo: SloInputs,
+    bounds: Bounds,
+    cp: int,
+    layer_split: bool,
+    instance_gpus: tuple[int, int],
+) -> Recommendation:
+    """The planner's search (up to a second), cached on its frozen inputs."""
+    spec = load_spec(profile)
+    prefill_instance = prefill_profile(spec, cp=cp, layer_split=layer_split)
+    decode_instance = decode_profile(spec)
+    result = recommend(workload, slo, prefill_instance, decode_instance, bounds)
+    prefill_gpus, decode_gpus = instance_gpus
     return Recommendation(
-        prefill=max(1, math.ceil(planned_prefill / prefill_gpus)),
-        decode=max(1, math.ceil(planned_decode / decode_gpus)),
+        prefill=max(1, math.ceil(result.n_prefill * prefill_instance.gpus / prefill_gpus)),
+        decode=max(1, math.ceil(result.n_decode * decode_instance.gpus / decode_gpus)),
         reason=result.reason,
         ttft_p90_seconds=round(result.ttft_p90_s, 3),
         itl_milliseconds=round(result.itl_ms, 2),
