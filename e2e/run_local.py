@@ -9,7 +9,6 @@ conditions -> on exit stop the operator and, if this run started it, the cluster
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import signal
@@ -43,7 +42,6 @@ def demo_manifests() -> list[dict[str, Any]]:
     out = []
     for name in SAMPLES:
         manifest = yaml.safe_load((REPO_ROOT / "config" / "samples" / name).read_text())
-        manifest = copy.deepcopy(manifest)
         manifest["spec"]["model"].pop("pvcName", None)
         out.append(manifest)
     return out

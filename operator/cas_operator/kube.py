@@ -37,7 +37,6 @@ KINDS: dict[str, KindInfo] = {
     "ConfigMap": KindInfo("v1", "configmaps"),
     "Service": KindInfo("v1", "services"),
     "Pod": KindInfo("v1", "pods"),
-    "Event": KindInfo("v1", "events"),
     "Role": KindInfo("rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": KindInfo("rbac.authorization.k8s.io/v1", "rolebindings"),
     "PodDisruptionBudget": KindInfo("policy/v1", "poddisruptionbudgets"),

@@ -86,12 +86,12 @@ def merge_conditions(
 
 def pool_status(plan: Plan, pool: PoolPlan, observed: list[ObservedWorkload]) -> dict[str, Any]:
     current = [w for w in observed if w.role == pool.role and w.revision == plan.revision]
-    ready = sum(w.ready_replicas for w in current)
+    ready = min(sum(w.ready_replicas for w in current), pool.replicas)
     selector = f"{c.LABEL_NAME}={plan.name},{c.LABEL_ROLE}={pool.role}"
     return {
         "replicas": pool.replicas,
-        "readyReplicas": min(ready, pool.replicas),
-        "summary": f"{min(ready, pool.replicas)}/{pool.replicas}",
+        "readyReplicas": ready,
+        "summary": f"{ready}/{pool.replicas}",
         "gpusPerInstance": pool.shape.gpus,
         "selector": selector,
     }
