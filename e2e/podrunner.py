@@ -7,7 +7,11 @@ KWOK only pretends to run containers; this runner makes engine pods real process
    fake nodes' pod CIDRs), not terminating, with a container whose command runs
    ``cas_engine.launch_server`` or ``cas_engine.sim`` - ensures one ``python -m cas_engine.sim``
    runs with the container's args ($(VAR) expanded from its env), bound to the pod IP and its
-   ``http`` container port;
+   ``http`` container port; with ``kubeconfig`` set, router pods (a container running
+   ``sglang_router.launch_router``) run too, as the real SGLang router with the container's
+   args (``--host`` and ``--prometheus-host`` set to the pod IP) and Kubernetes discovery
+   against this API server (``KUBECONFIG``), so ``http://<router pod IP>:8000`` is a router
+   replica as in a real cluster (the operator deregisters draining workers there);
    a process that exited is restarted after ``restart_backoff_s``;
 3. stops (SIGTERM, by recorded pid) the processes of pods that went away or were replaced
    (a new pod UID under the same name);
@@ -15,7 +19,7 @@ KWOK only pretends to run containers; this runner makes engine pods real process
    annotated ``prometheus.io/scrape: "true"``, labelled namespace/pod/role.
 Ownership: the runner owns the processes it started (records in memory) and the sd file.
 
-``python -m e2e.podrunner --kubeconfig PATH [--sd-file F] [--sim-arg=--sim-speedup=20 ...]``
+``python -m e2e.podrunner --kubeconfig PATH [--routers] [--sd-file F] [--sim-arg=--sim-speedup=20]``
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import re
+import signal
 import sys
 import threading
 import time
@@ -36,6 +41,10 @@ from e2e.prometheus import write_file_sd
 
 Pod = dict[str, Any]
 LAUNCHERS = ("cas_engine.launch_server", "cas_engine.sim")
+ROUTER_LAUNCHER = "sglang_router.launch_router"
+ROUTER_SHIM = "e2e.router_shim"  # the router, minus its process renaming (see that module)
+REPO_ROOT = Path(__file__).resolve().parent.parent  # where ROUTER_SHIM's package lives
+ROUTER_HOST_FLAGS = ("--host", "--prometheus-host")
 LOOPBACK = ipaddress.IPv4Network("127.0.0.0/8")
 DEFAULT_PORT = 30000
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
@@ -54,12 +63,16 @@ class Launch:
     env: tuple[tuple[str, str], ...]
 
 
-def _engine_container(pod: Pod) -> dict[str, Any] | None:
+def _container_running(pod: Pod, launchers: tuple[str, ...]) -> dict[str, Any] | None:
     for container in pod.get("spec", {}).get("containers", []):
         command = " ".join(container.get("command", []) + container.get("args", [])[:1])
-        if any(launcher in command for launcher in LAUNCHERS):
+        if any(launcher in command for launcher in launchers):
             return dict(container)
     return None
+
+
+def _engine_container(pod: Pod) -> dict[str, Any] | None:
+    return _container_running(pod, LAUNCHERS)
 
 
 def _expand(arg: str, env: dict[str, str]) -> str:
@@ -82,19 +95,10 @@ def launch_for(
 ) -> Launch | None:
     """The sim command for a runnable pod, or None when the pod is not ours to run (pure):
     only pods whose IP lies in `networks` (addresses this machine can bind) are run."""
-    meta, status = pod.get("metadata", {}), pod.get("status", {})
-    ip = status.get("podIP")
-    if meta.get("deletionTimestamp") or not pod.get("spec", {}).get("nodeName") or not ip:
-        return None
-    if status.get("phase") in ("Succeeded", "Failed"):
-        return None
-    try:
-        if not any(ipaddress.ip_address(ip) in net for net in networks):
-            return None
-    except ValueError:
-        return None
-    container = _engine_container(pod)
-    if container is None:
+    meta = pod.get("metadata", {})
+    ip = _runnable_ip(pod, networks)
+    container = _engine_container(pod) if ip else None
+    if ip is None or container is None:
         return None
     env = {e["name"]: str(e["value"]) for e in container.get("env", []) if "value" in e}
     env.update({"POD_NAME": meta.get("name", ""), "POD_IP": ip})
@@ -109,6 +113,54 @@ def launch_for(
         ip=ip,
         port=port,
         argv=argv,
+        env=tuple(sorted(env.items())),
+    )
+
+
+def _runnable_ip(pod: Pod, networks: tuple[ipaddress.IPv4Network, ...]) -> str | None:
+    """The pod's IP when it is bound, alive and its IP lies in `networks`; else None."""
+    meta, status = pod.get("metadata", {}), pod.get("status", {})
+    ip = status.get("podIP")
+    if meta.get("deletionTimestamp") or not pod.get("spec", {}).get("nodeName") or not ip:
+        return None
+    if status.get("phase") in ("Succeeded", "Failed"):
+        return None
+    try:
+        if not any(ipaddress.ip_address(ip) in net for net in networks):
+            return None
+    except ValueError:
+        return None
+    return str(ip)
+
+
+def router_launch_for(
+    pod: Pod,
+    python: str,
+    kubeconfig: Path,
+    networks: tuple[ipaddress.IPv4Network, ...] = (LOOPBACK,),
+) -> Launch | None:
+    """The real SGLang router for a runnable router pod, or None (pure): the container's args
+    with every listen host replaced by the pod IP, discovery through `kubeconfig`."""
+    meta = pod.get("metadata", {})
+    ip = _runnable_ip(pod, networks)
+    container = _container_running(pod, (ROUTER_LAUNCHER,)) if ip else None
+    if ip is None or container is None:
+        return None
+    env = {e["name"]: str(e["value"]) for e in container.get("env", []) if "value" in e}
+    env.update({"POD_NAME": meta.get("name", ""), "POD_IP": ip, "KUBECONFIG": str(kubeconfig),
+                "PYTHONPATH": str(REPO_ROOT)})  # fmt: skip
+    args = [_expand(a, env) for a in container.get("args", [])]
+    for i, arg in enumerate(args[:-1]):
+        if arg in ROUTER_HOST_FLAGS:
+            args[i + 1] = ip
+    port = _http_port(container)
+    return Launch(
+        uid=meta.get("uid", ""),
+        name=meta.get("name", ""),
+        namespace=meta.get("namespace", ""),
+        ip=ip,
+        port=port,
+        argv=(python, "-m", ROUTER_SHIM, *args),
         env=tuple(sorted(env.items())),
     )
 
@@ -132,6 +184,7 @@ class PodRunner:
     extra_args: list[str] = field(default_factory=list)
     restart_backoff_s: float = 5.0
     networks: tuple[ipaddress.IPv4Network, ...] = (LOOPBACK,)
+    kubeconfig: Path | None = None  # set: router pods run as real SGLang routers too
     running: dict[tuple[str, str], _Running] = field(default_factory=dict)
 
     def sync(self) -> list[str]:
@@ -141,6 +194,8 @@ class PodRunner:
         wanted: dict[tuple[str, str], Launch] = {}
         for pod in pods:
             launch = launch_for(pod, self.python, self.extra_args, self.networks)
+            if launch is None and self.kubeconfig is not None:
+                launch = router_launch_for(pod, self.python, self.kubeconfig, self.networks)
             if launch is not None:
                 wanted[(launch.namespace, launch.name)] = launch
         for key in [k for k, r in self.running.items() if wanted.get(k) != r.launch]:
@@ -229,10 +284,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sd-file", type=Path, default=None)
     parser.add_argument("--sim-arg", action="append", default=[], help="extra sim argument")
     parser.add_argument("--interval", type=float, default=1.0)
+    parser.add_argument("--routers", action="store_true", help="run router pods too")
     args = parser.parse_args(argv)
     lister = kube_pod_lister(args.kubeconfig, args.namespace)
-    runner = PodRunner(lister, args.log_dir, args.sd_file, extra_args=args.sim_arg)
+    runner = PodRunner(lister, args.log_dir, args.sd_file, extra_args=args.sim_arg,
+                       kubeconfig=args.kubeconfig.resolve() if args.routers else None)  # fmt: skip
     stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # stop the sims before exiting
     try:
         runner.run(stop, args.interval)
     except KeyboardInterrupt:

@@ -1,19 +1,33 @@
-"""`make run`: the local control plane, the CRD, the operator and the sample fleets, then a live
-view of them until Ctrl-C (or `--duration`), then a clean teardown of what this run started.
+"""`make run`: the local control plane, the CRD, the operator and the sample fleets with live
+traffic, then a live view of them until Ctrl-C (or `--duration`), then a clean teardown of what
+this run started.
 
-Data flow: start (or reuse) the cluster -> apply crds/ -> start `python -m cas_operator` as a
-process -> apply the samples -> every 2 s print the resources' status table, pods per role and
-conditions -> on exit stop the operator and, if this run started it, the cluster.
+Data flow: start (or reuse) the cluster -> apply crds/ -> start the pod runner (a thread,
+:mod:`e2e.podrunner`): every engine pod of the demo namespace becomes a ``cas_engine.sim``
+process at its pod IP, every router pod the real SGLang router (``sglang_router``, PD mode,
+Kubernetes discovery against this API server) at its pod IP, so the operator's router
+deregistration (router pod IPs) works as in a cluster; the runner also writes the Prometheus
+targets -> start Prometheus (Debian's, scraping those targets every 5 s; skipped with a note
+when not installed) -> start `python -m cas_operator` as a process with ``CAS_PROMETHEUS_URL``
+(its anomaly loop reads PromQL) -> apply the samples -> start the load generator
+(:mod:`e2e.liveload`: coding-agent chat sessions through each resource's router pod) -> every
+2 s print the status table, pods per role, conditions, traffic (req/s, errors, TTFT p50/p90
+over 30 s) and the anomaly loop's status (rate, draining pods) -> on exit stop, in this
+order, the load, the operator, the runner's processes, Prometheus and, if this run started it,
+the cluster (else delete the demo namespace). Logs: ``run/make-run/``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
 import sys
+import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +40,26 @@ from e2e.cluster import (
     run_kubectl,
     start_cluster,
 )
+from e2e.liveload import LiveLoad, format_summary
 from e2e.operator_process import OperatorProcess
+from e2e.podrunner import PodRunner, kube_pod_lister
+from e2e.prometheus import (
+    PrometheusHandle,
+    file_sd_scrape_config,
+    prometheus_binary,
+    start_prometheus,
+    write_file_sd,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ("minimal.yaml", "glm5-long-context.yaml")
 DEMO_NAMESPACE = "cas-demo"
+LIVE_DIR = REPO_ROOT / "run" / "make-run"
+SCRAPE_INTERVAL_S = 5.0
+# The sims of the sample fleets: 20x faster than the modelled GPU, quiet logs (2 cores run
+# the control plane, the operator, Prometheus, ~20 sims and the routers together).
+SIM_ARGS = ["--sim-speedup", "20", "--log-level", "warning"]
+ROUTER_PORT = 8000
 
 
 def say(msg: str) -> None:
@@ -47,6 +76,49 @@ def demo_manifests() -> list[dict[str, Any]]:
     return out
 
 
+def served_model(manifest: dict[str, Any]) -> str:
+    model = manifest["spec"]["model"]
+    return str(model.get("servedModelName") or model["name"])
+
+
+class RouterFinder:
+    """``http://<router pod IP>:8000`` of a resource's router pod that answers ``/readiness``
+    (the router has healthy workers), from a pod list and probes cached for `ttl_s` (the load
+    generator asks before every request)."""
+
+    def __init__(self, kubeconfig: Path, namespace: str, ttl_s: float = 2.0) -> None:
+        self.list_pods = kube_pod_lister(kubeconfig, namespace)
+        self.ttl_s = ttl_s
+        self._lock = threading.Lock()
+        self._ready: dict[str, str] = {}  # resource name -> router URL
+        self._at = float("-inf")
+
+    def __call__(self, name: str) -> str | None:
+        with self._lock:
+            if time.monotonic() - self._at > self.ttl_s:
+                with contextlib.suppress(Exception):  # API hiccup: keep the last answer
+                    self._ready = self._probe(self.list_pods())
+                self._at = time.monotonic()
+            return self._ready.get(name)
+
+    @staticmethod
+    def _probe(pods: list[dict[str, Any]]) -> dict[str, str]:
+        ready: dict[str, str] = {}
+        for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
+            labels = pod["metadata"].get("labels") or {}
+            ip = (pod.get("status") or {}).get("podIP")
+            name = labels.get("cas.dev/name", "")
+            if (labels.get("cas.dev/role") != "router" or not ip or name in ready
+                    or pod["metadata"].get("deletionTimestamp")):  # fmt: skip
+                continue
+            url = f"http://{ip}:{ROUTER_PORT}"
+            probe = f"{url}/readiness"
+            with contextlib.suppress(OSError), urllib.request.urlopen(probe, timeout=1.0) as resp:
+                if resp.status == 200:
+                    ready[name] = url
+        return ready
+
+
 class Session:
     """What this run started, so teardown stops exactly that."""
 
@@ -54,22 +126,91 @@ class Session:
         self.cluster = cluster
         self.started_cluster = started_cluster
         self.operator: OperatorProcess | None = None
+        self.prometheus: PrometheusHandle | None = None
+        self.runner: PodRunner | None = None
+        self._runner_stop = threading.Event()
+        self._runner_thread: threading.Thread | None = None
+        self.load: LiveLoad | None = None
 
     def kubectl(self, *args: str, stdin: str | None = None, check: bool = True) -> str:
         return run_kubectl(
             self.cluster.kubectl_path, self.cluster.kubeconfig, *args, stdin=stdin, check=check
         )
 
-    def start_operator(self) -> Path:
+    def start_pod_runner(self, sd_file: Path) -> None:
+        """Sims for the demo's engine pods, real routers for its router pods (a thread)."""
+        self.runner = PodRunner(
+            kube_pod_lister(self.cluster.kubeconfig, DEMO_NAMESPACE), LIVE_DIR / "pods",
+            sd_file, extra_args=SIM_ARGS, restart_backoff_s=3.0,
+            kubeconfig=self.cluster.kubeconfig.resolve(),
+        )  # fmt: skip
+        self._runner_thread = threading.Thread(target=self._run_pods, name="podrunner", daemon=True)
+        self._runner_thread.start()
+
+    def _run_pods(self) -> None:
+        assert self.runner is not None
+        log = LIVE_DIR / "podrunner.log"
+        with log.open("a") as out:
+            try:
+                while not self._runner_stop.is_set():
+                    try:
+                        for line in self.runner.sync():
+                            print(time.strftime("%H:%M:%S"), line, file=out, flush=True)
+                    except Exception as exc:  # API hiccup: report, retry next pass
+                        print(time.strftime("%H:%M:%S"), f"sync failed: {exc}", file=out,
+                              flush=True)  # fmt: skip
+                    self._runner_stop.wait(1.0)
+            finally:
+                for line in self.runner.stop_all():
+                    print(time.strftime("%H:%M:%S"), line, file=out, flush=True)
+
+    def start_prometheus(self, sd_file: Path) -> str | None:
+        """Prometheus scraping the runner's targets; None (and a note) when not installed."""
+        if prometheus_binary() is None:
+            say("prometheus not installed (apt-get install prometheus): the operator scrapes pods")
+            return None
+        write_file_sd(sd_file, [])
+        job = file_sd_scrape_config(sd_file, SCRAPE_INTERVAL_S)
+        self.prometheus = start_prometheus(
+            LIVE_DIR / "prometheus", [job], interval_s=SCRAPE_INTERVAL_S
+        )
+        return self.prometheus.url
+
+    def start_operator(self, prometheus_url: str | None) -> Path:
+        """The operator process; its anomaly loop reads Prometheus when a URL is given."""
+        if prometheus_url:
+            os.environ["CAS_PROMETHEUS_URL"] = prometheus_url  # inherited by the process
         log_path = self.cluster.run_dir / "logs" / "operator.log"
         self.operator = OperatorProcess(self.cluster.kubeconfig, log_path, metrics_port=8081)
         self.operator.start()
         return log_path
 
+    def start_load(self, manifests: list[dict[str, Any]]) -> None:
+        resources = {m["metadata"]["name"]: served_model(m) for m in manifests}
+        finder = RouterFinder(self.cluster.kubeconfig, DEMO_NAMESPACE)
+        self.load = LiveLoad(resources, finder).start()
+
+    def processes(self) -> str:
+        """One line: what the pod runner runs and where Prometheus is."""
+        running = list(self.runner.running.copy().values()) if self.runner else []
+        routers = sum("e2e.router_shim" in r.launch.argv for r in running)
+        prom = self.prometheus.url if self.prometheus else "off (direct pod scrapes)"
+        return (f"pod runner: {len(running) - routers} sims, {routers} SGLang routers; "
+                f"prometheus: {prom}; logs: {LIVE_DIR}")  # fmt: skip
+
     def teardown(self) -> None:
+        if self.load is not None:
+            say("stopping the load generator")
+            self.load.stop()
         if self.operator and self.operator.running():
             say("stopping the operator")
             self.operator.stop()
+        if self._runner_thread is not None:
+            say("stopping the sims and routers")
+            self._runner_stop.set()
+            self._runner_thread.join(60)
+        if self.prometheus is not None:
+            say(self.prometheus.stop())
         if self.started_cluster:
             say("stopping the local cluster")
             for line in self.cluster.stop():
@@ -86,7 +227,7 @@ def open_cluster() -> tuple[ClusterHandle, bool]:
         from e2e.bins import resolve
 
         path = Path(external).expanduser().resolve()
-        return ClusterHandle(path.parent, path, {}, resolve().kubectl), False
+        return ClusterHandle(path.parent, path, {}, kubectl_path=resolve().kubectl), False
     running = load_cluster()
     if running is not None:
         say(f"reusing the running local cluster in {running.run_dir}")
@@ -99,11 +240,12 @@ def open_cluster() -> tuple[ClusterHandle, bool]:
 
 
 def status_table(session: Session) -> str:
-    """`kubectl get cas`, pods per role and each resource's conditions, as one screen."""
+    """`kubectl get cas`, pods per role, traffic, the anomaly loop and conditions, one screen."""
     table = session.kubectl("get", "cas", "-n", DEMO_NAMESPACE, "-o", "wide", check=False)
     data = json.loads(session.kubectl("get", "cas", "-n", DEMO_NAMESPACE, "-o", "json") or "{}")
     pods = json.loads(session.kubectl("get", "pods", "-n", DEMO_NAMESPACE, "-o", "json") or "{}")
-    lines = [table.rstrip(), ""]
+    lines = [table.rstrip(), "", session.processes(), ""]
+    traffic = session.load.summaries() if session.load else {}
     for item in data.get("items", []):
         name = item["metadata"]["name"]
         per_role: dict[str, list[str]] = {}
@@ -116,12 +258,33 @@ def status_table(session: Session) -> str:
             f"{role}: {len(p)} ({','.join(sorted(set(p)))})" for role, p in sorted(per_role.items())
         )
         lines.append(f"{name}: pods {roles or 'none yet'}")
+        if name in traffic:
+            window = session.load.window_s if session.load else 0.0
+            lines.append(f"    traffic  {format_summary(traffic[name], window)}")
+        lines.append(f"    anomaly  {anomaly_line(item.get('status') or {})}")
         for cond in item.get("status", {}).get("conditions", []):
             lines.append(
                 f"    {cond['type']:<23} {cond['status']:<6} {cond.get('reason', ''):<25} "
                 f"{cond.get('message', '')[:80]}"
             )
     return "\n".join(lines)
+
+
+def anomaly_line(status: dict[str, Any]) -> str:
+    """The anomaly loop's view of one resource: worst pool rate, incidents, draining pods."""
+    anomaly = status.get("anomaly") or {}
+    parts = [f"rate {anomaly.get('rate', 'n/a')}"]
+    pools = anomaly.get("pools") or {}
+    if pools:
+        parts.append(" ".join(f"{role} {rate:.3%}" for role, rate in sorted(pools.items())))
+    if anomaly.get("fleetWide"):
+        parts.append(f"FLEET-WIDE: {anomaly['fleetWide'][:60]}")
+    if anomaly.get("signalUnavailable"):
+        parts.append(f"signal unavailable: {anomaly['signalUnavailable'][:60]}")
+    draining = status.get("draining") or []
+    pods = [f"{d['pod']} ({d.get('state')}, {d.get('reason', '')[:40]})" for d in draining]
+    parts.append("draining: " + (", ".join(pods) or "none"))
+    return "  ".join(parts)
 
 
 def live_view(session: Session, duration: float | None) -> None:
@@ -151,14 +314,24 @@ def main(argv: list[str] | None = None) -> int:
             "wait", "--for=condition=Established", "--timeout=60s",
             "crd/codingagentservings.serving.cas.dev",
         )  # fmt: skip
-        log_path = session.start_operator()
+        LIVE_DIR.mkdir(parents=True, exist_ok=True)
+        sd_file = LIVE_DIR / "targets.json"
+        session.start_pod_runner(sd_file)
+        say(f"pod runner started (sims and routers for {DEMO_NAMESPACE}; log: {LIVE_DIR})")
+        prometheus_url = session.start_prometheus(sd_file)
+        if prometheus_url:
+            say(f"prometheus ready at {prometheus_url} (scrapes the pods every 5 s)")
+        log_path = session.start_operator(prometheus_url)
         say(f"operator started (log: {log_path})")
         session.kubectl("create", "namespace", DEMO_NAMESPACE, check=False)
-        for manifest in demo_manifests():
+        manifests = demo_manifests()
+        for manifest in manifests:
             session.kubectl(
                 "apply", "-n", DEMO_NAMESPACE, "-f", "-", stdin=yaml.safe_dump(manifest)
             )
             say(f"applied {manifest['kind']} {manifest['metadata']['name']} in {DEMO_NAMESPACE}")
+        session.start_load(manifests)
+        say("load generator started (coding-agent sessions through each router pod)")
         live_view(session, args.duration)
     except KeyboardInterrupt:
         print()
