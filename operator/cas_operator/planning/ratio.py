@@ -292,6 +292,7 @@ class _Class:
     input_tokens: float
     cached: float
     service_s: float
+    sticky: bool = True  # routed to its cache home (a hit); else to the least-backlogged instance
 
 
 def _lognormal_points(sigma: float, k: int = 6) -> list[float]:
@@ -324,25 +325,33 @@ def _request_classes(
         spec.append((q * p_gpu, avg, avg - n, 0.0))
         spec.append((q * max(p_any - p_gpu, 0.0), avg, avg - n, avg - n))
     spec.append((ret * (1.0 - p_any), avg, shared, 0.0))
+    n_first = len(firsts)
     return [
-        _Class(p, inp, cached, prefill.prefill_time(inp - cached, cached, host))
-        for p, inp, cached, host in spec
+        _Class(
+            p,
+            inp,
+            cached,
+            prefill.prefill_time(inp - cached, cached, host),
+            sticky=0 < i < len(spec) - 1 and i >= n_first,
+        )
+        for i, (p, inp, cached, host) in enumerate(spec)
         if p > 0.0
     ]
 
 
 _Wait = tuple[float, float, float]  # (share of requests, P(wait > 0), tail rate theta)
+_Waits = Sequence[_Wait]  # a waiting-time mixture
 
 
 def _ttft_tail(
-    classes: Sequence[_Class], extra_s: Sequence[float], waits: Sequence[_Wait], t: float
+    classes: Sequence[_Class], extra_s: Sequence[float], waits: Sequence[_Waits], t: float
 ) -> float:
-    """P(W + D > t): D is the class delay; W is a mixture over instance groups, each with an
-    atom at 0 and an exponential tail of rate ``theta`` with mass ``P(wait > 0)``."""
+    """P(W + D > t): D is the class delay; W is the class's wait mixture over instance groups,
+    each with an atom at 0 and an exponential tail of rate ``theta`` with mass P(wait > 0)."""
     total = 0.0
-    for share, wait_prob, theta in waits:
-        for c, x in zip(classes, extra_s, strict=True):
-            d = c.service_s + x
+    for c, x, mix in zip(classes, extra_s, waits, strict=True):
+        d = c.service_s + x
+        for share, wait_prob, theta in mix:
             if t < d:
                 total += share * c.prob
             elif theta <= 0.0:
@@ -353,11 +362,11 @@ def _ttft_tail(
 
 
 def _ttft_quantile(
-    classes: Sequence[_Class], extra_s: Sequence[float], waits: Sequence[_Wait], q: float
+    classes: Sequence[_Class], extra_s: Sequence[float], waits: Sequence[_Waits], q: float
 ) -> float:
     """Smallest t with P(W + D > t) <= 1 - q (bisection; the tail is monotone in t)."""
     delays = [c.service_s + x for c, x in zip(classes, extra_s, strict=True)]
-    slowest = min((w[2] for w in waits if w[2] > 0.0), default=0.0)
+    slowest = min((w[2] for mix in waits for w in mix if w[2] > 0.0), default=0.0)
     target = 1.0 - q
     lo, hi = 0.0, max(delays) + (50.0 / slowest if slowest > 0 else 1e6)
     if _ttft_tail(classes, extra_s, waits, hi) > target:
@@ -371,30 +380,59 @@ def _ttft_quantile(
     return hi
 
 
-def _prefill_waits(
-    rate: float, n: int, mean_s: float, cs2: float, live_sessions: float, limits: ModelLimits
-) -> list[_Wait]:
-    """Waiting-time mixture of the prefill pool under sticky prefix routing.
+def _water_level(loads: Sequence[tuple[float, float]]) -> float:
+    """Level ``L`` with ``sum(w * max(f, L)) = 1`` over (load f, weight w) points: the load
+    every under-loaded instance is filled up to by least-backlogged routing of misses."""
+    lo, hi = 0.0, max(1.0, max(f for f, _ in loads))
+    for _ in range(50):
+        mid = (lo + hi) / 2.0
+        if sum(w * max(f, mid) for f, w in loads) < 1.0:
+            lo = mid
+        else:
+            hi = mid
+    return hi
 
-    Groups of ``queue_pool`` instances share a queue (M/G/c, Allen-Cunneen). Each instance
-    carries the sessions homed on it, about Poisson(live/n) of them, so its load varies with
-    relative sd ``1/sqrt(live/n)``; five load points weighted by the requests they carry.
+
+def _prefill_waits(
+    rate: float,
+    n: int,
+    mean_s: float,
+    cs2: float,
+    live_sessions: float,
+    limits: ModelLimits,
+    sticky_share: float = 1.0,
+) -> tuple[list[_Wait], list[_Wait]]:
+    """Waiting-time mixtures of the prefill pool: (sticky hits, least-backlogged misses).
+
+    Hits go to their cache home. Each instance carries the sessions homed on it, about
+    Poisson(live/n) of them, so its sticky load varies with relative sd ``1/sqrt(live/n)``
+    (five load points). Misses (first turns, evicted prefixes: ``1 - sticky_share`` of the
+    work) go to the least-backlogged instance, so they fill the under-loaded instances up to a
+    common level (water filling) and wait like one pooled M/G/n queue. Groups of
+    ``queue_pool`` instances share a queue (M/G/c, Allen-Cunneen).
     """
     pool = max(1, min(limits.queue_pool, n))
     cv = 1.0 / math.sqrt(max(live_sessions / n, 1.0)) if limits.session_imbalance else 0.0
     points = [(z, 0.2) for z in (-1.2816, -0.5244, 0.0, 0.5244, 1.2816)] if cv else [(0.0, 1.0)]
-    loads = [(max(0.05, 1.0 + cv * z), w) for z, w in points]
-    norm = sum(f * w for f, w in loads)
+    s = min(max(sticky_share, 0.0), 1.0)
+    sticky = [(max(0.0, s * (1.0 + cv * z)), w) for z, w in points]
+    level = _water_level(sticky)
     waits = []
-    for f, w in loads:
+    for (f_s, w), _ in zip(sticky, points, strict=True):
+        f = max(f_s, level, 0.05)
         lam = rate * pool / n * f
-        share = f * w / norm
+        share = f_s * w / max(s, 1e-9) if s > 0 else w
         if lam * mean_s >= pool:
             waits.append((share, 1.0, 0.0))
             continue
         theta = 2.0 * (pool / mean_s - lam) / (1.0 + cs2)
         waits.append((share, erlang_c(pool, lam * mean_s), theta))
-    return waits
+    offered = rate * mean_s
+    if offered >= n:
+        pooled = [(1.0, 1.0, 0.0)]
+    else:
+        pooled = [(1.0, erlang_c(n, offered), 2.0 * (n / mean_s - rate) / (1.0 + cs2))]
+    return waits, pooled
 
 
 def _decode_state(
@@ -472,7 +510,11 @@ def evaluate(
     extra = [c.input_tokens * prefill.kv_bytes_per_token / flow_bw + first_step for c in classes]
     if util < 1.0 and math.isfinite(step):
         live = w.request_rate * cycle
-        waits = _prefill_waits(w.request_rate, n_prefill, mean_s, cs2, live, limits)
+        sticky_work = sum(c.prob * c.service_s for c in classes if c.sticky)
+        hits, misses = _prefill_waits(
+            w.request_rate, n_prefill, mean_s, cs2, live, limits, sticky_work / mean_s
+        )
+        waits = [hits if c.sticky else misses for c in classes]
         ttft = _ttft_quantile(classes, extra, waits, slo.ttft_quantile)
         attain = 1.0 - _ttft_tail(classes, extra, waits, slo.ttft_s)
     else:
@@ -555,7 +597,25 @@ def _min_gpu_plan(ctx: _Ctx, wl: WorkloadInputs) -> PlanEvaluation | None:
 
 
 def _goodput_plan(ctx: _Ctx, wl: WorkloadInputs, budget: int) -> tuple[PlanEvaluation, float]:
-    """Plan sustaining the highest request rate within SLOs and ``budget`` GPUs."""
+    """Plan with the most SLO-meeting requests within ``budget`` GPUs: (plan, goodput rate).
+
+    Decode first: the smallest decode pool whose KV and ITL hold at the full offered rate, and
+    every other GPU to prefill, when prefill then keeps up (utilisation under 1); its goodput is
+    the offered rate times the predicted TTFT attainment. Under closed-loop agent traffic a
+    short decode pool is a cliff (requests wait for KV admission and the wait counts toward
+    TTFT), a short prefill pool only stretches the TTFT tail, so at the cap decode is sized for
+    the load and prefill takes the rest. When the budget cannot hold both, the highest rate
+    whose fewest-GPU plan fits, with the leftover spent decode first (``_spend_leftover``).
+    """
+    b, gp, gd = ctx.bounds, ctx.prefill.gpus, ctx.decode.gpus
+    top_d = min(b.max_decode, (budget - b.min_prefill * gp) // gd)
+    n_d = _first_true(b.min_decode, top_d, lambda n: _decode_ok(ctx.eval(wl, b.min_prefill, n)))
+    if n_d is not None:
+        n_p = min(b.max_prefill, (budget - n_d * gd) // gp)
+        n_d = min(b.max_decode, (budget - n_p * gp) // gd)
+        ev = ctx.eval(wl, n_p, n_d)
+        if ev.prefill_util < 1.0 and ev.link_util < 1.0:
+            return ev, ev.expected_goodput(wl.request_rate)
 
     def plan_at(rate: float) -> PlanEvaluation | None:
         ev = _min_gpu_plan(ctx, replace(wl, request_rate=rate))
@@ -604,22 +664,26 @@ def _best_split(ctx: _Ctx, wl: WorkloadInputs, budget: int) -> tuple[PlanEvaluat
 def _spend_leftover(
     ctx: _Ctx, wl: WorkloadInputs, plan: PlanEvaluation, budget: int, rate: float
 ) -> PlanEvaluation:
-    """Give GPUs left under the budget to both sides in proportion to the plan that sustains
-    ``rate`` (each step to the side with less relative headroom), so neither side is starved
-    by a full-rate comparison that is infinite on both sides."""
-    base_p, base_d = plan.n_prefill, plan.n_decode
-    n_p, n_d = base_p, base_d
+    """Give GPUs left under the budget by the plan that sustains ``rate``: decode first, up to
+    the size whose KV and ITL hold at the full offered rate, then prefill, then decode again.
+
+    Why this order: under closed-loop agent traffic an overloaded decode pool is a cliff (every
+    request waits for KV admission and that wait counts toward TTFT), while an overloaded
+    prefill pool degrades per instance (sticky routing queues only the hot instances). A
+    proportional split of the leftover gives nearly all of it to the larger prefill side and
+    leaves decode at the edge of its KV capacity - the budget-cap failure the simulator showed.
+    """
     b = ctx.bounds
-    for _ in range(100_000):
-        left = budget - (n_p * ctx.prefill.gpus + n_d * ctx.decode.gpus)
-        can_p = left >= ctx.prefill.gpus and n_p < b.max_prefill
-        can_d = left >= ctx.decode.gpus and n_d < b.max_decode
-        if not (can_p or can_d):
-            break
-        if can_p and (not can_d or n_p / base_p <= n_d / base_d):
-            n_p += 1
-        else:
-            n_d += 1
+    gp, gd = ctx.prefill.gpus, ctx.decode.gpus
+    n_p, n_d = plan.n_prefill, plan.n_decode
+    left = budget - (n_p * gp + n_d * gd)
+    room_d = min(b.max_decode - n_d, max(left, 0) // gd)
+    want_d = _first_true(n_d, n_d + room_d, lambda n: _decode_ok(ctx.eval(wl, plan.n_prefill, n)))
+    n_d = n_d + room_d if want_d is None else want_d
+    left = budget - (n_p * gp + n_d * gd)
+    n_p += min(b.max_prefill - n_p, max(left, 0) // gp)
+    left = budget - (n_p * gp + n_d * gd)
+    n_d += min(b.max_decode - n_d, max(left, 0) // gd)
     return ctx.eval(replace(wl, request_rate=rate), n_p, n_d)
 
 
@@ -688,10 +752,12 @@ def recommend(
     fewer GPUs (or gives 5% more goodput at the cap) is reported as ``cp_hint``.
     """
     wl = workload.resolved()
+    seen = wl  # the load the observations were made at (the forecast may be higher)
     if observed is not None and observed.arrival_rate is not None:
+        seen = replace(wl, request_rate=observed.arrival_rate)
         wl = replace(wl, request_rate=max(wl.request_rate, observed.arrival_rate))
-    hit_scale = _hit_scale(wl, slo, prefill, decode, bounds, observed, limits)
-    limits = replace(limits, kv_scale=_kv_scale(wl, decode, observed))
+    hit_scale = _hit_scale(seen, slo, prefill, decode, bounds, observed, limits)
+    limits = replace(limits, kv_scale=_kv_scale(seen, decode, observed))
     ctx = _Ctx(slo, prefill, decode, bounds, limits, hit_scale)
     ev, rate, meets = _plan(ctx, wl)
     hint = None

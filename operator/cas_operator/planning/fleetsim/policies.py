@@ -91,7 +91,9 @@ class RatioPlannerPolicy:
             return None
         cap = fleet.decode * self.decode.kv_capacity_tokens
         usage = m.decode_kv_usage + m.decode_waiting * m.avg_input_tokens / cap
-        return ObservedSignals(decode_kv_usage=usage, decode_replicas=fleet.decode)
+        return ObservedSignals(
+            arrival_rate=m.arrival_rate, decode_kv_usage=usage, decode_replicas=fleet.decode
+        )
 
     def _slow(self, m: Metrics, fleet: FleetView) -> tuple[int, int] | None:
         if m.arrival_rate <= 0 or m.avg_output_tokens <= 0:
