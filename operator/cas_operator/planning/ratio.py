@@ -613,9 +613,9 @@ def _goodput_plan(ctx: _Ctx, wl: WorkloadInputs, budget: int) -> tuple[PlanEvalu
     if n_d is not None:
         n_p = min(b.max_prefill, (budget - n_d * gd) // gp)
         n_d = min(b.max_decode, (budget - n_p * gp) // gd)
-        ev = ctx.eval(wl, n_p, n_d)
-        if ev.prefill_util < 1.0 and ev.link_util < 1.0:
-            return ev, ev.expected_goodput(wl.request_rate)
+        full = ctx.eval(wl, n_p, n_d)
+        if full.prefill_util < 1.0 and full.link_util < 1.0:
+            return full, full.expected_goodput(wl.request_rate)
 
     def plan_at(rate: float) -> PlanEvaluation | None:
         ev = _min_gpu_plan(ctx, replace(wl, request_rate=rate))
