@@ -194,6 +194,7 @@ def check_reclaim(plan: LaunchPlan) -> str:
     try:
         reclaim = importlib.import_module("cas_engine.sglang.reclaim")
         reclaim.check_decode_queue(reclaim.load_decode_queue_class())
+        reclaim.check_other_targets()  # decode peer hooks and prefill source-page pinning
     except ImportError as exc:
         raise LaunchRefused(f"strict KV reclaim requested but unavailable: {exc}") from exc
     except RuntimeError as exc:  # StrictReclaimError
@@ -321,9 +322,12 @@ def sglang_plugin() -> None:
     install_guard_patch(config, metrics=GuardMetrics.create(REGISTRY, config))
     if os.environ.get(KV_RECLAIM_ENV, "strict") == "strict":
         from cas_engine.kvfence.metrics import KvFenceMetrics
+        from cas_engine.sglang.prefill_pin import install_prefill_pin
         from cas_engine.sglang.reclaim import install_strict_reclaim
 
-        install_strict_reclaim(metrics=KvFenceMetrics(registry=REGISTRY))
+        kv_metrics = KvFenceMetrics(registry=REGISTRY)
+        install_strict_reclaim(metrics=kv_metrics)
+        install_prefill_pin(metrics=kv_metrics)
     if os.environ.get(HICACHE_DETECTOR_ENV) == "true":
         from cas_engine.sglang.hicache_check import install_read_detector
 

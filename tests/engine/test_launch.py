@@ -153,6 +153,7 @@ def test_strict_reclaim_requires_its_patch(monkeypatch: pytest.MonkeyPatch) -> N
     with pytest.raises(LaunchRefused, match="resolve_deferred_releases"):
         launch.check_reclaim(_plan())
     monkeypatch.setattr(reclaim, "check_decode_queue", lambda cls: None)
+    monkeypatch.setattr(reclaim, "check_other_targets", lambda: None)
     assert launch.check_reclaim(_plan()) == "kv reclaim: strict"
     assert "upstream" in launch.check_reclaim(_plan(kv_reclaim="upstream"))
 

@@ -42,6 +42,7 @@ import logging
 import math
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +50,8 @@ from typing import Any
 
 from prometheus_client import Gauge
 
+from cas_engine.kvfence.ledger import Reclaim, ReclaimLedger
+from cas_engine.kvfence.messages import ReclaimAck, ReclaimMode
 from cas_engine.kvfence.metrics import KvFenceMetrics
 from cas_engine.sglang.version import SGLangVersionError, require_sglang
 
@@ -70,6 +73,17 @@ FINGERPRINTS: dict[str, tuple[str, ...]] = {
     "_do_release": ("clear_deferred_abort_state(",),
 }
 
+# CommonKVManager (decode role): peer failure and the release-safety predicate we extend.
+PEER_FINGERPRINTS: dict[str, tuple[str, ...]] = {
+    "_handle_node_failure": (
+        "self.addr_to_rooms_tracker.get(failed_bootstrap_addr, [])",
+        "self.update_status(room, KVPoll.Failed)",
+    ),
+    "is_abort_release_safe": ("return len(acks) >= required_acks",),
+}
+KV_MGR_MODULE = "sglang.srt.disaggregation.common.conn"
+KV_MGR_CLASS = "CommonKVManager"
+
 _MARK = "_cas_strict_reclaim"
 
 
@@ -82,16 +96,22 @@ def strict_env() -> dict[str, str]:
     return {ENABLE_ENV: "1"}
 
 
-def check_decode_queue(cls: type) -> None:
-    """Raise :class:`StrictReclaimError` unless ``cls`` has the methods and lines we patch."""
-    for name, lines in FINGERPRINTS.items():
-        method = cls.__dict__.get(name)
+def check_fingerprints(
+    cls: type, fingerprints: dict[str, tuple[str, ...]], *, inherited: bool = False
+) -> None:
+    """Raise :class:`StrictReclaimError` unless ``cls`` has each method and its source lines.
+
+    ``inherited``: the method may come from a base class (looked up through the MRO).
+    Wrappers (``functools.wraps``) are looked through, so a patched class still checks.
+    """
+    for name, lines in fingerprints.items():
+        method = getattr(cls, name, None) if inherited else cls.__dict__.get(name)
         if method is None:
             raise StrictReclaimError(
                 f"{cls.__name__}.{name} is missing; strict KV reclaim "
                 "cannot be applied to this SGLang"
             )
-        method = getattr(method, "__wrapped__", method)
+        method = inspect.unwrap(method)
         try:
             source = inspect.getsource(method)
         except (OSError, TypeError) as exc:
@@ -101,10 +121,28 @@ def check_decode_queue(cls: type) -> None:
         for line in lines:
             if line not in source:
                 raise StrictReclaimError(
-                    f"{cls.__name__}.{name} no longer contains {line!r}; its deferred-release "
-                    "logic changed, so the strict patch would be unsound. Re-check the patch "
+                    f"{cls.__name__}.{name} no longer contains {line!r}; the logic the strict "
+                    "patch relies on changed, so it would be unsound. Re-check the patch "
                     "against this SGLang version."
                 )
+
+
+def check_decode_queue(cls: type) -> None:
+    """Raise :class:`StrictReclaimError` unless ``cls`` has the methods and lines we patch."""
+    check_fingerprints(cls, FINGERPRINTS)
+
+
+def check_peer_hooks(cls: type) -> None:
+    """Same for the decode KV manager's peer-failure and release-safety hooks."""
+    check_fingerprints(cls, PEER_FINGERPRINTS)
+
+
+def check_other_targets() -> None:
+    """Check every target besides the decode queue: KV manager hooks and the prefill side."""
+    from cas_engine.sglang.prefill_pin import check_prefill_targets, load_prefill_targets
+
+    check_peer_hooks(load_kv_manager_class())
+    check_prefill_targets(load_prefill_targets())
 
 
 def backend_supports_deferred_release(backend: str) -> bool:
@@ -137,25 +175,54 @@ def require_deferred_capable_backend(backend: str) -> None:
         )
 
 
-def load_decode_queue_class() -> type:
-    """Import the pinned SGLang's ``DecodeTransferQueue`` (version-checked)."""
+def _load_class(module_name: str, cls_name: str) -> type:
     try:
         require_sglang()
     except SGLangVersionError as exc:
         raise StrictReclaimError(str(exc)) from exc
     try:
-        module = importlib.import_module(DECODE_MODULE)
+        module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise StrictReclaimError(f"cannot import {DECODE_MODULE}: {exc}") from exc
-    cls = getattr(module, DECODE_CLASS, None)
+        raise StrictReclaimError(f"cannot import {module_name}: {exc}") from exc
+    cls = getattr(module, cls_name, None)
     if not isinstance(cls, type):
-        raise StrictReclaimError(f"{DECODE_MODULE}.{DECODE_CLASS} not found")
+        raise StrictReclaimError(f"{module_name}.{cls_name} not found")
     return cls
+
+
+def load_decode_queue_class() -> type:
+    """Import the pinned SGLang's ``DecodeTransferQueue`` (version-checked)."""
+    return _load_class(DECODE_MODULE, DECODE_CLASS)
+
+
+def load_kv_manager_class() -> type:
+    """Import the pinned SGLang's ``CommonKVManager`` (version-checked)."""
+    return _load_class(KV_MGR_MODULE, KV_MGR_CLASS)
+
+
+@dataclass
+class _Held:
+    """One held deferred-release entry mirrored as a ledger lease (ranks: {peer incarnation})."""
+
+    key: int  # ledger room id (unique per held entry)
+    generation: int
+    peer: int
+    mgr_room: tuple[int, Any]  # (id(kv_mgr), bootstrap_room): what is_abort_release_safe sees
+    closed: bool = False  # released by the peer's confirmed endpoint close
 
 
 @dataclass
 class StrictReclaimPatch:
-    """State of an installed patch: what it observed in the last resolve pass."""
+    """State of an installed patch: what it observed in the last resolve pass.
+
+    Held entries are mirrored in a STRICT :class:`~cas_engine.kvfence.ReclaimLedger`, one lease
+    per entry whose only "rank" is the prefill peer's incarnation: upstream's per-rank acks
+    release an entry (recorded as the lease's ack); a peer declared dead (heartbeat) releases
+    nothing; the transfer engine's confirmation that the dead peer's endpoint is closed
+    (:meth:`on_peer_endpoint_closed`) releases the leases of that incarnation, which the
+    patched ``is_abort_release_safe`` then reports as safe. Peer events may come from any
+    thread; they are queued and applied on the scheduler thread at the next resolve pass.
+    """
 
     quarantine_budget_rooms: int | None
     metrics: KvFenceMetrics
@@ -163,7 +230,22 @@ class StrictReclaimPatch:
     clock: Callable[[], float] = time.monotonic
     held_rooms: int = 0
     overdue_rooms: int = 0
+    ledger: ReclaimLedger | None = None
     _warned: set[int] = field(default_factory=set)
+    _held: dict[int, _Held] = field(default_factory=dict)  # id(decode_req) -> lease mirror
+    _by_key: dict[int, int] = field(default_factory=dict)  # ledger room -> id(decode_req)
+    _next_key: int = 0
+    _peer_ids: dict[str, int] = field(default_factory=dict)  # addr -> current incarnation
+    _dead: dict[int, tuple[str, set[Any]]] = field(default_factory=dict)  # id -> addr, rooms
+    _closed_ids: set[int] = field(default_factory=set)
+    _safe: set[tuple[int, Any]] = field(default_factory=set)  # released by endpoint close
+    _events: deque[tuple[str, str, frozenset[Any]]] = field(default_factory=deque)
+
+    def __post_init__(self) -> None:
+        if self.ledger is None:
+            self.ledger = ReclaimLedger(
+                mode=ReclaimMode.STRICT, metrics=self.metrics, clock=self.clock
+            )
 
     def health(self) -> tuple[bool, str]:
         """False while more rooms are held than the budget allows (the operator drains)."""
@@ -176,16 +258,51 @@ class StrictReclaimPatch:
             "timeout); reuse is not provably safe, drain this pod"
         )
 
+    # ---- peer events (any thread) --------------------------------------------------------------
+
+    def on_peer_dead(self, bootstrap_addr: str, rooms: frozenset[Any] = frozenset()) -> None:
+        """The heartbeat declared the prefill at ``bootstrap_addr`` dead; releases nothing."""
+        self._events.append(("dead", bootstrap_addr, rooms))
+
+    def on_peer_endpoint_closed(self, bootstrap_addr: str) -> None:
+        """The transfer engine confirmed the dead peer's endpoint closed: no write can land."""
+        self._events.append(("closed", bootstrap_addr, frozenset()))
+
+    def is_closed_safe(self, kv_mgr: Any, room: Any) -> bool:
+        """Whether an endpoint close already proved ``room`` of ``kv_mgr`` safe to release."""
+        return (id(kv_mgr), room) in self._safe
+
+    # ---- scheduler thread ----------------------------------------------------------------------
+
+    def prepare(self, queue: Any) -> None:
+        """Before upstream's resolve: mirror new held entries, apply queued peer events."""
+        for entry in queue._deferred_releases:
+            if id(entry[0]) not in self._held:
+                self._track(entry[0])
+        while self._events:
+            kind, addr, rooms = self._events.popleft()
+            if kind == "dead":
+                self._apply_dead(addr, rooms)
+            else:
+                self._apply_closed(addr)
+
     def observe(self, queue: Any, before: list[tuple[Any, ...]]) -> None:
         """Account releases and held rooms after one ``resolve_deferred_releases`` pass."""
+        assert self.ledger is not None
         now = self.clock()
         held = queue._deferred_releases
         held_ids = {id(entry[0]) for entry in held}
         for entry in before:
-            if id(entry[0]) not in held_ids:
-                self.metrics.reclaims.labels(outcome="acked").inc()
-                self.metrics.reclaim_wait.observe(max(0.0, now - entry[1]))
-                self._warned.discard(id(entry[0]))
+            if id(entry[0]) in held_ids:
+                continue
+            self._warned.discard(id(entry[0]))
+            mirror = self._held.pop(id(entry[0]), None)
+            if mirror is None:
+                continue
+            self._by_key.pop(mirror.key, None)
+            self._safe.discard(mirror.mgr_room)
+            if not mirror.closed:
+                self.ledger.on_ack(ReclaimAck(mirror.key, mirror.generation, mirror.peer))
         overdue_s = getattr(queue, "_cas_upstream_timeout_s", math.inf)
         overdue = [e for e in held if now - e[1] >= overdue_s]
         for entry in overdue:
@@ -201,20 +318,87 @@ class StrictReclaimPatch:
         self.rooms_gauge.set(len(held))
         self.metrics.unhealthy.set(0.0 if self.health()[0] else 1.0)
 
+    def _peer(self, addr: str) -> int:
+        if addr not in self._peer_ids:
+            self._peer_ids[addr] = self._new_id()
+        return self._peer_ids[addr]
+
+    def _new_id(self) -> int:
+        self._next_key += 1
+        return self._next_key
+
+    def _track(self, decode_req: Any) -> None:
+        assert self.ledger is not None
+        receiver = decode_req.kv_receiver
+        addr = str(getattr(receiver, "bootstrap_addr", ""))
+        room = decode_req.req.bootstrap_room
+        peer = self._peer(addr)
+        for dead_id, (dead_addr, rooms) in self._dead.items():
+            if dead_addr == addr and room in rooms:
+                peer = dead_id  # bootstrapped before the peer died: that incarnation wrote it
+        key = self._new_id()
+        lease = self.ledger.track(key, (), (peer,))
+        self.ledger.abort(key)
+        self._held[id(decode_req)] = _Held(
+            key, lease.generation, peer, (id(getattr(receiver, "kv_mgr", None)), room)
+        )
+        self._by_key[key] = id(decode_req)
+        if peer in self._closed_ids:
+            self._mark_closed(self.ledger.on_peer_closed(peer))
+
+    def _apply_dead(self, addr: str, rooms: frozenset[Any]) -> None:
+        assert self.ledger is not None
+        old = self._peer(addr)
+        tracked = {
+            h.mgr_room[1] for h in self._held.values() if h.peer == old
+        }  # held rooms of this incarnation count as its rooms too
+        self._dead[old] = (addr, set(rooms) | tracked)
+        self._peer_ids[addr] = self._new_id()  # a restarted peer is a new incarnation
+        self.ledger.on_peer_dead(old)
+
+    def _apply_closed(self, addr: str) -> None:
+        assert self.ledger is not None
+        dead_ids = [i for i, (a, _) in self._dead.items() if a == addr]
+        if not dead_ids:  # closed without a heartbeat verdict: still proof for its leases
+            self._apply_dead(addr, frozenset())
+            dead_ids = [i for i, (a, _) in self._dead.items() if a == addr]
+        for peer in dead_ids:
+            if peer not in self._closed_ids:
+                self._closed_ids.add(peer)
+                self._mark_closed(self.ledger.on_peer_closed(peer))
+
+    def _mark_closed(self, reclaims: list[Reclaim]) -> None:
+        for reclaim in reclaims:
+            req_id = self._by_key.get(reclaim.room)
+            mirror = self._held.get(req_id) if req_id is not None else None
+            if mirror is not None:
+                mirror.closed = True
+                self._safe.add(mirror.mgr_room)
+
 
 def install_strict_reclaim(
     cls: type | None = None,
     *,
+    kv_mgr_cls: type | None = None,
     quarantine_budget_rooms: int | None = None,
     metrics: KvFenceMetrics | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> StrictReclaimPatch:
-    """Patch ``cls`` (default: the pinned SGLang's DecodeTransferQueue). Idempotent."""
-    cls = cls if cls is not None else load_decode_queue_class()
+    """Patch ``cls`` (default: the pinned SGLang's DecodeTransferQueue). Idempotent.
+
+    ``kv_mgr_cls`` (default: SGLang's CommonKVManager when ``cls`` is loaded here too) gets the
+    peer hooks: ``_handle_node_failure`` reports the dead peer, ``is_abort_release_safe`` also
+    answers True for rooms proven safe by the peer's confirmed endpoint close.
+    """
+    if cls is None:
+        cls = load_decode_queue_class()
+        kv_mgr_cls = kv_mgr_cls if kv_mgr_cls is not None else load_kv_manager_class()
     existing = cls.__dict__.get(_MARK)
     if existing is not None:
         return existing  # type: ignore[no-any-return]
     check_decode_queue(cls)
+    if kv_mgr_cls is not None:
+        check_peer_hooks(kv_mgr_cls)
     metrics = metrics if metrics is not None else KvFenceMetrics()
     patch = StrictReclaimPatch(
         quarantine_budget_rooms=quarantine_budget_rooms,
@@ -228,6 +412,8 @@ def install_strict_reclaim(
     )
     _wrap_init(cls)
     _wrap_resolve(cls, patch)
+    if kv_mgr_cls is not None:
+        _wrap_peer_hooks(kv_mgr_cls, patch)
     setattr(cls, _MARK, patch)
     log.info("strict KV reclaim installed on %s.%s", cls.__module__, cls.__name__)
     return patch
@@ -255,11 +441,37 @@ def _wrap_resolve(cls: type, patch: StrictReclaimPatch) -> None:
 
     @functools.wraps(original)
     def resolve_deferred_releases(self: Any) -> None:
+        patch.prepare(self)
         before = list(self._deferred_releases)
         original(self)
         patch.observe(self, before)
 
     cls.resolve_deferred_releases = resolve_deferred_releases  # type: ignore[attr-defined]
+
+
+def _wrap_peer_hooks(cls: type, patch: StrictReclaimPatch) -> None:
+    if getattr(cls, _MARK + "_peer", None) is patch:
+        return
+    node_failure = cls._handle_node_failure  # type: ignore[attr-defined]
+    release_safe = cls.is_abort_release_safe  # type: ignore[attr-defined]
+
+    @functools.wraps(node_failure)
+    def _handle_node_failure(self: Any, failed_bootstrap_addr: str) -> Any:
+        with self.connection_lock:  # upstream pops the rooms of the dead peer; keep a copy
+            rooms = frozenset(self.addr_to_rooms_tracker.get(failed_bootstrap_addr, ()))
+        result = node_failure(self, failed_bootstrap_addr)
+        patch.on_peer_dead(failed_bootstrap_addr, rooms)
+        return result
+
+    @functools.wraps(release_safe)
+    def is_abort_release_safe(self: Any, bootstrap_room: int, required_acks: int) -> bool:
+        if release_safe(self, bootstrap_room, required_acks):
+            return True
+        return patch.is_closed_safe(self, bootstrap_room)
+
+    cls._handle_node_failure = _handle_node_failure  # type: ignore[attr-defined]
+    cls.is_abort_release_safe = is_abort_release_safe  # type: ignore[attr-defined]
+    setattr(cls, _MARK + "_peer", patch)
 
 
 def apply_env_defaults(environ: dict[str, str] | None = None) -> None:
