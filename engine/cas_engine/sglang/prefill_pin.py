@@ -50,7 +50,6 @@ drained, so this patch is defence in depth for the source side.
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import logging
 import threading
@@ -63,7 +62,7 @@ from typing import Any
 from prometheus_client import Gauge
 
 from cas_engine.kvfence.metrics import KvFenceMetrics
-from cas_engine.sglang.reclaim import StrictReclaimError, check_fingerprints
+from cas_engine.sglang.reclaim import StrictReclaimError, check_fingerprints, import_sglang_module
 from cas_engine.sglang.version import SGLangVersionError, require_sglang
 
 log = logging.getLogger(__name__)
@@ -140,10 +139,7 @@ def load_prefill_targets() -> PrefillTargets:
         (SCHEDULER_MODULE, SCHEDULER_CLASS),
         (MOONCAKE_MODULE, MOONCAKE_CLASS),
     ):
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as exc:
-            raise StrictReclaimError(f"cannot import {module_name}: {exc}") from exc
+        module = import_sglang_module(module_name)
         cls = getattr(module, cls_name, None)
         if not isinstance(cls, type):
             raise StrictReclaimError(f"{module_name}.{cls_name} not found")

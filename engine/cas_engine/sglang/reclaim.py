@@ -41,6 +41,7 @@ import inspect
 import logging
 import math
 import os
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -175,15 +176,28 @@ def require_deferred_capable_backend(backend: str) -> None:
         )
 
 
+def import_sglang_module(module_name: str) -> Any:
+    """Import an SGLang module; on failure drop the half-imported ``sglang.*`` modules.
+
+    A failed import leaves namespace packages such as ``sglang.srt`` in ``sys.modules`` without
+    their parent, which breaks every later ``import sglang...`` in this process.
+    """
+    before = set(sys.modules)
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as exc:
+        for name in set(sys.modules) - before:
+            if name == "sglang" or name.startswith("sglang."):
+                del sys.modules[name]
+        raise StrictReclaimError(f"cannot import {module_name}: {exc}") from exc
+
+
 def _load_class(module_name: str, cls_name: str) -> type:
     try:
         require_sglang()
     except SGLangVersionError as exc:
         raise StrictReclaimError(str(exc)) from exc
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise StrictReclaimError(f"cannot import {module_name}: {exc}") from exc
+    module = import_sglang_module(module_name)
     cls = getattr(module, cls_name, None)
     if not isinstance(cls, type):
         raise StrictReclaimError(f"{module_name}.{cls_name} not found")
