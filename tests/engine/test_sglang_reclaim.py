@@ -18,6 +18,9 @@ import __future__
 import ast
 import importlib.util
 import math
+import os
+import threading
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -43,6 +46,7 @@ SGLANG_DIR = Path(_SPEC.origin).parent
 DECODE_PY = SGLANG_DIR / "srt/disaggregation/decode.py"
 CONN_PY = SGLANG_DIR / "srt/disaggregation/common/conn.py"
 UTILS_PY = SGLANG_DIR / "srt/disaggregation/utils.py"
+BASE_PY = SGLANG_DIR / "srt/disaggregation/base/conn.py"
 
 QUEUE_METHODS = (
     "__init__",
@@ -59,7 +63,15 @@ KV_MGR_METHODS = (
     "note_abort_ack",
     "is_abort_release_safe",
     "clear_deferred_abort_state",
+    # peer failure (heartbeat thread) and what it calls
+    "_handle_node_failure",
+    "check_status",
+    "update_status",
+    "record_failure",
 )
+PREFILL_ADDR = "prefill-0:8998"
+# CAS_TEST_UNPATCHED=1: the tests marked "guards" run on unpatched code and must fail.
+UNPATCHED = os.environ.get("CAS_TEST_UNPATCHED") == "1"
 
 
 def compile_real(
@@ -96,6 +108,15 @@ def compile_real(
     )
     exec(code, namespace)
     return namespace[as_name or cls] if cls else namespace
+
+
+def real_class(path: Path, name: str) -> Any:
+    """Compile the whole real class ``name`` from ``path`` (for plain constant classes)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+    namespace: dict[str, Any] = {}
+    exec(compile(ast.Module(body=[node], type_ignores=[]), str(path), "exec"), namespace)
+    return namespace[name]
 
 
 class FakeClock:
@@ -154,11 +175,26 @@ def build_world(deferred_enabled: bool = True) -> SimpleNamespace:
         "Tuple": tuple,
     }
     queue_cls = compile_real(DECODE_PY, decode_ns, cls="DecodeTransferQueue", names=QUEUE_METHODS)
-    conn_ns: dict[str, Any] = {"DeferredAbortAckState": AckState}
+    kvpoll = real_class(BASE_PY, "KVPoll")
+    disconnected: list[str] = []
+    conn_ns: dict[str, Any] = {
+        "DeferredAbortAckState": AckState,
+        "KVPoll": kvpoll,
+        "logger": SimpleNamespace(error=lambda *a: None),
+        "NetworkAddress": lambda ip, port: SimpleNamespace(to_tcp=lambda: f"tcp://{ip}:{port}"),
+        "CommonKVReceiver": SimpleNamespace(disconnect_endpoint=disconnected.append),
+    }
     mgr_cls = compile_real(
         CONN_PY, conn_ns, cls="CommonKVManager", names=KV_MGR_METHODS, as_name="RealAckBookkeeping"
     )
-    return SimpleNamespace(clock=clock, released=released, queue_cls=queue_cls, mgr_cls=mgr_cls)
+    return SimpleNamespace(
+        clock=clock,
+        released=released,
+        queue_cls=queue_cls,
+        mgr_cls=mgr_cls,
+        kvpoll=kvpoll,
+        disconnected=disconnected,
+    )
 
 
 def make_queue(world: SimpleNamespace) -> Any:
@@ -183,6 +219,16 @@ def make_kv_mgr(world: SimpleNamespace) -> Any:
     mgr._deferred_abort_ack_tracker = {}
     mgr._deferred_abort_generation = 0
     mgr.enable_deferred_decode_kv_release = True
+    # what _handle_node_failure / update_status read on the decode side
+    mgr.connection_lock = threading.Lock()
+    mgr.connection_pool = {f"{PREFILL_ADDR}_0": [{"rank_ip": "prefill-0", "rank_port": 9100}]}
+    mgr.prefill_info_table = {PREFILL_ADDR: object()}
+    mgr.heartbeat_failures = {PREFILL_ADDR: 3}
+    mgr.addr_to_rooms_tracker = defaultdict(set)
+    mgr.request_status = {}
+    mgr.failure_records = {}
+    mgr.failure_lock = threading.Lock()
+    mgr.deferred_bootstrap = None
     return mgr
 
 
@@ -190,7 +236,11 @@ def abort_room(world: SimpleNamespace, q: Any, mgr: Any, room: int, ranks: int) 
     """Decode aborts a room mid-transfer: arm the ack tracker and hold the request."""
     generation = mgr.register_deferred_abort_room(room)
     receiver = SimpleNamespace(
-        kv_mgr=mgr, abort_notified=True, bootstrap_infos=[object()] * ranks, clear=lambda: None
+        kv_mgr=mgr,
+        abort_notified=True,
+        bootstrap_infos=[object()] * ranks,
+        bootstrap_addr=PREFILL_ADDR,
+        clear=lambda: None,
     )
     req = SimpleNamespace(bootstrap_room=room, rid=f"r{room}")
     q._defer_release(
@@ -312,3 +362,118 @@ def test_backend_capability_read_from_real_sources() -> None:
         reclaim.require_deferred_capable_backend("fake")
     with pytest.raises(reclaim.StrictReclaimError, match="unknown"):
         reclaim.require_deferred_capable_backend("../etc")
+
+
+# ---- peer death: release only on the transfer engine's confirmed endpoint close ----------------
+
+
+def bootstrap_room(world: SimpleNamespace, mgr: Any, room: int) -> None:
+    """A receiver bootstrapped ``room`` against the prefill (what CommonKVReceiver records)."""
+    mgr.addr_to_rooms_tracker[PREFILL_ADDR].add(room)
+    mgr.request_status[room] = world.kvpoll.Transferring
+
+
+def strict_world() -> tuple[SimpleNamespace, Any, Any, Any, CollectorRegistry]:
+    """Decode world with the strict patch and its peer hooks (None patch if UNPATCHED)."""
+    world = build_world()
+    reg = CollectorRegistry()
+    patch = None
+    if not UNPATCHED:
+        patch = reclaim.install_strict_reclaim(
+            world.queue_cls,
+            kv_mgr_cls=world.mgr_cls,
+            metrics=KvFenceMetrics(reg),
+            clock=world.clock.monotonic,
+        )
+    return world, patch, make_queue(world), make_kv_mgr(world), reg
+
+
+def confirm_closed(patch: Any, addr: str) -> None:
+    if patch is not None:
+        patch.on_peer_endpoint_closed(addr)
+
+
+def test_peer_dead_without_endpoint_close_keeps_slots_quarantined() -> None:
+    """guards: the heartbeat declares the prefill dead (real _handle_node_failure); a dead
+    peer's write may still land, so nothing is released however long it takes."""
+    world, _, q, mgr, reg = strict_world()
+    bootstrap_room(world, mgr, 11)
+    gen = abort_room(world, q, mgr, room=11, ranks=2)
+    mgr.note_abort_ack(11, 0, gen)  # one rank acked before the peer died
+    q.resolve_deferred_releases()
+    mgr._handle_node_failure(PREFILL_ADDR)
+    assert mgr.request_status[11] == world.kvpoll.Failed  # upstream's own reaction ran
+    assert world.disconnected == ["tcp://prefill-0:9100"]
+    for _ in range(3):
+        world.clock.now += 3600.0
+        q.resolve_deferred_releases()
+    assert world.released == []
+    assert q.has_pending_deferred_releases()
+    assert reg.get_sample_value("cas_kv_reclaims_total", {"outcome": "peer_closed"}) == 0
+
+
+def test_peer_dead_then_endpoint_closed_releases_slots() -> None:
+    """guards: once the transfer engine confirms the dead peer's endpoint closed, no write can
+    land: the held slots go back (outcome peer_closed), without waiting for the missing ack."""
+    world, patch, q, mgr, reg = strict_world()
+    bootstrap_room(world, mgr, 11)
+    gen = abort_room(world, q, mgr, room=11, ranks=2)
+    mgr.note_abort_ack(11, 0, gen)
+    q.resolve_deferred_releases()
+    mgr._handle_node_failure(PREFILL_ADDR)
+    world.clock.now += 5.0
+    q.resolve_deferred_releases()
+    assert world.released == []
+    confirm_closed(patch, PREFILL_ADDR)
+    q.resolve_deferred_releases()
+    assert world.released == [11] and q.freed_meta == [11]
+    assert not q.has_pending_deferred_releases()
+    assert mgr._deferred_abort_ack_tracker == {}
+    assert reg.get_sample_value("cas_kv_reclaims_total", {"outcome": "peer_closed"}) == 1
+    assert reg.get_sample_value("cas_kv_reclaims_total", {"outcome": "acked"}) == 0
+    assert reg.get_sample_value("cas_kv_reclaim_wait_seconds_sum") == 5.0
+
+
+def test_endpoint_close_releases_only_the_dead_incarnations_rooms() -> None:
+    """guards: a room bootstrapped after the peer died (a restarted prefill at the same address)
+    is written by a live process; the old process's endpoint close must not release it. A room
+    of the dead process that is held only after the close is released at once."""
+    world, patch, q, mgr, reg = strict_world()
+    bootstrap_room(world, mgr, 11)
+    bootstrap_room(world, mgr, 13)
+    abort_room(world, q, mgr, room=11, ranks=1)
+    q.resolve_deferred_releases()
+    mgr._handle_node_failure(PREFILL_ADDR)
+    bootstrap_room(world, mgr, 12)  # after the death: the new incarnation's room
+    abort_room(world, q, mgr, room=12, ranks=1)
+    q.resolve_deferred_releases()
+    confirm_closed(patch, PREFILL_ADDR)
+    q.resolve_deferred_releases()
+    assert world.released == [11]
+    abort_room(world, q, mgr, room=13, ranks=1)  # the dead process's room, held after the close
+    q.resolve_deferred_releases()
+    assert world.released == [11, 13]
+    world.clock.now += 3600.0
+    q.resolve_deferred_releases()
+    assert world.released == [11, 13]  # room 12 waits for its own ack
+    assert reg.get_sample_value("cas_kv_reclaims_total", {"outcome": "peer_closed"}) == 2
+
+
+def test_check_covers_the_peer_hooks() -> None:
+    """Start-up must refuse a KV manager whose peer-failure or release predicate changed."""
+    world = build_world()
+    reclaim.check_peer_hooks(world.mgr_cls)
+
+    class Changed(world.mgr_cls):  # type: ignore[misc,name-defined]
+        def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
+            return True
+
+    Changed._handle_node_failure = world.mgr_cls._handle_node_failure
+    with pytest.raises(reclaim.StrictReclaimError, match="is_abort_release_safe no longer"):
+        reclaim.check_peer_hooks(Changed)
+
+    class Missing:
+        is_abort_release_safe = world.mgr_cls.is_abort_release_safe
+
+    with pytest.raises(reclaim.StrictReclaimError, match="_handle_node_failure is missing"):
+        reclaim.check_peer_hooks(Missing)

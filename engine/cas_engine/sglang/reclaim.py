@@ -289,16 +289,20 @@ class StrictReclaimPatch:
     # ---- scheduler thread ----------------------------------------------------------------------
 
     def prepare(self, queue: Any) -> None:
-        """Before upstream's resolve: mirror new held entries, apply queued peer events."""
-        for entry in queue._deferred_releases:
-            if id(entry[0]) not in self._held:
-                self._track(entry[0])
+        """Before upstream's resolve: apply queued peer events, mirror new held entries.
+
+        Events first: an entry held since the peer's death is attributed by its room (in the
+        death-time snapshot: the dead incarnation; otherwise the live one), not by arrival order.
+        """
         while self._events:
             kind, addr, rooms = self._events.popleft()
             if kind == "dead":
                 self._apply_dead(addr, rooms)
             else:
                 self._apply_closed(addr)
+        for entry in queue._deferred_releases:
+            if id(entry[0]) not in self._held:
+                self._track(entry[0])
 
     def observe(self, queue: Any, before: list[tuple[Any, ...]]) -> None:
         """Account releases and held rooms after one ``resolve_deferred_releases`` pass."""
