@@ -16,6 +16,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -75,7 +76,105 @@ def scrape(port: int) -> dict[str, float]:
         name_part, value = line.rsplit(" ", 1)
         name = name_part.split("{", 1)[0]
         totals[name] = totals.get(name, 0.0) + float(value)
+        if name.startswith("cas_operator_reconcile_seconds_") and 'trigger="' in name_part:
+            trigger = name_part.split('trigger="', 1)[1].split('"', 1)[0]
+            key = f"{name}:{trigger}"
+            totals[key] = totals.get(key, 0.0) + float(value)
     return totals
+
+
+class ReadyTracker:
+    """Three watch threads (resources, pods, Deployments) recording, per resource, when it was
+    first seen Ready, when all its (>= 3) pods were Ready, and when all its (>= 3) Deployments
+    reported every replica ready (the controllers' part is done; the rest is the operator's)."""
+
+    def __init__(self, kubeconfig: Path, namespace: str, n: int) -> None:
+        from kubernetes import config
+
+        self.api_client = config.new_client_from_config(config_file=str(kubeconfig))
+        self.namespace, self.n = namespace, n
+        self.ready_at: dict[str, float] = {}
+        self.pods_ready_at: dict[str, float] = {}
+        self.workloads_ready_at: dict[str, float] = {}
+        self._pods: dict[str, dict[str, bool]] = {}
+        self._workloads: dict[str, dict[str, bool]] = {}
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        for target in (self._watch_resources, self._watch_pods, self._watch_workloads):
+            threading.Thread(target=self._loop, args=(target,), daemon=True).start()
+
+    def wait(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.ready_at) < self.n and time.monotonic() < deadline:
+            time.sleep(0.2)
+        self._stop.set()
+
+    def _loop(self, target: Any) -> None:
+        """Re-open a watch that the server closed, until stopped."""
+        while not self._stop.is_set():
+            try:
+                target()
+            except Exception as exc:  # a dropped watch: log and re-open
+                print(f"watch restarted: {exc}", file=sys.stderr)
+                time.sleep(0.5)
+
+    def _stream(self, list_fn: Any, *args: Any) -> Any:
+        from kubernetes import watch
+
+        w = watch.Watch()
+        for event in w.stream(list_fn, *args, timeout_seconds=60, deserialize=False):
+            if self._stop.is_set():
+                w.stop()
+                return
+            yield event["object"]
+
+    def _watch_resources(self) -> None:
+        from kubernetes import client
+
+        api = client.CustomObjectsApi(self.api_client)
+        group, version, plural = "serving.cas.dev", "v1alpha1", "codingagentservings"
+        for obj in self._stream(
+            api.list_namespaced_custom_object, group, version, self.namespace, plural
+        ):
+            conds = {c["type"]: c for c in obj.get("status", {}).get("conditions", [])}
+            if conds.get("Ready", {}).get("status") == "True":
+                self.ready_at.setdefault(obj["metadata"]["name"], time.monotonic())
+
+    def _watch_pods(self) -> None:
+        from kubernetes import client
+
+        api = client.CoreV1Api(self.api_client)
+        for pod in self._stream(api.list_namespaced_pod, self.namespace):
+            meta = pod["metadata"]
+            owner = meta.get("labels", {}).get("cas.dev/name", "")
+            conds = pod.get("status", {}).get("conditions", [])
+            ready = any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
+            self._record(self._pods, self.pods_ready_at, owner, meta["name"], ready)
+
+    def _watch_workloads(self) -> None:
+        from kubernetes import client
+
+        api = client.AppsV1Api(self.api_client)
+        for dep in self._stream(api.list_namespaced_deployment, self.namespace):
+            meta, st = dep["metadata"], dep.get("status", {})
+            owner = meta.get("labels", {}).get("cas.dev/name", "")
+            ready = (
+                st.get("readyReplicas", 0) >= dep["spec"].get("replicas", 1)
+                and st.get("observedGeneration", 0) >= meta["generation"]
+            )
+            self._record(self._workloads, self.workloads_ready_at, owner, meta["name"], ready)
+
+    @staticmethod
+    def _record(
+        seen: dict[str, dict[str, bool]], first: dict[str, float], owner: str, name: str, ok: bool
+    ) -> None:
+        if not owner:
+            return
+        flags = seen.setdefault(owner, {})
+        flags[name] = ok
+        if len(flags) >= 3 and all(flags.values()):
+            first.setdefault(owner, time.monotonic())
 
 
 class Round:
@@ -109,35 +208,17 @@ class Round:
         with ThreadPoolExecutor(max_workers=16) as pool:
             return dict(pool.map(create, names))
 
-    def poll(self) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
-        """Create all, then poll: first-seen Ready per resource and per resource's last pod."""
+    def poll(self) -> tuple[dict[str, float], dict[str, float], dict[str, float], dict[str, float]]:
+        """Create all, then follow watches (no polling load on the shared cores): first-seen
+        Ready per resource, per resource's last pod Ready and last workload ready."""
         names = [f"fleet-{i:04d}" for i in range(self.n)]
         self.kubectl("create", "namespace", self.namespace)
+        tracker = ReadyTracker(self.cluster.kubeconfig, self.namespace, self.n)
+        tracker.start()
         created_at = self.create_all(names)
-        ready_at: dict[str, float] = {}
-        pods_ready_at: dict[str, float] = {}
-        deadline = time.monotonic() + self.timeout
-        while len(ready_at) < self.n and time.monotonic() < deadline:
-            now = time.monotonic()
-            items = json.loads(self.kubectl("get", "cas", "-n", self.namespace, "-o", "json"))
-            for item in items["items"]:
-                conds = {c["type"]: c for c in item.get("status", {}).get("conditions", [])}
-                if conds.get("Ready", {}).get("status") == "True":
-                    ready_at.setdefault(item["metadata"]["name"], now)
-            pods = json.loads(self.kubectl("get", "pods", "-n", self.namespace, "-o", "json"))
-            per_owner: dict[str, list[bool]] = {}
-            for pod in pods["items"]:
-                owner = pod["metadata"]["labels"].get("cas.dev/name", "")
-                conds = {
-                    c["type"]: c["status"] for c in pod.get("status", {}).get("conditions", [])
-                }
-                per_owner.setdefault(owner, []).append(conds.get("Ready") == "True")
-            for owner, flags in per_owner.items():
-                if len(flags) >= 3 and all(flags):
-                    pods_ready_at.setdefault(owner, now)
-            time.sleep(0.25)
-        to_ready = {k: v - created_at[k] for k, v in ready_at.items()}
-        return to_ready, pods_ready_at, ready_at
+        tracker.wait(self.timeout)
+        to_ready = {k: v - created_at[k] for k, v in tracker.ready_at.items()}
+        return to_ready, tracker.pods_ready_at, tracker.workloads_ready_at, tracker.ready_at
 
     def run(self) -> dict[str, Any]:
         log_path = REPO_ROOT / "run" / f"bench-operator-{self.n}.log"
@@ -145,13 +226,16 @@ class Round:
         operator.start()
         try:
             time.sleep(3.0)
-            to_ready, pods_ready_abs, ready_abs = self.poll()
+            to_ready, pods_ready_abs, workloads_ready_abs, ready_abs = self.poll()
             cpu, peak = proc_usage(operator.pid)
             metrics = scrape(METRICS_PORT)
         finally:
             operator.stop()
             self.kubectl("delete", "namespace", self.namespace, "--wait=false")
         after_pods = [ready_abs[k] - pods_ready_abs[k] for k in ready_abs if k in pods_ready_abs]
+        after_workloads = [
+            ready_abs[k] - workloads_ready_abs[k] for k in ready_abs if k in workloads_ready_abs
+        ]
         count = metrics.get("cas_operator_reconcile_seconds_count", 0.0) or 1.0
         return {
             "n": self.n,
@@ -160,10 +244,29 @@ class Round:
             "apply_to_ready_p99_s": percentile(list(to_ready.values()), 0.99),
             "pods_to_ready_median_s": statistics.median(after_pods) if after_pods else None,
             "pods_to_ready_p99_s": percentile(after_pods, 0.99),
+            "workloads_to_ready_median_s": (
+                statistics.median(after_workloads) if after_workloads else None
+            ),
+            "workloads_to_ready_p99_s": percentile(after_workloads, 0.99),
             "reconcile_mean_ms": 1000
             * metrics.get("cas_operator_reconcile_seconds_sum", 0)
             / count,
             "reconciles": int(count),
+            "reconcile_mean_ms_by_trigger": {
+                t: round(
+                    1000
+                    * metrics.get(f"cas_operator_reconcile_seconds_sum:{t}", 0.0)
+                    / (metrics.get(f"cas_operator_reconcile_seconds_count:{t}") or 1.0),
+                    1,
+                )
+                for t in ("spec", "child", "timer")
+            },
+            "guard_tick_mean_ms": round(
+                1000
+                * metrics.get("cas_operator_guard_tick_seconds_sum", 0.0)
+                / (metrics.get("cas_operator_guard_tick_seconds_count") or 1.0),
+                1,
+            ),
             "operator_cpu_s": cpu,
             "operator_peak_mib": peak,
             "api_requests_per_resource": metrics.get("cas_operator_api_requests_total", 0) / self.n,
@@ -174,7 +277,8 @@ class Round:
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
         f"{'N':>5} {'ready':>6} {'apply->Ready p50/p99 s':>24} {'pods->Ready p50/p99 s':>23} "
-        f"{'reconcile ms':>13} {'CPU s':>7} {'peak MiB':>9} {'API req/res':>11}"
+        f"{'workloads->Ready p50/p99 s':>27} {'reconcile ms':>13} {'CPU s':>7} "
+        f"{'peak MiB':>9} {'API req/res':>11}"
     )
     lines = [head]
     nan = float("nan")
@@ -183,10 +287,12 @@ def table(rows: list[dict[str, Any]]) -> str:
             r["apply_to_ready_median_s"] or nan,
             r["pods_to_ready_median_s"] or nan,
         )
+        workloads_p50 = r.get("workloads_to_ready_median_s") or nan
         lines.append(
             f"{r['n']:>5} {r['ready']:>6} "
             f"{apply_p50:>11.2f}/{r['apply_to_ready_p99_s']:<12.2f}"
             f"{pods_p50:>10.2f}/{r['pods_to_ready_p99_s']:<12.2f}"
+            f"{workloads_p50:>14.2f}/{r.get('workloads_to_ready_p99_s', nan):<12.2f}"
             f"{r['reconcile_mean_ms']:>13.1f} {r['operator_cpu_s']:>7.1f} "
             f"{r['operator_peak_mib']:>9.0f} {r['api_requests_per_resource']:>11.1f}"
         )
@@ -210,6 +316,11 @@ def main(argv: list[str] | None = None) -> int:
         for n in sizes:
             rows.append(Round(cluster, n, args.timeout).run())
             print(table(rows[-1:]), flush=True)
+            print(
+                f"reconcile mean ms by trigger {rows[-1]['reconcile_mean_ms_by_trigger']}, "
+                f"anomaly tick mean {rows[-1]['guard_tick_mean_ms']} ms",
+                flush=True,
+            )
     finally:
         cluster.stop()
     print(table(rows))

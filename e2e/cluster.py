@@ -39,6 +39,7 @@ from e2e.api import Api, ApiError, condition
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SERVICE_CIDR = "10.96.0.0/16"
+CONTROLLER_THROUGHPUT = ("--kube-api-qps=200", "--kube-api-burst=400")
 SERVICE_IP = "10.96.0.1"
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
 STATE_FILE = "state.json"
@@ -381,6 +382,11 @@ class _Starter:
                 f"--cluster-signing-cert-file={p.ca_crt}",
                 f"--cluster-signing-key-file={p.ca_key}",
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
+                # Client rate limits of a production-sized control plane, not the defaults
+                # (20 QPS and 5 workers throttle rollouts of hundreds of Deployments).
+                *CONTROLLER_THROUGHPUT,
+                "--concurrent-deployment-syncs=20",
+                "--concurrent-replicaset-syncs=20",
             ],
         )
         self.spawn(
@@ -388,6 +394,7 @@ class _Starter:
             [
                 str(self.bins.kube_scheduler),
                 *common,
+                *CONTROLLER_THROUGHPUT,
                 f"--secure-port={self.ports['scheduler']}",
                 f"--cert-dir={self.run_dir / 'scheduler-certs'}",
             ],

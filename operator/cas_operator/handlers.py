@@ -6,34 +6,43 @@
   owner (coalesced while queued; 4 workers), re-apply a drifted workload, write status if it
   changed (so Ready follows pods within seconds, not a timer period);
 - a timer: the same re-observation as a safety net, plus a full apply every FULL_APPLY_SECONDS;
-- a second timer: the anomaly loop (observe -> decide -> act, `drain.guard_tick`), which writes
-  only `status.anomaly` and `status.draining`; `reconcile` folds those into the conditions.
+- one fleet-wide loop started at start-up: the anomaly loop (`fleet_guard.FleetGuard`: one pod
+  LIST per namespace, then observe -> decide -> act per resource), which writes only
+  `status.anomaly` and `status.draining`; `reconcile` folds those into the conditions.
+Workloads are read from watch-fed kopf indexes, not listed, on child and timer passes. Passes
+of one resource are serialized and each writes its own status (`_pass`), so an older pass can
+never land its answer over a newer one.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any
 
 import kopf
-from pydantic import ValidationError
 
 from cas_operator.api import constants as c
-from cas_operator.api.models import parse_spec
-from cas_operator.drain import LoopState, TickResult, guard_tick
+from cas_operator.fleet_guard import FleetGuard
 from cas_operator.kube import Kube
-from cas_operator.metrics import RECONCILE_ERRORS, RECONCILE_SECONDS, STATUS_WRITES
+from cas_operator.metrics import (
+    GUARD_TICK_SECONDS,
+    RECONCILE_ERRORS,
+    RECONCILE_SECONDS,
+    STATUS_WRITES,
+)
 from cas_operator.observe.prometheus import PrometheusSource
 from cas_operator.observe.scrape import ScrapeSource
 from cas_operator.observe.types import MetricsSource
-from cas_operator.planning.anomaly import PoolCounts, ScaleBounds
 from cas_operator.reconcile import Outcome, reconcile
-from cas_operator.status import Status, status_patch
+from cas_operator.status import ObservedWorkload, Status, status_patch
 
 TIMER_SECONDS = 30.0  # a safety net: child events drive status
 GUARD_SECONDS = 10.0
@@ -48,7 +57,9 @@ _lock = threading.Lock()
 _kube: Kube | None = None
 _source: MetricsSource | None = None
 _last_full_apply: dict[str, float] = {}
-_guard_state: dict[str, LoopState] = {}
+_guard_task: list[asyncio.Task[None]] = []
+_owner_locks: dict[tuple[str, str], threading.Lock] = {}
+_written: dict[str, Status] = {}  # uid -> the owned status keys as we last wrote them
 _dirty: set[tuple[str, str]] = set()  # owners with a status refresh queued
 _refresh_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="refresh")
 
@@ -92,32 +103,59 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.client_timeout = 300
 
 
-def _reconcile(
-    meta: Any, spec: Any, status: Any, *, full: bool, trigger: str
-) -> tuple[Outcome, Status]:
-    """One reconcile pass and the status to write (empty when nothing changed)."""
-    uid = str(meta["uid"])
-    started = time.monotonic()
-    outcome = reconcile(
-        kube(),
-        name=str(meta["name"]),
-        namespace=str(meta["namespace"]),
-        uid=uid,
-        generation=int(meta.get("generation", 0)),
-        raw_spec=dict(spec),
-        full_apply=full,
-        anomaly=dict(status or {}).get("anomaly"),
-    )
-    RECONCILE_SECONDS.labels(trigger).observe(time.monotonic() - started)
-    if full:
-        _last_full_apply[uid] = time.monotonic()
-    degraded = outcome.status["conditions"][2]
-    if degraded["status"] == "True":
-        RECONCILE_ERRORS.labels(degraded["reason"]).inc()
-    changes = status_patch(owned(status, OWNED_STATUS_KEYS), outcome.status, now_rfc3339())
-    if changes:
-        STATUS_WRITES.inc()
-    return outcome, changes
+def _owner_lock(key: tuple[str, str]) -> threading.Lock:
+    with _lock:
+        return _owner_locks.setdefault(key, threading.Lock())
+
+
+def _pass(
+    meta: Any,
+    spec: Any,
+    status: Any,
+    *,
+    full: bool,
+    trigger: str,
+    observe: Callable[[], list[ObservedWorkload]] | None = None,
+) -> Outcome:
+    """One reconcile pass for one owner, its status written here; returns the outcome.
+
+    Passes of one owner are serialized and each writes the status it computed before the next
+    starts (kopf's own status patch would land after the handler returned, possibly over a
+    newer pass's answer). Since every child change queues a pass that starts after it, the
+    last write reflects the last change. `observe` reads the workloads (the watch-fed indexes)
+    inside the lock; None lists them. The diff baseline is the status we last wrote (the
+    event's copy may predate it); full passes diff against the object itself, which repairs a
+    status changed by anyone else.
+    """
+    uid, name, namespace = str(meta["uid"]), str(meta["name"]), str(meta["namespace"])
+    with _owner_lock((namespace, name)):
+        started = time.monotonic()
+        outcome = reconcile(
+            kube(),
+            name=name,
+            namespace=namespace,
+            uid=uid,
+            generation=int(meta.get("generation", 0)),
+            raw_spec=dict(spec),
+            full_apply=full,
+            anomaly=dict(status or {}).get("anomaly"),
+            observed=observe() if observe is not None else None,
+        )
+        RECONCILE_SECONDS.labels(trigger).observe(time.monotonic() - started)
+        if full:
+            _last_full_apply[uid] = time.monotonic()
+        degraded = outcome.status["conditions"][2]
+        if degraded["status"] == "True":
+            RECONCILE_ERRORS.labels(degraded["reason"]).inc()
+        baseline = owned(status, OWNED_STATUS_KEYS)
+        if not full:
+            baseline = _written.get(uid, baseline)
+        changes = status_patch(baseline, outcome.status, now_rfc3339())
+        if changes:
+            kube().patch_status(c.KIND, namespace, name, changes)
+            _written[uid] = {**baseline, **changes}
+            STATUS_WRITES.inc()
+    return outcome
 
 
 def _post(body: Any, events: list[tuple[str, str, str]]) -> None:
@@ -129,13 +167,11 @@ def _post(body: Any, events: list[tuple[str, str, str]]) -> None:
 @kopf.on.update(c.GROUP, c.VERSION, c.PLURAL, field="spec")
 @kopf.on.resume(c.GROUP, c.VERSION, c.PLURAL)
 def on_spec(
-    body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec, status: kopf.Status, patch: kopf.Patch,
-    logger: kopf.Logger, **_: Any,
+    body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec, status: kopf.Status, logger: kopf.Logger,
+    **_: Any,
 ) -> None:  # fmt: skip
     """Apply everything for the current spec; an invalid spec is reported once, not retried."""
-    outcome, changes = _reconcile(meta, spec, status, full=True, trigger="spec")
-    for key, value in changes.items():
-        patch.status[key] = value
+    outcome = _pass(meta, spec, status, full=True, trigger="spec")
     _post(body, outcome.events)
     if outcome.applied:
         logger.info("applied %d children", outcome.applied)
@@ -146,14 +182,16 @@ def on_spec(
 
 @kopf.timer(c.GROUP, c.VERSION, c.PLURAL, interval=TIMER_SECONDS, initial_delay=TIMER_SECONDS)
 def on_timer(
-    body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec, status: kopf.Status, patch: kopf.Patch,
-    **_: Any,
+    body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec, status: kopf.Status, **kwargs: Any,
 ) -> None:  # fmt: skip
     """Safety net: re-observe, re-apply drifted workloads, full apply every few minutes."""
     full = time.monotonic() - _last_full_apply.get(str(meta["uid"]), 0.0) > FULL_APPLY_SECONDS
-    outcome, changes = _reconcile(meta, spec, status, full=full, trigger="timer")
-    for key, value in changes.items():
-        patch.status[key] = value
+    owner = (str(meta["namespace"]), str(meta["name"]))
+    indexes = (kwargs["deployment_index"], kwargs["lws_index"])
+    outcome = _pass(
+        meta, spec, status, full=full, trigger="timer",
+        observe=lambda: indexed_workloads(owner, *indexes),
+    )  # fmt: skip
     _post(body, outcome.events)
 
 
@@ -165,10 +203,45 @@ def serving_index(
     return {(namespace, name): dict(body)}
 
 
+def _workload_entry(
+    kind: str, namespace: str | None, labels: kopf.Labels, body: kopf.Body
+) -> dict[tuple[str, str], ObservedWorkload]:
+    owner = labels.get(c.LABEL_NAME)
+    if owner is None or namespace is None:
+        return {}
+    return {(namespace, owner): ObservedWorkload.from_object({**dict(body), "kind": kind})}
+
+
+@kopf.index("apps", "v1", "deployments", labels=CHILD_LABELS)
+def deployment_index(
+    namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
+) -> dict[tuple[str, str], ObservedWorkload]:
+    """Our Deployments by owner, as the watch last saw them (a reconcile reads them, no LIST)."""
+    return _workload_entry("Deployment", namespace, labels, body)
+
+
+@kopf.index("leaderworkerset.x-k8s.io", "v1", "leaderworkersets", labels=CHILD_LABELS)
+def lws_index(
+    namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
+) -> dict[tuple[str, str], ObservedWorkload]:
+    """Our LeaderWorkerSets by owner, as the watch last saw them."""
+    return _workload_entry("LeaderWorkerSet", namespace, labels, body)
+
+
+def indexed_workloads(
+    key: tuple[str, str], *indexes: kopf.Index[Any, Any]
+) -> list[ObservedWorkload]:
+    """Every indexed workload of one owner (kopf keeps the indexes current from the watches)."""
+    return [w for index in indexes for w in index.get(key, [])]
+
+
 @kopf.on.event("apps", "v1", "deployments", labels=CHILD_LABELS)
 @kopf.on.event("leaderworkerset.x-k8s.io", "v1", "leaderworkersets", labels=CHILD_LABELS)
-def on_child_event(labels: kopf.Labels, namespace: str | None, **kwargs: Any) -> None:
-    """A child workload changed: queue one refresh of its owner (coalesced while queued)."""
+async def on_child_event(labels: kopf.Labels, namespace: str | None, **kwargs: Any) -> None:
+    """A child workload changed: queue one refresh of its owner (coalesced while queued).
+
+    Async on purpose: it only queues, so it runs on kopf's event loop instead of waiting for a
+    thread of kopf's executor behind timer passes (measured: seconds at N=200)."""
     owner_name = labels.get(c.LABEL_NAME)
     if kwargs.get("type") is None or owner_name is None or namespace is None:
         return  # kopf's initial listing: resume and the timer cover it
@@ -177,96 +250,70 @@ def on_child_event(labels: kopf.Labels, namespace: str | None, **kwargs: Any) ->
         if key in _dirty:
             return
         _dirty.add(key)
-    _refresh_pool.submit(_refresh_owner, key, kwargs["serving_index"])
+    indexes = (kwargs["serving_index"], kwargs["deployment_index"], kwargs["lws_index"])
+    # kopf's context (its event poster) must travel with the work, or kopf.event fails there.
+    _refresh_pool.submit(contextvars.copy_context().run, _refresh_owner, key, *indexes)
 
 
-def _refresh_owner(key: tuple[str, str], index: kopf.Index[Any, Any]) -> None:
+def _refresh_owner(
+    key: tuple[str, str],
+    index: kopf.Index[Any, Any],
+    *workload_indexes: kopf.Index[Any, Any],
+) -> None:
     """Re-observe one resource after its children changed and write status if it changed.
 
     The key leaves the dirty set before the pass, so a change during the pass queues another.
+    The workloads come from the watch-fed indexes (kopf updates them before this was queued).
     """
     with _lock:
         _dirty.discard(key)
     namespace, name = key
     try:
         for owner in index.get(key, []):
-            outcome, changes = _reconcile(
+            outcome = _pass(
                 owner["metadata"], owner.get("spec", {}), owner.get("status"),
                 full=False, trigger="child",
+                observe=lambda: indexed_workloads(key, *workload_indexes),
             )  # fmt: skip
-            if outcome.invalid is None and changes:
-                kube().patch_status(c.KIND, namespace, name, changes)
             _post(owner, outcome.events)
     except Exception:  # the timer retries; a refresh must never kill the pool
         logging.getLogger(__name__).exception("status refresh of %s/%s failed", namespace, name)
 
 
-@kopf.timer(c.GROUP, c.VERSION, c.PLURAL, interval=GUARD_SECONDS, initial_delay=GUARD_SECONDS)
-def on_guard_timer(
-    body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec, status: kopf.Status, patch: kopf.Patch,
-    **_: Any,
-) -> None:  # fmt: skip
-    """The anomaly loop for one resource: drains, fleet-wide incidents, pressure hints."""
-    try:
-        parsed = parse_spec(dict(spec))
-    except ValidationError:
-        return  # the spec handlers report it
-    current = dict(status or {})
-    result = guard_tick(
-        kube(),
-        metrics_source(),
-        name=str(meta["name"]),
-        namespace=str(meta["namespace"]),
-        spec=parsed.anomaly_guard,
-        state=_guard_state.setdefault(str(meta["uid"]), LoopState()),
-        now=time.time(),
-        counts=pool_counts(current),
-        bounds=ScaleBounds(parsed.ratio.min, parsed.ratio.max, parsed.ratio.gpu_budget),
-    )
-    _post(body, result.events)
-    desired = anomaly_status(result)
-    for key, value in desired.items():
-        if current.get(key) != value:
-            patch.status[key] = value
+@kopf.on.startup()
+async def start_fleet_guard(**kwargs: Any) -> None:
+    """Start the anomaly loop: every GUARD_SECONDS one `FleetGuard.tick` over every resource
+    (in a thread; kopf's context is copied so events can be posted from it)."""
+    guard = FleetGuard(kube(), metrics_source, _post_events)
+    _guard_task.append(asyncio.create_task(_guard_loop(guard, kwargs["serving_index"])))
 
 
-def pool_counts(status: Status) -> PoolCounts | None:
-    """Desired and ready instances per pool from our own status (None before the first pass)."""
-    prefill, decode = status.get("prefill"), status.get("decode")
-    if not prefill or not decode:
-        return None
-    return PoolCounts(
-        prefill=int(prefill["replicas"]),
-        decode=int(decode["replicas"]),
-        prefill_ready=int(prefill.get("readyReplicas", 0)),
-        decode_ready=int(decode.get("readyReplicas", 0)),
-        prefill_gpus=int(prefill.get("gpusPerInstance", 1)),
-        decode_gpus=int(decode.get("gpusPerInstance", 1)),
-    )
+@kopf.on.cleanup()
+async def stop_fleet_guard(**_: Any) -> None:
+    for task in _guard_task:
+        task.cancel()
 
 
-def anomaly_status(result: TickResult) -> Status:
-    """`status.anomaly` and `status.draining` from one tick (the conditions derive from them)."""
-    rates = {role: rate for role, rate in result.pool_rate.items() if rate is not None}
-    worst = max(rates.values(), default=None)
-    anomaly: dict[str, Any] = {
-        "rate": f"{worst:.3%}" if worst is not None else "n/a",
-        "pools": {role: round(rate, 6) for role, rate in rates.items()},
-        "fleetWide": result.degraded,
-        "signalUnavailable": result.unavailable,
-    }
-    if result.scale is not None:
-        hint = result.scale.hint
-        anomaly["pressure"] = {
-            "note": result.scale.note,
-            "suggested": f"{hint.prefill}:{hint.decode}" if hint else None,
-        }
-    return {"anomaly": anomaly, "draining": result.draining}
+async def _guard_loop(guard: FleetGuard, index: kopf.Index[Any, Any]) -> None:
+    while True:
+        await asyncio.sleep(GUARD_SECONDS)
+        resources = [body for key in list(index) for body in index.get(key, [])]
+        try:
+            await asyncio.to_thread(guard.tick, resources)  # copies the context
+        except Exception:  # a failed tick (e.g. API outage) is retried next period
+            logging.getLogger(__name__).exception("anomaly tick failed")
+        GUARD_TICK_SECONDS.observe(guard.last_tick_seconds)
+
+
+def _post_events(body: dict[str, Any], events: list[tuple[str, str, str]]) -> None:
+    _post(body, events)
 
 
 @kopf.on.delete(c.GROUP, c.VERSION, c.PLURAL, optional=True)
 def on_delete(meta: kopf.Meta, **_: Any) -> None:
     """Children go with their owner reference; only forget our bookkeeping (no finalizer)."""
     uid = str(meta["uid"])
-    _last_full_apply.pop(uid, None)
-    _guard_state.pop(uid, None)
+    _last_full_apply.pop(uid, None)  # the fleet guard forgets its state on its next tick
+    _written.pop(uid, None)
+    with _lock:
+        _owner_locks.pop((str(meta["namespace"]), str(meta["name"])), None)

@@ -20,6 +20,7 @@ from cas_operator.metrics import API_REQUESTS
 
 log = logging.getLogger(__name__)
 Manifest = dict[str, Any]
+CONNECTION_POOL_SIZE = 48
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,11 @@ def load_api_client() -> client.ApiClient:
         config.load_incluster_config()  # type: ignore[no-untyped-call]
     except config.ConfigException:
         config.load_kube_config()  # type: ignore[no-untyped-call]
-    return client.ApiClient()
+    cfg = client.Configuration.get_default_copy()
+    # One pooled connection per concurrent caller (apply pool, refreshes, kopf's executor,
+    # guard workers); urllib3's default of 10 discarded connections and re-did TLS handshakes.
+    cfg.connection_pool_maxsize = CONNECTION_POOL_SIZE
+    return client.ApiClient(cfg)
 
 
 class Kube:
@@ -116,6 +121,14 @@ class Kube:
                 raise KindNotInstalled(kind) from exc
             raise
         return result
+
+    def list_labelled(self, kind: str, namespace: str, label: str) -> list[Manifest]:
+        """Objects of `kind` that carry `label` with any value (one LIST for many owners)."""
+        result = self._call(
+            "GET", KINDS[kind].base_path(namespace), query=[("labelSelector", label)]
+        )
+        items: list[Manifest] = result.get("items", [])
+        return items
 
     def list(self, kind: str, namespace: str, selector: dict[str, str]) -> list[Manifest]:
         """Objects of `kind` matching every label of `selector`; [] when the kind is not served."""

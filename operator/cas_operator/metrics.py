@@ -1,7 +1,7 @@
 """The operator's own Prometheus metrics (served by `__main__` on --metrics-port).
 
-Written by `kube.py` (API requests) and `handlers.py` (reconcile passes); read by Prometheus,
-the operator-scale benchmark and anyone debugging a slow or noisy operator.
+Written by `kube.py` (API requests) and `handlers.py` (reconcile passes, anomaly ticks); read
+by Prometheus, the operator-scale benchmark and anyone debugging a slow or noisy operator.
 """
 
 from __future__ import annotations
@@ -26,4 +26,9 @@ RECONCILE_ERRORS = Counter(
 )
 STATUS_WRITES = Counter(
     "cas_operator_status_writes_total", "Reconcile passes that changed the status"
+)
+GUARD_TICK_SECONDS = Histogram(
+    "cas_operator_guard_tick_seconds",
+    "Duration of one anomaly-loop tick over every resource (pod LIST, scrapes, drains)",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )

@@ -144,17 +144,21 @@ def reconcile(
     raw_spec: dict[str, Any],
     full_apply: bool,
     anomaly: dict[str, Any] | None = None,
+    observed: list[ObservedWorkload] | None = None,
 ) -> Outcome:
     """One pass; see the module docstring for the steps. `anomaly` is the anomaly loop's last
-    `status.anomaly`, folded into the conditions here so they have one writer."""
+    `status.anomaly`, folded into the conditions here so they have one writer. `observed` is
+    the caller's watch-fed copy of the workloads (saves the LIST); a full pass needs none
+    before applying and lists afresh after it."""
     try:
         plan = plan_for(name, namespace, raw_spec)
     except InvalidSpec as exc:
         return Outcome(status=invalid_status(str(exc), generation), invalid=exc)
     manifests = build_all(Owner(name, namespace, uid), plan)
-    observed = observe(kube, namespace, name)
+    if observed is None:
+        observed = [] if full_apply else observe(kube, namespace, name)
     applied, problems = apply_children(kube, manifests, observed, full_apply)
-    if applied:
+    if applied or full_apply:
         observed = observe(kube, namespace, name)
     status = compute_status(plan, observed, problems, generation, anomaly)
     events = []
