@@ -24,6 +24,7 @@ from __future__ import annotations
 import __future__
 
 import ast
+import functools
 import importlib.util
 import logging
 import os
@@ -61,6 +62,12 @@ DISAGG = SRT / "disaggregation"
 WAIT_S = 5.0
 
 
+@functools.cache
+def _parsed(path: Path) -> ast.Module:
+    """Parse each real source once per session (compiling from the tree does not mutate it)."""
+    return ast.parse(path.read_text(), filename=str(path))
+
+
 def compile_from(
     path: Path,
     ns: dict[str, Any],
@@ -72,7 +79,7 @@ def compile_from(
 ) -> Any:
     """Compile real code from ``path`` into ``ns``: module functions ``names``, the methods
     ``names`` of class ``cls`` as a new class ``as_name``, or (``whole``) class ``cls`` as is."""
-    tree = ast.parse(path.read_text(), filename=str(path))
+    tree = _parsed(path)
     if whole:
         body: list[ast.stmt] = [
             n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls
@@ -612,6 +619,9 @@ def test_local_abort_with_chunk_in_flight_pins_pages(make_world: Any) -> None:
     rank.sched.disagg_prefill_inflight_queue.clear()  # still in the running batch, not inflight
     assert rank.sched._retire_aborted_prefill_result(req) is True
     assert world.freed == []
+    # a later result of the same request (overlap scheduling): already retired, as upstream
+    # answers once the KV is released; it must not be streamed or released twice
+    assert rank.sched._retire_aborted_prefill_result(req) is False
     process_all(world)
     assert world.freed == []
     rank.gate.proceed.set()

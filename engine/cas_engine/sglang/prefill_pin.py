@@ -250,6 +250,8 @@ class PrefillPinPatch:
         if target is None or target[1] is not req:
             return original(req, tree_cache, **kwargs)
         scheduler = target[0]
+        if self.is_pinned(scheduler, req):
+            return None  # one deferred release per request
         sender = getattr(req, "disagg_kv_sender", None)
         pin = SourcePin(
             req=req,
@@ -263,6 +265,10 @@ class PrefillPinPatch:
         self.pinned_rooms += 1
         self.metrics.pinned_rooms.inc()
         return None
+
+    @staticmethod
+    def is_pinned(scheduler: Any, req: Any) -> bool:
+        return any(pin.req is req for pin in scheduler.__dict__.get(_PINS) or ())
 
     # ---- resolution (after each inflight-queue pass) --------------------------------------------
 
@@ -371,9 +377,14 @@ def install_prefill_pin(
 
 def _wrap_capture(cls: type, name: str, patch: PrefillPinPatch) -> None:
     original = cls.__dict__[name]
+    retire = name == "_retire_aborted_prefill_result"
 
     @functools.wraps(original)
     def wrapper(self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+        if retire and patch.is_pinned(self, req):
+            # Upstream answers False once a request's KV is released ("already retired");
+            # a pinned request still holds its KV, so answer for it.
+            return False
         with patch.capturing(self, req):
             return original(self, req, *args, **kwargs)
 

@@ -15,21 +15,34 @@ What this adapter changes (minimal, no upstream code copied):
    "overdue" threshold for logging. It refuses to start when deferred release is disabled
    (``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=0``), since then nothing is held at all.
 2. ``DecodeTransferQueue.resolve_deferred_releases`` is wrapped to observe the held entries:
-   ``cas_kv_quarantined_rooms``, ``cas_kv_reclaims_total{outcome="acked"}``, the reclaim wait
+   ``cas_kv_quarantined_rooms``, ``cas_kv_reclaims_total{outcome}``, the reclaim wait
    histogram, a warning per room once it is overdue, and :meth:`StrictReclaimPatch.health`,
-   which turns unhealthy when more rooms are held than ``quarantine_budget_rooms``.
+   which turns unhealthy when more rooms are held than ``quarantine_budget_rooms``. Each held
+   entry is mirrored as a lease of a STRICT :class:`~cas_engine.kvfence.ReclaimLedger` whose
+   single "rank" is the prefill peer's incarnation.
+3. ``CommonKVManager._handle_node_failure`` (decode, heartbeat thread) is wrapped to report the
+   peer dead with the rooms it had at that moment; that releases nothing. Upstream never
+   releases a dead peer's held rooms except by the timer, which strict mode removed.
+4. ``CommonKVManager.is_abort_release_safe`` also answers True for a room whose dead peer's
+   endpoint the transfer engine confirmed closed (``StrictReclaimPatch.on_peer_endpoint_closed``,
+   the ledger's ``on_peer_closed`` rule): no write of that process can land any more.
+   Rooms bootstrapped after the death belong to a new incarnation and are not released by it.
 
-Before patching, :func:`check_decode_queue` verifies the SGLang version, that the methods exist
-and that their source still contains the lines this reasoning depends on; any mismatch raises
-:class:`StrictReclaimError` with the reason, and the launcher refuses to start.
-:func:`require_deferred_capable_backend` refuses transfer backends whose KV manager does not
-defer the release of aborted transfers (read from SGLang's source; mooncake, nixl and mori do).
+Before patching, :func:`check_decode_queue` and :func:`check_peer_hooks` verify the SGLang
+version, that the methods exist and that their source still contains the lines this reasoning
+depends on; any mismatch raises :class:`StrictReclaimError` with the reason, and the launcher
+refuses to start (:func:`check_other_targets` adds the prefill targets of
+:mod:`cas_engine.sglang.prefill_pin`). :func:`require_deferred_capable_backend` refuses
+transfer backends whose KV manager does not defer the release of aborted transfers (read from
+SGLang's source; mooncake, nixl and mori do).
 
-Not covered (yet): source-page pinning on the prefill side. In 0.5.23 the prefill frees a
-failed room's pages in ``handle_inflight_transfer_failure`` while ``_staging_outstanding`` may
-still count an in-flight chunk; holding them needs a flag all-reduced over the TP/CP group
-(polls are MIN-reduced, so one rank cannot hold alone). The writes of such a room land only in
-decode pages that strict mode keeps quarantined, so the decode side's guarantee holds.
+Prefill-side source-page pinning lives in :mod:`cas_engine.sglang.prefill_pin`.
+
+Not covered: what calls :meth:`StrictReclaimPatch.on_peer_endpoint_closed` in a running engine.
+mooncake's Python API (0.3.x) exposes no per-peer connection state, so the confirmation must
+come from outside (e.g. the operator once the dead prefill pod's containers have terminated);
+until it comes, a dead peer's rooms stay held and count against the quarantine budget. Host
+(HiCache) destinations keep upstream's receiver-level drain check and are not released by it.
 """
 
 from __future__ import annotations
