@@ -933,9 +933,14 @@ def _side_target(
     down_since: float | None,
     now: float,
     cfg: ControlConfig,
+    fleet_units: float = 0.0,
 ) -> tuple[int, float | None, str]:
     """One pool's next replicas ignoring the budget: bounded step, cooldown, deadband, and a
-    scale-down only after the lower target has held for ``down_stable_s``."""
+    scale-down only after the lower target has held for ``down_stable_s``.
+
+    A step up is bounded by ``max_step_fraction`` of the larger of this pool and the whole
+    fleet counted in this pool's instances (``fleet_units``), so a small pool can take over
+    what a large one releases at the budget cap in one step; a step down by the pool itself."""
     want = min(max(want, lo), hi)
     cur = min(max(current, lo), hi)
     if cur != current:  # out of bounds: fix immediately, bounds beat cooldown
@@ -945,7 +950,8 @@ def _side_target(
         return current, keep_since, "cooldown"
     step = _step_limit(current, cfg.max_step_fraction)
     if want > current:
-        return min(want, current + step), None, "up"
+        up = _step_limit(max(current, math.floor(fleet_units)), cfg.max_step_fraction)
+        return min(want, current + up), None, "up"
     deadband = max(1, math.floor(current * cfg.deadband_fraction))
     if current - want < deadband:
         return current, None, "deadband"
@@ -969,6 +975,7 @@ def next_replicas(
     after the other pool's scale-down has finished (its pods equal its spec).
     """
     b = config.bounds
+    held = current.prefill * config.prefill_gpus + current.decode * config.decode_gpus
     p, p_since, p_why = _side_target(
         current.prefill,
         recommendation.n_prefill,
@@ -978,6 +985,7 @@ def next_replicas(
         state.down_since_prefill,
         now,
         config,
+        held / config.prefill_gpus,
     )
     d, d_since, d_why = _side_target(
         current.decode,
@@ -988,6 +996,7 @@ def next_replicas(
         state.down_since_decode,
         now,
         config,
+        held / config.decode_gpus,
     )
     p, d, why = _fit_budget(current, p, d, config)
     # At the cap a pool that wants to grow is blocked until the other one shrinks: a lower

@@ -20,7 +20,7 @@ and returns target (prefill, decode) replicas. State lives in the policy object.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from cas_operator.planning.ratio import (
     Bounds,
@@ -73,6 +73,8 @@ class RatioPlannerPolicy:
     ewma_rate: float | None = None
     last_rec: RatioRecommendation | None = None
     recommendations: int = 0
+    healthy: Metrics | None = None  # last window in which the fleet kept up (TTFT near SLO)
+    overload_factor: float = 2.0
 
     def _workload(self, m: Metrics, rate: float) -> WorkloadInputs:
         return WorkloadInputs(
@@ -96,6 +98,15 @@ class RatioPlannerPolicy:
         )
 
     def _slow(self, m: Metrics, fleet: FleetView) -> tuple[int, int] | None:
+        """One slow-loop recommendation on forecast load.
+
+        Under overload the measured load is throttled, not lower: agent sessions wait for
+        their answer before sending the next turn, so the arrival rate falls and first turns
+        (open loop) take a larger share exactly when the fleet is short. While the TTFT p90 is
+        over ``overload_factor`` x the SLO, the rate never falls below the last healthy
+        window's, the first-turn share is that window's, and decode KV use (full of backlog)
+        does not recalibrate the model; lengths are taken as measured.
+        """
         if m.arrival_rate <= 0 or m.avg_output_tokens <= 0:
             return None
         a = self.smoothing
@@ -105,13 +116,26 @@ class RatioPlannerPolicy:
             else a * m.arrival_rate + (1 - a) * self.ewma_rate
         )
         rate = max(m.arrival_rate, self.ewma_rate) * self.headroom
+        overloaded = m.ttft_p90_s > self.overload_factor * self.slo.ttft_s
+        wl = self._workload(m, rate)
+        observed = self._observed(m, fleet)
+        if not overloaded:
+            self.healthy = m
+        elif self.healthy is not None:
+            h = self.healthy
+            wl = replace(
+                wl,
+                request_rate=max(rate, h.arrival_rate * self.headroom),
+                first_turn_fraction=min(max(h.first_turn_fraction, 0.01), 1.0),
+            )
+            observed = None
         rec = recommend(
-            self._workload(m, rate),
+            wl,
             self.slo,
             self.prefill,
             self.decode,
             self.bounds,
-            observed=self._observed(m, fleet),
+            observed=observed,
             limits=self.limits,
         )
         self.last_rec = rec
