@@ -31,6 +31,11 @@ poisoned room stay pinned for the life of the process, counted.
    (``SGLANG_TEST_DISAGG_FAILURE_PROB``, which reports 0) only delays a release.
 3. ``Scheduler.is_fully_idle`` reports busy while pins exist (outside health checks), so the idle
    leak check does not count pinned pages as leaked, like upstream does for decode's holds.
+4. ``_retire_aborted_prefill_result`` answers False for a request already pinned (upstream's
+   "already retired" answer once the KV is released), so a later result of the same request
+   under overlap scheduling is neither streamed nor released twice.
+5. The first inflight pass refuses to run (:class:`StrictReclaimError`) when the mooncake
+   manager has deferred release off: then a failed send is not marked poisoned.
 
 Why the ranks agree: pins are created by failure paths whose decisions are already identical on
 every rank of the group (polls are MIN-reduced; local aborts are broadcast to all TP ranks), in
@@ -45,6 +50,11 @@ lines this reasoning depends on (:class:`~cas_engine.sglang.reclaim.StrictReclai
 otherwise). The pages are read, not written, by the late chunk; what it sends lands in decode
 pages that strict reclaim keeps quarantined until this rank acknowledges, which it does only when
 drained, so this patch is defence in depth for the source side.
+
+Limits: the counters are keyed by ``bootstrap_room``; if a new request reuses the room id while
+an old chunk is still in flight, upstream's ``update_status`` resets them and the pin may be
+released early (room ids are random 63-bit values from the router). nixl and mori keep the same
+counter, but only the mooncake worker's use of it is checked at start-up.
 """
 
 from __future__ import annotations
