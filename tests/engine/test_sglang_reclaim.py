@@ -8,11 +8,10 @@ methods of ``DecodeTransferQueue`` (``__init__``, ``_defer_release``,
 (``register_deferred_abort_room``, ``note_abort_ack``, ``is_abort_release_safe``,
 ``clear_deferred_abort_state``), its peer-failure handler (``_handle_node_failure`` with
 ``check_status``/``update_status``/``record_failure``) and the real ``all_reduce_flags`` straight
-from the installed
-sglang source files (file names and line numbers kept), with stubs only for what they import
-(torch.distributed, env accessors, the allocator). Everything the patch touches runs as
-upstream wrote it. Skipped when sglang 0.5.23 is not installed. ``CAS_TEST_UNPATCHED=1`` runs
-the peer tests (docstrings start with "guards") without the patch: they must fail.
+from the installed sglang source files (file names and line numbers kept), with stubs only for
+what they import (torch.distributed, env accessors, the allocator). Everything the patch touches
+runs as upstream wrote it. Skipped when sglang 0.5.23 is not installed. ``CAS_TEST_UNPATCHED=1``
+runs the peer tests (docstrings start with "guards") without the patch: they must fail.
 """
 
 from __future__ import annotations
