@@ -757,3 +757,26 @@ def test_loading_the_real_modules_fails_with_a_clear_reason_or_works() -> None:
         assert "cannot import sglang.srt" in str(exc) and "No module named" in str(exc)
     else:
         prefill_pin.check_prefill_targets(targets)
+
+
+def test_poison_on_one_rank_pins_the_room_on_every_rank(make_world: Any) -> None:
+    """guards: rank 1's send failed (poisoned), rank 0's succeeded and drained: the group must
+    agree on "pinned for good" on both ranks, not free on rank 0 alone."""
+    world = make_world(tp_size=2)
+    r0, r1 = world.ranks
+    r1.gate.rc = -1
+    for r in world.ranks:
+        r.start_room(46)
+        r.send_chunk(46, 0)
+        assert r.gate.entered.wait(WAIT_S)
+        r.gate.proceed.set()
+        wait_for(lambda r=r: r.drained(46), f"rank {r.rank} to drain")
+    assert 46 in r1.mgr._deferred_ack_poisoned_rooms
+    assert 46 not in r0.mgr._deferred_ack_poisoned_rooms
+    r0.abort_from_decode(46)  # rank 0's room must fail too; rank 1 failed on its own
+    for _ in range(2):
+        process_all(world)
+    assert world.freed == []
+    for r in world.ranks:
+        pins = prefill_pin.pinned_sources(r.sched)
+        assert len(pins) == 1 and pins[0].poisoned
