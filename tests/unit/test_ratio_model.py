@@ -126,7 +126,19 @@ def test_layer_split_capacity_factor() -> None:
     ls = pf.prefill_profile(SPEC, cp=8, layer_split=True)
     no = pf.prefill_profile(SPEC, cp=8, layer_split=False)
     assert ls.kv_capacity_tokens / no.kv_capacity_tokens == pytest.approx(4.2667, rel=1e-3)
-    assert ls.gpus == 64
+
+
+def test_prefill_profile_puts_cp_inside_tp_like_the_crd() -> None:
+    """Guards the instance shape: as in the CRD and SGLang's --attn-cp-size, CP divides TP and
+    adds no GPUs (a TP8 CP4 instance is 8 GPUs, not 32); a wider TP spans more nodes and is
+    faster; a CP that does not divide TP is rejected."""
+    cp4 = pf.prefill_profile(SPEC, cp=4)
+    assert cp4.gpus == 8 and cp4.cp == 4
+    assert cp4.host_cache_tokens == PREFILL.host_cache_tokens
+    wide = pf.prefill_profile(SPEC, tp=16, cp=2)
+    assert wide.gpus == 16 and wide.prefill_s_per_token < PREFILL.prefill_s_per_token
+    with pytest.raises(ValueError):
+        pf.prefill_profile(SPEC, tp=8, cp=3)
 
 
 def test_profiles_have_sources_and_published_anchors() -> None:
@@ -213,12 +225,13 @@ def test_bounds_are_respected() -> None:
 
 
 def test_cp_hint_for_long_cold_first_turns() -> None:
-    """Guards the CP hint: 150K-token cold first turns under a 4 s TTFT need a larger CP group;
-    the hint names it while the recommendation stays on the running shape."""
+    """Guards the CP hint: 150K-token cold first turns under a 4 s TTFT need a larger CP group
+    (a multi-node instance, TP 8c with CP c); the hint names it while the recommendation stays
+    on the running shape."""
     wl = replace(
         WL, first_turn_input_tokens=150_000, avg_input_tokens=160_000, first_turn_fraction=0.15
     )
-    alts = [pf.prefill_profile(SPEC, cp=c) for c in (2, 4, 8)]
+    alts = [pf.prefill_profile(SPEC, tp=8 * c, cp=c) for c in (2, 4, 8)]
     rec = recommend(
         wl, SloInputs(ttft_s=4.0, itl_ms=50.0), PREFILL, DECODE, prefill_alternatives=alts
     )

@@ -6,6 +6,8 @@ from typing import Any
 
 from cas_operator.api.models import parse_spec
 from cas_operator.planning.plan import build_plan
+from cas_operator.planning.profiles import load_spec as load_spec_profile
+from cas_operator.planning.recommend import convert_count, instance_profiles
 from cas_operator.status import ratio_status
 from tests.paths import load_sample
 
@@ -55,3 +57,21 @@ def test_auto_keeps_the_spec_counts_when_the_planner_breaks_a_bound() -> None:
     plan = build_plan("x", "ns", parse_spec(glm5(mode="Auto", min=1.4, max=1.6)))
     assert (plan.prefill.replicas, plan.decode.replicas) == (3, 2)
     assert "rejected" in plan.replicas.reason
+
+
+def test_planner_instances_are_the_resources_instances_when_shapes_match() -> None:
+    """Regression: profiles used to model a prefill instance as tp x cp GPUs while the CRD puts
+    CP inside TP, so a TP8 CP4 pool's counts were converted through 32-GPU instances and came
+    back 4x too large. The planner now plans in the resource's own shapes (1:1), and converts
+    through GPU totals only for a shape the profile cannot express."""
+    spec = load_spec_profile("glm5-fp8-h200")
+    p, d = instance_profiles(spec, (8, 4), True, (8, 8))
+    assert (p.gpus, p.cp, d.gpus) == (8, 4, 8)
+    assert convert_count(5, p.gpus, 8) == 5
+    p, _ = instance_profiles(spec, (12, 8), True, (12, 8))  # 8 does not divide 12
+    assert p.gpus == spec.prefill_tp
+    assert convert_count(5, p.gpus, 12) == 4  # 40 GPUs in 12-GPU instances, rounded up
+    plan = build_plan("x", "ns", parse_spec(glm5(mode="Recommend")))
+    rec = plan.recommendation
+    assert rec is not None and rec.prefill is not None and rec.decode is not None
+    assert rec.prefill * plan.prefill.shape.gpus + rec.decode * plan.decode.shape.gpus <= 64

@@ -2,8 +2,11 @@
 
 Data flow: spec.workload / slo / ratio + the pools' instance shapes -> planner inputs with the
 packaged instance profile of the model (GLM-5 or DeepSeek-V3 on H200) -> `RatioRecommendation`
--> instance counts in the resource's own shapes (the planner sizes GPUs per role; its profile
-instances may be shaped differently, so counts are converted through GPUs and rounded up).
+-> instance counts in the resource's own shapes. The profiles are built in the resource's own
+shapes (prefill: tensorParallel GPUs with contextParallel inside TP; decode: its GPUs with DP
+attention), so counts map 1:1; only a shape the profile cannot express (contextParallel not
+dividing tensorParallel) is planned in the profile's default shape and converted through GPU
+totals, rounded up.
 
 Pure and cached: the same spec gives the same answer, computed once per process (the search
 takes up to a second). Observed signals are not fed in yet (see the issue notes).
@@ -16,8 +19,14 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from cas_operator.api.models import CodingAgentServingSpec, RatioMode
-from cas_operator.planning.profiles import decode_profile, load_spec, prefill_profile
-from cas_operator.planning.ratio import Bounds, SloInputs, WorkloadInputs, recommend
+from cas_operator.planning.profiles import ProfileSpec, decode_profile, load_spec, prefill_profile
+from cas_operator.planning.ratio import (
+    Bounds,
+    InstanceProfile,
+    SloInputs,
+    WorkloadInputs,
+    recommend,
+)
 from cas_operator.planning.shapes import InstanceShape
 from cas_operator.planning.validate import layer_split_enabled
 
@@ -74,7 +83,7 @@ def recommendation_for(
         workload,
         slo,
         Bounds(gpu_budget=spec.ratio.gpu_budget),
-        prefill.context_parallel,
+        (prefill.tensor_parallel, prefill.context_parallel),
         layer_split_enabled(spec.prefill),
         (prefill.gpus, decode.gpus),
     )
@@ -86,22 +95,49 @@ def _recommend(
     workload: WorkloadInputs,
     slo: SloInputs,
     bounds: Bounds,
-    cp: int,
+    prefill_tp_cp: tuple[int, int],
     layer_split: bool,
     instance_gpus: tuple[int, int],
 ) -> Recommendation:
     """The planner's search (up to a second), cached on its frozen inputs."""
     spec = load_spec(profile)
-    prefill_instance = prefill_profile(spec, cp=cp, layer_split=layer_split)
-    decode_instance = decode_profile(spec)
+    prefill_instance, decode_instance = instance_profiles(
+        spec, prefill_tp_cp, layer_split, instance_gpus
+    )
     result = recommend(workload, slo, prefill_instance, decode_instance, bounds)
     prefill_gpus, decode_gpus = instance_gpus
     return Recommendation(
-        prefill=max(1, math.ceil(result.n_prefill * prefill_instance.gpus / prefill_gpus)),
-        decode=max(1, math.ceil(result.n_decode * decode_instance.gpus / decode_gpus)),
+        prefill=convert_count(result.n_prefill, prefill_instance.gpus, prefill_gpus),
+        decode=convert_count(result.n_decode, decode_instance.gpus, decode_gpus),
         reason=result.reason,
         ttft_p90_seconds=round(result.ttft_p90_s, 3),
         itl_milliseconds=round(result.itl_ms, 2),
         hit_rate=round(result.hit_rate, 4),
         meets_slo=result.meets_slo,
     )
+
+
+def instance_profiles(
+    spec: ProfileSpec,
+    prefill_tp_cp: tuple[int, int],
+    layer_split: bool,
+    instance_gpus: tuple[int, int],
+) -> tuple[InstanceProfile, InstanceProfile]:
+    """Planner profiles in the resource's own instance shapes (prefill ``tp`` GPUs with ``cp``
+    inside TP, decode ``instance_gpus[1]`` GPUs); the profile's default prefill shape (same CP
+    when it divides, else CP 1) only when ``cp`` does not divide ``tp``."""
+    tp, cp = prefill_tp_cp
+    try:
+        prefill_instance = prefill_profile(spec, tp=tp, cp=cp, layer_split=layer_split)
+    except ValueError:
+        fallback_cp = cp if spec.prefill_tp % cp == 0 else 1
+        prefill_instance = prefill_profile(spec, cp=fallback_cp, layer_split=layer_split)
+    return prefill_instance, decode_profile(spec, dp=instance_gpus[1])
+
+
+def convert_count(n: int, profile_gpus: int, shape_gpus: int) -> int:
+    """Instances of the resource's shape holding ``n`` planner instances: the same count when
+    the shapes match, else through GPU totals, rounded up (at least 1)."""
+    if profile_gpus == shape_gpus:
+        return max(1, n)
+    return max(1, math.ceil(n * profile_gpus / shape_gpus))

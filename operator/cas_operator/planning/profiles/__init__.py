@@ -3,7 +3,13 @@
 Data flow: a JSON file in this folder (one model on one GPU type, every number with its source
 under ``sources``) -> :func:`load_spec` -> :class:`ProfileSpec` -> :func:`prefill_profile` /
 :func:`decode_profile` -> :class:`cas_operator.planning.ratio.InstanceProfile` for one instance
-shape (TP x CP for prefill, DP for decode). The only I/O is reading the packaged JSON.
+shape. The only I/O is reading the packaged JSON.
+
+Shapes follow the CodingAgentServing CRD and SGLang: a prefill instance is ``tp`` GPUs and its
+context parallelism (``--attn-cp-size``) divides ``tp`` - CP adds no GPUs, it changes how the
+same GPUs split attention and, with LayerSplit, how much KV the instance caches. A decode
+instance is ``dp`` GPUs with DP attention. So one planner instance is one resource instance
+whenever the shapes match, and ``recommend.py`` maps counts 1:1.
 
 LayerSplit: without it every context-parallel rank holds every layer's KV, so a CP group caches
 no more tokens than one rank. With it each rank holds a contiguous block of layers plus a replica
@@ -92,16 +98,26 @@ def layer_split_capacity_factor(cp: int, indexer_share: float) -> float:
     return 1.0 / ((1.0 - indexer_share) / cp + indexer_share)
 
 
-def prefill_profile(spec: ProfileSpec, *, cp: int = 1, layer_split: bool = True) -> InstanceProfile:
-    """A prefill instance of ``prefill_tp x cp`` GPUs (MLA KV replicated across TP ranks)."""
-    gpus = spec.prefill_tp * cp
+def prefill_profile(
+    spec: ProfileSpec, *, tp: int | None = None, cp: int = 1, layer_split: bool = True
+) -> InstanceProfile:
+    """A prefill instance of ``tp`` GPUs (default ``spec.prefill_tp``) with context parallelism
+    ``cp`` inside TP (``cp`` divides ``tp``; ValueError otherwise).
+
+    Throughput scales with the instance's nodes (``tp / gpus_per_node``), times the CP
+    efficiency when ``cp > 1``; MLA KV is replicated across TP ranks, so the cache holds one
+    rank's worth of tokens, times the LayerSplit factor when it is on.
+    """
+    gpus = spec.prefill_tp if tp is None else tp
+    if cp < 1 or gpus < 1 or gpus % cp:
+        raise ValueError(f"context parallel size {cp} must divide tensor parallel size {gpus}")
     nodes = gpus / spec.gpus_per_node
     per_rank_tokens = spec.kv_bytes_per_gpu / spec.kv_bytes_per_token
     factor = layer_split_capacity_factor(cp, spec.indexer_share) if layer_split else 1.0
     eff = spec.prefill_cp_efficiency if cp > 1 else 1.0
     speedup = nodes * eff
     return InstanceProfile(
-        name=f"{spec.name}/prefill-tp{spec.prefill_tp}-cp{cp}{'-ls' if layer_split else ''}",
+        name=f"{spec.name}/prefill-tp{gpus}-cp{cp}{'-ls' if layer_split else ''}",
         gpus=gpus,
         cp=cp,
         layer_split=layer_split,
