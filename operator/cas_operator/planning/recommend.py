@@ -23,6 +23,7 @@ from cas_operator.planning.profiles import ProfileSpec, decode_profile, load_spe
 from cas_operator.planning.ratio import (
     Bounds,
     InstanceProfile,
+    ObservedSignals,
     SloInputs,
     WorkloadInputs,
     recommend,
@@ -61,9 +62,15 @@ def profile_for(model_name: str) -> str | None:
 
 
 def recommendation_for(
-    spec: CodingAgentServingSpec, prefill: InstanceShape, decode: InstanceShape
+    spec: CodingAgentServingSpec,
+    prefill: InstanceShape,
+    decode: InstanceShape,
+    observed: ObservedSignals | None = None,
 ) -> Recommendation | None:
-    """None in Fixed mode; otherwise the planner's counts (or the reason it has none)."""
+    """None in Fixed mode; otherwise the planner's counts (or the reason it has none).
+
+    `observed` (the Auto loop's measured fleet signals, quantised by the caller so the cache
+    hits in steady state) replaces or rescales the spec's workload estimates."""
     if spec.ratio.mode == RatioMode.FIXED:
         return None
     if spec.workload.request_rate is None:
@@ -86,6 +93,7 @@ def recommendation_for(
         (prefill.tensor_parallel, prefill.context_parallel),
         layer_split_enabled(spec.prefill),
         (prefill.gpus, decode.gpus),
+        observed,
     )
 
 
@@ -98,13 +106,14 @@ def _recommend(
     prefill_tp_cp: tuple[int, int],
     layer_split: bool,
     instance_gpus: tuple[int, int],
+    observed: ObservedSignals | None = None,
 ) -> Recommendation:
     """The planner's search (up to a second), cached on its frozen inputs."""
     spec = load_spec(profile)
     prefill_instance, decode_instance = instance_profiles(
         spec, prefill_tp_cp, layer_split, instance_gpus
     )
-    result = recommend(workload, slo, prefill_instance, decode_instance, bounds)
+    result = recommend(workload, slo, prefill_instance, decode_instance, bounds, observed)
     prefill_gpus, decode_gpus = instance_gpus
     return Recommendation(
         prefill=convert_count(result.n_prefill, prefill_instance.gpus, prefill_gpus),
