@@ -13,19 +13,30 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 class OperatorProcess:
-    """`python -m cas_operator` with KUBECONFIG=`kubeconfig`; restartable."""
+    """`python -m cas_operator` with KUBECONFIG=`kubeconfig`; restartable. `extra_args` go to
+    the operator's command line (e.g. ``("-n", ns)`` to watch one namespace only), `env` on top
+    of this process's environment (e.g. ``CAS_PROMETHEUS_URL``)."""
 
-    def __init__(self, kubeconfig: Path, log_path: Path, *, metrics_port: int = 0) -> None:
+    def __init__(
+        self,
+        kubeconfig: Path,
+        log_path: Path,
+        *,
+        metrics_port: int = 0,
+        extra_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.kubeconfig, self.log_path, self.metrics_port = kubeconfig, log_path, metrics_port
+        self.extra_args, self.env = extra_args, dict(env or {})
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
+        env = {**os.environ, **self.env, "KUBECONFIG": str(self.kubeconfig)}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "cas_operator", "--liveness", "",
-                 "--metrics-port", str(self.metrics_port)],
+                 "--metrics-port", str(self.metrics_port), *self.extra_args],
                 cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
             )  # fmt: skip
 

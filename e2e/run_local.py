@@ -27,7 +27,6 @@ import signal
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -41,15 +40,8 @@ from e2e.cluster import (
     start_cluster,
 )
 from e2e.liveload import LiveLoad, format_summary
-from e2e.operator_process import OperatorProcess
-from e2e.podrunner import PodRunner, kube_pod_lister
-from e2e.prometheus import (
-    PrometheusHandle,
-    file_sd_scrape_config,
-    prometheus_binary,
-    start_prometheus,
-    write_file_sd,
-)
+from e2e.livestack import LiveStack, http_ok, router_url
+from e2e.podrunner import kube_pod_lister
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ("minimal.yaml", "glm5-long-context.yaml")
@@ -59,7 +51,6 @@ SCRAPE_INTERVAL_S = 5.0
 # The sims of the sample fleets: 20x faster than the modelled GPU, quiet logs (2 cores run
 # the control plane, the operator, Prometheus, ~20 sims and the routers together).
 SIM_ARGS = ["--sim-speedup", "20", "--log-level", "warning"]
-ROUTER_PORT = 8000
 
 
 def say(msg: str) -> None:
@@ -103,20 +94,9 @@ class RouterFinder:
 
     @staticmethod
     def _probe(pods: list[dict[str, Any]]) -> dict[str, str]:
-        ready: dict[str, str] = {}
-        for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
-            labels = pod["metadata"].get("labels") or {}
-            ip = (pod.get("status") or {}).get("podIP")
-            name = labels.get("cas.dev/name", "")
-            if (labels.get("cas.dev/role") != "router" or not ip or name in ready
-                    or pod["metadata"].get("deletionTimestamp")):  # fmt: skip
-                continue
-            url = f"http://{ip}:{ROUTER_PORT}"
-            probe = f"{url}/readiness"
-            with contextlib.suppress(OSError), urllib.request.urlopen(probe, timeout=1.0) as resp:
-                if resp.status == 200:
-                    ready[name] = url
-        return ready
+        names = {(p["metadata"].get("labels") or {}).get("cas.dev/name", "") for p in pods}
+        urls = {name: router_url(pods, name) for name in names}
+        return {n: u for n, u in urls.items() if u and http_ok(f"{u}/readiness")}
 
 
 class Session:
@@ -125,11 +105,7 @@ class Session:
     def __init__(self, cluster: ClusterHandle, started_cluster: bool) -> None:
         self.cluster = cluster
         self.started_cluster = started_cluster
-        self.operator: OperatorProcess | None = None
-        self.prometheus: PrometheusHandle | None = None
-        self.runner: PodRunner | None = None
-        self._runner_stop = threading.Event()
-        self._runner_thread: threading.Thread | None = None
+        self.live: LiveStack | None = None
         self.load: LiveLoad | None = None
 
     def kubectl(self, *args: str, stdin: str | None = None, check: bool = True) -> str:
@@ -137,80 +113,26 @@ class Session:
             self.cluster.kubectl_path, self.cluster.kubeconfig, *args, stdin=stdin, check=check
         )
 
-    def start_pod_runner(self, sd_file: Path) -> None:
-        """Sims for the demo's engine pods, real routers for its router pods (a thread)."""
-        self.runner = PodRunner(
-            kube_pod_lister(self.cluster.kubeconfig, DEMO_NAMESPACE), LIVE_DIR / "pods",
-            sd_file, extra_args=SIM_ARGS, restart_backoff_s=3.0,
-            kubeconfig=self.cluster.kubeconfig.resolve(),
+    def start_live(self) -> None:
+        """Pod runner (sims, real routers), Prometheus and the operator for the demo."""
+        self.live = LiveStack(
+            self.cluster.kubeconfig, DEMO_NAMESPACE, LIVE_DIR, sim_args=SIM_ARGS,
+            scrape_interval_s=SCRAPE_INTERVAL_S, metrics_port=8081,
+            operator_log=self.cluster.run_dir / "logs" / "operator.log",
         )  # fmt: skip
-        self._runner_thread = threading.Thread(target=self._run_pods, name="podrunner", daemon=True)
-        self._runner_thread.start()
-
-    def _run_pods(self) -> None:
-        assert self.runner is not None
-        log = LIVE_DIR / "podrunner.log"
-        with log.open("a") as out:
-            try:
-                while not self._runner_stop.is_set():
-                    try:
-                        for line in self.runner.sync():
-                            print(time.strftime("%H:%M:%S"), line, file=out, flush=True)
-                    except Exception as exc:  # API hiccup: report, retry next pass
-                        print(time.strftime("%H:%M:%S"), f"sync failed: {exc}", file=out,
-                              flush=True)  # fmt: skip
-                    self._runner_stop.wait(1.0)
-            finally:
-                for line in self.runner.stop_all():
-                    print(time.strftime("%H:%M:%S"), line, file=out, flush=True)
-
-    def start_prometheus(self, sd_file: Path) -> str | None:
-        """Prometheus scraping the runner's targets; None (and a note) when not installed."""
-        if prometheus_binary() is None:
-            say("prometheus not installed (apt-get install prometheus): the operator scrapes pods")
-            return None
-        write_file_sd(sd_file, [])
-        job = file_sd_scrape_config(sd_file, SCRAPE_INTERVAL_S)
-        self.prometheus = start_prometheus(
-            LIVE_DIR / "prometheus", [job], interval_s=SCRAPE_INTERVAL_S
-        )
-        return self.prometheus.url
-
-    def start_operator(self, prometheus_url: str | None) -> Path:
-        """The operator process; its anomaly loop reads Prometheus when a URL is given."""
-        if prometheus_url:
-            os.environ["CAS_PROMETHEUS_URL"] = prometheus_url  # inherited by the process
-        log_path = self.cluster.run_dir / "logs" / "operator.log"
-        self.operator = OperatorProcess(self.cluster.kubeconfig, log_path, metrics_port=8081)
-        self.operator.start()
-        return log_path
+        self.live.start(log=say)
 
     def start_load(self, manifests: list[dict[str, Any]]) -> None:
         resources = {m["metadata"]["name"]: served_model(m) for m in manifests}
         finder = RouterFinder(self.cluster.kubeconfig, DEMO_NAMESPACE)
         self.load = LiveLoad(resources, finder).start()
 
-    def processes(self) -> str:
-        """One line: what the pod runner runs and where Prometheus is."""
-        running = list(self.runner.running.copy().values()) if self.runner else []
-        routers = sum("e2e.router_shim" in r.launch.argv for r in running)
-        prom = self.prometheus.url if self.prometheus else "off (direct pod scrapes)"
-        return (f"pod runner: {len(running) - routers} sims, {routers} SGLang routers; "
-                f"prometheus: {prom}; logs: {LIVE_DIR}")  # fmt: skip
-
     def teardown(self) -> None:
         if self.load is not None:
             say("stopping the load generator")
             self.load.stop()
-        if self.operator and self.operator.running():
-            say("stopping the operator")
-            self.operator.stop()
-        if self._runner_thread is not None:
-            say("stopping the sims and routers")
-            self._runner_stop.set()
-            self._runner_thread.join(60)
-        if self.prometheus is not None:
-            say(self.prometheus.stop())
+        if self.live is not None:
+            self.live.close(log=say)
         if self.started_cluster:
             say("stopping the local cluster")
             for line in self.cluster.stop():
@@ -244,7 +166,8 @@ def status_table(session: Session) -> str:
     table = session.kubectl("get", "cas", "-n", DEMO_NAMESPACE, "-o", "wide", check=False)
     data = json.loads(session.kubectl("get", "cas", "-n", DEMO_NAMESPACE, "-o", "json") or "{}")
     pods = json.loads(session.kubectl("get", "pods", "-n", DEMO_NAMESPACE, "-o", "json") or "{}")
-    lines = [table.rstrip(), "", session.processes(), ""]
+    summary = session.live.summary() if session.live else ""
+    lines = [table.rstrip(), "", summary, ""]
     traffic = session.load.summaries() if session.load else {}
     for item in data.get("items", []):
         name = item["metadata"]["name"]
@@ -295,8 +218,9 @@ def live_view(session: Session, duration: float | None) -> None:
         if interactive:
             print("\033[2J\033[H", end="")
         print(time.strftime("%H:%M:%S"), "— Ctrl-C to stop and tear down\n" + screen, flush=True)
-        if session.operator and not session.operator.running():
-            say(f"the operator exited:\n{session.operator.log_tail()}")
+        operator = session.live.operator if session.live else None
+        if operator is not None and not operator.running():
+            say(f"the operator exited:\n{operator.log_tail()}")
             return
         time.sleep(2.0)
 
@@ -314,15 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             "wait", "--for=condition=Established", "--timeout=60s",
             "crd/codingagentservings.serving.cas.dev",
         )  # fmt: skip
-        LIVE_DIR.mkdir(parents=True, exist_ok=True)
-        sd_file = LIVE_DIR / "targets.json"
-        session.start_pod_runner(sd_file)
-        say(f"pod runner started (sims and routers for {DEMO_NAMESPACE}; log: {LIVE_DIR})")
-        prometheus_url = session.start_prometheus(sd_file)
-        if prometheus_url:
-            say(f"prometheus ready at {prometheus_url} (scrapes the pods every 5 s)")
-        log_path = session.start_operator(prometheus_url)
-        say(f"operator started (log: {log_path})")
+        session.start_live()
         session.kubectl("create", "namespace", DEMO_NAMESPACE, check=False)
         manifests = demo_manifests()
         for manifest in manifests:

@@ -1,0 +1,154 @@
+"""The running half of the local stack for one namespace: sims, routers, Prometheus, operator.
+
+Used by `make run` (:mod:`e2e.run_local`) and the operator-process anomaly tests. Data flow:
+
+1. a :class:`~e2e.podrunner.PodRunner` (thread, one pass a second) turns every engine pod of
+   ``namespace`` into a ``cas_engine.sim`` process at the pod IP and every router pod into the
+   real SGLang router at the router pod IP (Kubernetes discovery against this API server), and
+   writes the Prometheus file_sd targets;
+2. Prometheus (Debian's binary; optional) scrapes those targets every ``scrape_interval_s``;
+3. ``python -m cas_operator`` runs as a process (:class:`~e2e.operator_process.OperatorProcess`)
+   with ``CAS_PROMETHEUS_URL`` pointing at that Prometheus (else it scrapes pods directly); its
+   anomaly loop deregisters draining pods from ``http://<router pod IP>:8000``, which is where
+   the runner put the router.
+
+Ownership: the stack owns the runner thread and the processes the runner started, Prometheus and
+the operator; :meth:`LiveStack.close` stops them in reverse order. The namespace, the custom
+resources and the cluster belong to the caller.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cas_operator.api import constants as c
+from e2e.operator_process import OperatorProcess
+from e2e.podrunner import ROUTER_SHIM, PodRunner, kube_pod_lister
+from e2e.prometheus import (
+    PrometheusHandle,
+    file_sd_scrape_config,
+    prometheus_binary,
+    start_prometheus,
+    write_file_sd,
+)
+
+Pod = dict[str, Any]
+
+
+def _stamp(line: str) -> str:
+    return f"{time.strftime('%H:%M:%S')} {line}"
+
+
+@dataclass
+class LiveStack:
+    """See the module docstring. Call :meth:`start` once and :meth:`close` always."""
+
+    kubeconfig: Path
+    namespace: str
+    run_dir: Path  # sims' logs, the runner's log, the targets file, Prometheus' TSDB
+    sim_args: list[str] = field(default_factory=lambda: ["--sim-speedup", "20"])
+    scrape_interval_s: float = 5.0
+    operator_log: Path | None = None  # default: <run_dir>/operator.log
+    operator_args: tuple[str, ...] = ()  # e.g. ("-n", namespace): watch this namespace only
+    metrics_port: int = 0
+    runner: PodRunner | None = None
+    prometheus: PrometheusHandle | None = None
+    operator: OperatorProcess | None = None
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self, *, use_prometheus: bool = True, log: Callable[[str], None] = print) -> None:
+        """Runner thread, then Prometheus (when wanted and installed), then the operator."""
+        self.run_dir = self.run_dir.resolve()  # Prometheus reads file_sd paths from its own dir
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        sd_file = self.run_dir / "targets.json"
+        write_file_sd(sd_file, [])
+        self.runner = PodRunner(
+            kube_pod_lister(self.kubeconfig, self.namespace), self.run_dir / "pods", sd_file,
+            extra_args=self.sim_args, restart_backoff_s=2.0,
+            kubeconfig=self.kubeconfig.resolve(),
+        )  # fmt: skip
+        self._thread = threading.Thread(target=self._run_pods, name="podrunner", daemon=True)
+        self._thread.start()
+        log(f"pod runner started: sims and SGLang routers for {self.namespace}")
+        env: dict[str, str] = {}
+        if use_prometheus and prometheus_binary() is not None:
+            job = file_sd_scrape_config(sd_file, self.scrape_interval_s)
+            self.prometheus = start_prometheus(
+                self.run_dir / "prometheus", [job], interval_s=self.scrape_interval_s
+            )
+            env["CAS_PROMETHEUS_URL"] = self.prometheus.url
+            log(f"prometheus ready at {self.prometheus.url}")
+        elif use_prometheus:
+            log("prometheus not installed (apt-get install prometheus): direct pod scrapes")
+        self.operator = OperatorProcess(
+            self.kubeconfig, self.operator_log or self.run_dir / "operator.log",
+            metrics_port=self.metrics_port, extra_args=self.operator_args, env=env,
+        )  # fmt: skip
+        self.operator.start()
+        log(f"operator started (log: {self.operator.log_path})")
+
+    def _run_pods(self) -> None:
+        """The runner's loop, its actions appended to <run_dir>/podrunner.log."""
+        assert self.runner is not None
+        with (self.run_dir / "podrunner.log").open("a") as out:
+            try:
+                while not self._stop.is_set():
+                    try:
+                        lines = self.runner.sync()
+                    except Exception as exc:  # API hiccup: report, retry next pass
+                        lines = [f"sync failed: {exc}"]
+                    for line in lines:
+                        print(_stamp(line), file=out, flush=True)
+                    self._stop.wait(1.0)
+            finally:
+                for line in self.runner.stop_all():
+                    print(_stamp(line), file=out, flush=True)
+
+    def summary(self) -> str:
+        """One line: what runs (sims, routers) and where Prometheus is."""
+        running = list(self.runner.running.copy().values()) if self.runner else []
+        routers = sum(ROUTER_SHIM in r.launch.argv for r in running)
+        prom = self.prometheus.url if self.prometheus else "off (the operator scrapes pods)"
+        return (f"pod runner: {len(running) - routers} sims, {routers} SGLang routers; "
+                f"prometheus: {prom}; logs: {self.run_dir}")  # fmt: skip
+
+    def close(self, log: Callable[[str], None] = print) -> None:
+        """Stop the operator, the runner's processes and Prometheus (each at most once)."""
+        if self.operator is not None and self.operator.running():
+            log("stopping the operator")
+            self.operator.stop()
+        if self._thread is not None:
+            log("stopping the sims and routers")
+            self._stop.set()
+            self._thread.join(60)
+            self._thread = None
+        if self.prometheus is not None:
+            log(self.prometheus.stop())
+            self.prometheus = None
+
+
+def router_url(pods: list[Pod], name: str) -> str | None:
+    """``http://<router pod IP>:8000`` of the resource's first live router pod in `pods`."""
+    for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
+        labels = pod["metadata"].get("labels") or {}
+        ip = (pod.get("status") or {}).get("podIP")
+        if (labels.get(c.LABEL_NAME) == name and labels.get(c.LABEL_ROLE) == c.ROLE_ROUTER
+                and ip and not pod["metadata"].get("deletionTimestamp")):  # fmt: skip
+            return f"http://{ip}:{c.ROUTER_PORT}"
+    return None
+
+
+def http_ok(url: str, timeout: float = 1.0) -> bool:
+    """True when GET `url` answers 200."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return bool(resp.status == 200)
+    except OSError:
+        return False
