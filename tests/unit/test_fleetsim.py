@@ -19,10 +19,14 @@ from cas_operator.planning.fleetsim import (
     parse_trace,
     simulate,
 )
-from cas_operator.planning.fleetsim.engine import fifo_finish, spread
-from cas_operator.planning.fleetsim.policies import FixedPolicy, MeanBasedPolicy
+from cas_operator.planning.fleetsim.engine import FleetView, Metrics, fifo_finish, spread
+from cas_operator.planning.fleetsim.policies import (
+    FixedPolicy,
+    MeanBasedPolicy,
+    RatioPlannerPolicy,
+)
 from cas_operator.planning.fleetsim.workload import synth_trace_lines
-from cas_operator.planning.ratio import Bounds, SloInputs
+from cas_operator.planning.ratio import Bounds, SloInputs, recommend
 
 SPEC = pf.load_spec("glm5-fp8-h200")
 P = pf.prefill_profile(SPEC)
@@ -166,3 +170,49 @@ def test_mean_based_baseline_ignores_kv_tails() -> None:
         64_000 / P.prefill_time(64_000 * 0.1, 64_000 * 0.9)
     )
     assert mb.decode_thpt(64_000) > 0
+
+
+def _metrics(**kw: float) -> Metrics:
+    base: dict[str, float] = dict(
+        arrival_rate=20.0,
+        hit_rate=0.93,
+        ttft_p90_s=2.0,
+        itl_ms=15.0,
+        avg_input_tokens=75_000.0,
+        p95_input_tokens=150_000.0,
+        avg_output_tokens=400.0,
+        first_turn_fraction=0.05,
+        tool_pause_s=20.0,
+        prefill_backlog_s=0.5,
+        decode_kv_usage=0.5,
+        decode_waiting=0,
+    )
+    base.update(kw)
+    return Metrics(**base)  # type: ignore[arg-type]
+
+
+def test_planner_policy_does_not_read_closed_loop_throttling_as_lower_demand() -> None:
+    """Regression (simulator: output-length shift): once decode was overloaded, sessions waited
+    for answers, so the measured rate fell and first turns took a larger share; the slow loop
+    planned for that throttled load and kept decode short. Under overload (TTFT p90 over 2x the
+    SLO) it now plans for the last healthy rate and first-turn share, with the new lengths."""
+    slo = SloInputs(ttft_s=3.0, itl_ms=50.0)
+    bounds = Bounds(max_prefill=31, max_decode=31, gpu_budget=256)
+    policy = RatioPlannerPolicy(P, D, slo, bounds)
+    view = FleetView(24, 8, 24, 8)
+    policy._slow(_metrics(), view)
+    hot = _metrics(
+        arrival_rate=8.0,
+        ttft_p90_s=30.0,
+        avg_output_tokens=1600.0,
+        first_turn_fraction=0.15,
+        decode_kv_usage=0.98,
+        decode_waiting=500,
+    )
+    policy._slow(hot, view)
+    assert policy.last_rec is not None
+    held = replace(policy._workload(hot, 20.0 * policy.headroom), first_turn_fraction=0.05)
+    want = recommend(held, slo, P, D, bounds)
+    assert (policy.last_rec.n_prefill, policy.last_rec.n_decode) == (want.n_prefill, want.n_decode)
+    throttled = recommend(policy._workload(hot, 8.0 * policy.headroom), slo, P, D, bounds)
+    assert want.n_decode > throttled.n_decode

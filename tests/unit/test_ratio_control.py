@@ -191,3 +191,26 @@ def test_rebalance_at_cap_does_not_wait_for_scale_in_stabilisation() -> None:
     assert first_p_down < 3600.0
     assert first_d_up >= first_p_down + 90.0
     assert hist[-1][1].prefill == 24 and hist[-1][1].decode == 16
+
+
+def test_small_pool_takes_what_the_large_one_released_in_one_step() -> None:
+    """Regression (simulator: output-length shift at the cap): decode's step up was bounded by
+    25% of its own small size (8 -> 10), so taking over the 6 instances prefill released took
+    three cooldowns. A step up is now bounded by 25% of the fleet: decode grows by what the
+    prefill drain freed at once, and never past the budget."""
+    bounds = Bounds(min_prefill=1, max_prefill=31, min_decode=1, max_decode=31, gpu_budget=256)
+    cfg = ControlConfig(
+        prefill_gpus=8,
+        decode_gpus=8,
+        bounds=bounds,
+        pod_start_s=600.0,
+        down_stable_s=600.0,
+        max_step_fraction=0.25,
+    )
+    world = World(prefill=24, decode=8, drain_s=60.0)
+    hist = _run(world, [(17, 15)], cfg, ticks_per=30)
+    decodes = [dec.decode for _, dec, _ in hist]
+    first_up = next(d for d in decodes if d > 8)
+    assert first_up - 8 > 2  # more than 25% of the decode pool itself
+    assert first_up - 8 <= 8  # at most 25% of the 32-instance fleet
+    assert all(dec.prefill * 8 + dec.decode * 8 <= 256 for _, dec, _ in hist)

@@ -11,11 +11,14 @@ from cas_operator.planning import profiles as pf
 from cas_operator.planning.ratio import (
     Bounds,
     InstanceProfile,
+    ModelLimits,
     ObservedSignals,
     SloInputs,
     WorkloadInputs,
     _decode_state,
     _kv_need,
+    _prefill_waits,
+    _water_level,
     erlang_c,
     evaluate,
     fast_adjust,
@@ -306,3 +309,59 @@ def test_observed_decode_kv_use_recalibrates_decode() -> None:
     assert more.n_decode > base.n_decode
     idle = ObservedSignals(decode_kv_usage=0.001, decode_replicas=base.n_decode)
     assert recommend(WL, SLO, PREFILL, DECODE, observed=idle).n_decode <= base.n_decode
+
+
+def test_water_level_fills_under_loaded_instances_hand_values() -> None:
+    """Guards least-backlogged routing of misses: sticky loads 0.2 and 1.4 (half the instances
+    each, mean 0.8) are filled to a common level L with 0.5*L + 0.5*1.4 = 1, so L = 0.6; loads
+    that average under 1 everywhere are levelled to exactly 1."""
+    assert _water_level([(0.2, 0.5), (1.4, 0.5)]) == pytest.approx(0.6, abs=1e-9)
+    assert _water_level([(0.2, 0.5), (0.6, 0.5)]) == pytest.approx(1.0, abs=1e-9)
+
+
+def test_misses_wait_in_the_pooled_queue_not_behind_one_instance() -> None:
+    """Regression for the pessimistic TTFT tail that made the planner prefill-hungry at the
+    cap: misses (first turns, evicted prefixes) go to the least-backlogged instance, so their
+    chance of waiting is the pool's Erlang C, far below one busy instance's."""
+    sticky, pooled = _prefill_waits(
+        rate=12.0,
+        n=20,
+        mean_s=1.0,
+        cs2=1.0,
+        live_sessions=400.0,
+        limits=ModelLimits(),
+        sticky_share=0.6,
+    )
+    assert pooled[0][1] == pytest.approx(erlang_c(20, 12.0))
+    assert pooled[0][1] < 0.2 < min(w[1] for w in sticky)
+    assert sum(w[0] for w in sticky) == pytest.approx(1.0)
+
+
+def test_budget_cap_sizes_decode_for_the_full_rate_and_gives_prefill_the_rest() -> None:
+    """Regression (simulator: session storm, burst, budget-capped rebalance): at the cap the
+    leftover used to be shared in proportion to a lower-rate plan, which left decode at the
+    edge of its KV while prefill took the rest. Decode must now hold at the full offered rate
+    whenever the budget allows, with every other GPU on prefill."""
+    wl = replace(WL, request_rate=40.0)
+    bounds = Bounds(max_prefill=31, max_decode=31, gpu_budget=256)
+    rec = recommend(wl, SLO, PREFILL, DECODE, bounds)
+    assert not rec.meets_slo and rec.gpus == 256
+    ev = evaluate(wl, SLO, PREFILL, DECODE, rec.n_prefill, rec.n_decode)
+    assert ev.kv_ok and ev.itl_ok
+    assert not evaluate(wl, SLO, PREFILL, DECODE, rec.n_prefill + 1, rec.n_decode - 1).kv_ok
+
+
+def test_kv_recalibration_uses_the_rate_it_was_observed_at() -> None:
+    """Regression: observed decode KV use was compared with the model at the forecast rate
+    (headroom included), so a fleet matching the model exactly read as 'emptier than modelled'
+    and lost decode instances. At the observed rate a matching observation changes nothing."""
+    seen = replace(WL, request_rate=20.0)
+    forecast = replace(WL, request_rate=30.0)
+    n_d = 8
+    active, _ = _decode_state(seen.resolved(), DECODE, n_d)
+    w = seen.resolved()
+    usage = active * (w.avg_input_tokens + w.avg_output_tokens / 2.0) / DECODE.kv_capacity_tokens
+    obs = ObservedSignals(arrival_rate=20.0, decode_kv_usage=usage, decode_replicas=n_d)
+    with_obs = recommend(forecast, SLO, PREFILL, DECODE, observed=obs)
+    without = recommend(forecast, SLO, PREFILL, DECODE)
+    assert (with_obs.n_prefill, with_obs.n_decode) == (without.n_prefill, without.n_decode)
