@@ -147,6 +147,7 @@ class TickResult:
     pool_rate: dict[str, float | None]
     decision: AnomalyDecision | None = None
     scale: ScaleOutcome | None = None  # P:D hint, when the caller passed pool counts
+    views: list[PodView] = field(default_factory=list)  # the pods left, with their signals
 
 
 # --- reading pods ---------------------------------------------------------------------------
@@ -377,9 +378,9 @@ def guard_tick(
     stepped, deleted = advance_drains(api, pods, observation, spec.action, now, drain_policy)
     events += stepped
     remaining = [p for p in pods if _meta(p)["name"] not in deleted]
+    views = [view_of(p, observation.signals.get(_meta(p)["name"])) for p in remaining]
     scale = None
     if counts is not None:
-        views = [view_of(p, observation.signals.get(_meta(p)["name"])) for p in remaining]
         scale = suggest_scale(views, counts, bounds or ScaleBounds(), state.pressure)
         state.pressure = scale.state
     return TickResult(
@@ -390,6 +391,7 @@ def guard_tick(
         pool_rate=decision.pool_rate if decision else {},
         decision=decision,
         scale=scale,
+        views=views,
     )
 
 

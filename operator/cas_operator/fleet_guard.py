@@ -6,11 +6,16 @@ the latest copy of every CodingAgentServing (kopf's watch-fed `serving_index`)
 -> one LIST of the pods of any CodingAgentServing, per namespace (`PodSnapshot`)
 -> per resource, `guard_workers` at a time: `guard_tick` (observe its pods' metrics, decide,
    act: drain label/annotations, router deregistration, deletes go straight to the API)
--> a merge patch of `status.anomaly` / `status.draining` when they changed, and the events.
+-> for `ratio.mode` Recommend/Auto: the measured load (`autoscale.observed_signals`) and, in
+   Auto, one damped replica step (`autoscale.auto_step`), kept in memory (`measured`) for the
+   reconcile passes, which are asked to run (`on_change`) when the answer changed
+-> a merge patch of `status.anomaly` / `status.draining` / `status.autoscaler` when they
+   changed, and the events.
 One loop instead of a kopf timer per resource: at N = 200 resources the per-resource timers
 made 20 pod LISTs a second and queued behind each other in kopf's executor.
 Ownership: `FleetGuard.states` (LoopState per resource uid, memory only: drains resume from
-pod annotations); the snapshot answers reads for one tick only.
+pod annotations) and `FleetGuard.measured` (per uid; status.autoscaler is its durable copy);
+the snapshot answers reads for one tick only.
 """
 
 from __future__ import annotations
@@ -25,11 +30,16 @@ from typing import Any
 from pydantic import ValidationError
 
 from cas_operator.api import constants as c
-from cas_operator.api.models import parse_spec
-from cas_operator.drain import Event, LoopState, TickResult, guard_tick
+from cas_operator.api.models import CodingAgentServingSpec, RatioMode, parse_spec
+from cas_operator.drain import Event, LoopState, TickResult, guard_tick, parse_time
 from cas_operator.kube import Kube
 from cas_operator.observe.types import MetricsSource
+from cas_operator.planning import autoscale
 from cas_operator.planning.anomaly import PoolCounts, ScaleBounds
+from cas_operator.planning.autoscale import AutoState
+from cas_operator.planning.plan import InvalidSpec, build_plan
+from cas_operator.planning.ratio import ControlState, ObservedSignals, SloInputs
+from cas_operator.reconcile import Measured
 
 log = logging.getLogger(__name__)
 Manifest = dict[str, Any]
@@ -115,8 +125,20 @@ class FleetGuard:
     source: Callable[[], MetricsSource]
     post: Callable[[Manifest, list[Event]], None]
     guard_workers: int = 4
+    on_change: Callable[[Manifest], None] = lambda resource: None
     states: dict[str, LoopState] = field(default_factory=dict)
+    measured: dict[str, Measured] = field(default_factory=dict)
+    auto_states: dict[str, AutoState] = field(default_factory=dict)
     last_tick_seconds: float = 0.0
+
+    def measured_for(self, uid: str, status: Status) -> Measured:
+        """This process's latest measurement of a resource, else what status.autoscaler kept
+        (a restarted operator keeps Auto's replicas instead of jumping back to the planner's)."""
+        found = self.measured.get(uid)
+        if found is not None:
+            return found
+        state = AutoState.from_status(status.get(autoscale.STATUS_KEY))
+        return Measured(auto_replicas=state.replicas if state else None)
 
     def tick(self, resources: list[Manifest], now: float | None = None) -> int:
         """Guard every resource once; returns how many status patches were written."""
@@ -129,6 +151,10 @@ class FleetGuard:
         live = {str(r["metadata"]["uid"]) for r in resources}
         for uid in set(self.states) - live:  # deleted resources
             del self.states[uid]
+        for uid in set(self.measured) - live:
+            del self.measured[uid]
+        for uid in set(self.auto_states) - live:
+            del self.auto_states[uid]
         self.last_tick_seconds = time.monotonic() - started
         return written
 
@@ -152,10 +178,128 @@ class FleetGuard:
                 bounds=ScaleBounds(parsed.ratio.min, parsed.ratio.max, parsed.ratio.gpu_budget),
             )
             self.post(resource, result.events)
-            changes = status_changes(current, anomaly_status(result))
+            desired = anomaly_status(result)
+            desired.update(self._autoscale(snapshot, resource, parsed, result, now))
+            changes = status_changes(current, desired)
             if changes:
                 self.kube.patch_status(c.KIND, str(meta["namespace"]), str(meta["name"]), changes)
         except Exception:  # one resource's failure must not stop the others' guard
             log.exception("anomaly tick of %s/%s failed", meta["namespace"], meta["name"])
             return 0
         return 1 if changes else 0
+
+    def _autoscale(
+        self,
+        snapshot: PodSnapshot,
+        resource: Manifest,
+        spec: CodingAgentServingSpec,
+        result: TickResult,
+        now: float,
+    ) -> Status:
+        """Recommend/Auto: measure the load, in Auto take one replica step; returns the
+        `status.autoscaler` entry ({} in Fixed mode) and asks for a reconcile pass when the
+        reconcile's inputs changed."""
+        meta = resource["metadata"]
+        uid = str(meta["uid"])
+        if spec.ratio.mode == RatioMode.FIXED:
+            self.measured.pop(uid, None)
+            self.auto_states.pop(uid, None)
+            return {}
+        observed = autoscale.quantized(
+            autoscale.observed_signals(result.views, float(spec.anomaly_guard.window_seconds))
+        )
+        before = self.measured_for(uid, dict(resource.get("status") or {}))
+        entry: Status = {"observed": observed_status(observed)}
+        auto = None
+        if spec.ratio.mode != RatioMode.AUTO:
+            self.auto_states.pop(uid, None)
+        else:
+            auto = before.auto_replicas
+            state = self._auto_step(snapshot, resource, spec, result, observed, before, now)
+            if state is not None:
+                auto = state.replicas
+                entry.update(state.to_status())
+        self.measured[uid] = Measured(observed, auto)
+        if self.measured[uid] != before:
+            self.on_change(resource)
+        return {autoscale.STATUS_KEY: entry}
+
+    def _auto_step(
+        self,
+        snapshot: PodSnapshot,
+        resource: Manifest,
+        spec: CodingAgentServingSpec,
+        result: TickResult,
+        observed: ObservedSignals,
+        before: Measured,
+        now: float,
+    ) -> AutoState | None:
+        meta = resource["metadata"]
+        status = dict(resource.get("status") or {})
+        try:
+            plan = build_plan(str(meta["name"]), str(meta["namespace"]), spec, observed,
+                              before.auto_replicas)  # fmt: skip
+        except InvalidSpec:
+            return None  # the reconcile reports it
+        uid = str(meta["uid"])
+        current = self.auto_states.get(uid) or AutoState.from_status(
+            status.get(autoscale.STATUS_KEY)
+        )
+        if current is None or current.replicas != (plan.prefill.replicas, plan.decode.replicas):
+            current = AutoState(plan.prefill.replicas, plan.decode.replicas,
+                                current.control if current else ControlState())  # fmt: skip
+        rec = plan.recommendation
+        planned = (rec.prefill, rec.decode) if rec and rec.prefill and rec.decode else None
+        engine = {c.LABEL_NAME: str(meta["name"]), c.LABEL_APP_NAME: c.APP_ENGINE}
+        pods = snapshot.list("Pod", str(meta["namespace"]), engine)
+        inputs = autoscale.AutoInputs(
+            current=current,
+            prefill_pods=instances(pods, c.ROLE_PREFILL, plan.prefill.shape.nodes),
+            decode_pods=instances(pods, c.ROLE_DECODE, plan.decode.shape.nodes),
+            prefill_gpus=plan.prefill.shape.gpus,
+            decode_gpus=plan.decode.shape.gpus,
+            slo=SloInputs(ttft_s=spec.slo.ttft_seconds, itl_ms=spec.slo.itl_milliseconds),
+            ratio_min=spec.ratio.min,
+            ratio_max=spec.ratio.max,
+            gpu_budget=spec.ratio.gpu_budget,
+            pod_start_s=pod_start_seconds(pods),
+        )
+        hint = result.scale.hint if result.scale is not None else None
+        state = autoscale.auto_step(inputs, planned or current.replicas, observed, hint, now)
+        self.auto_states[uid] = state
+        return state
+
+
+def instances(pods: list[Manifest], role: str, pods_per_instance: int) -> int:
+    """Instances of one role that still hold GPUs (terminating pods included)."""
+    count = sum(1 for p in pods if p["metadata"].get("labels", {}).get(c.LABEL_ROLE) == role)
+    return -(-count // max(1, pods_per_instance))
+
+
+def pod_start_seconds(pods: list[Manifest]) -> float:
+    """p90 of creation -> Ready over the resource's pods that became Ready (the autoscaler's
+    cooldown is at least this); the default until one has been seen."""
+    starts = []
+    for pod in pods:
+        created = parse_time(pod["metadata"].get("creationTimestamp"))
+        for cond in pod.get("status", {}).get("conditions", []):
+            ready_at = parse_time(cond.get("lastTransitionTime"))
+            ready = cond.get("type") == "Ready" and cond.get("status") == "True"
+            if ready and ready_at is not None and created is not None:
+                starts.append(max(1.0, ready_at - created))
+    if not starts:
+        return autoscale.DEFAULT_POD_START_SECONDS
+    starts.sort()
+    return starts[min(len(starts) - 1, int(0.9 * len(starts)))]
+
+
+def observed_status(o: ObservedSignals) -> Status:
+    """The measured load as status shows it (None fields left out)."""
+    fields = {
+        "arrivalRate": o.arrival_rate,
+        "hitRate": o.hit_rate,
+        "prefillQueue": o.prefill_queue_depth,
+        "decodeKvUsage": o.decode_kv_usage,
+        "abortsPerSecond": o.aborts_per_s,
+    }
+    return {k: v for k, v in fields.items() if v is not None}

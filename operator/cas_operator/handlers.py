@@ -41,7 +41,7 @@ from cas_operator.metrics import (
 from cas_operator.observe.prometheus import PrometheusSource
 from cas_operator.observe.scrape import ScrapeSource
 from cas_operator.observe.types import MetricsSource
-from cas_operator.reconcile import Outcome, reconcile
+from cas_operator.reconcile import Measured, Outcome, reconcile
 from cas_operator.status import ObservedWorkload, Status, status_patch
 
 TIMER_SECONDS = 30.0  # a safety net: child events drive status
@@ -58,6 +58,8 @@ _kube: Kube | None = None
 _source: MetricsSource | None = None
 _last_full_apply: dict[str, float] = {}
 _guard_task: list[asyncio.Task[None]] = []
+_fleet_guard: FleetGuard | None = None
+_indexes: list[kopf.Index[Any, Any]] = []  # serving, deployment, LWS (set at start-up)
 _owner_locks: dict[tuple[str, str], threading.Lock] = {}
 _written: dict[str, Status] = {}  # uid -> the owned status keys as we last wrote them
 _dirty: set[tuple[str, str]] = set()  # owners with a status refresh queued
@@ -140,6 +142,9 @@ def _pass(
             full_apply=full,
             anomaly=dict(status or {}).get("anomaly"),
             observed=observe() if observe is not None else None,
+            measured=_fleet_guard.measured_for(uid, dict(status or {}))
+            if _fleet_guard
+            else Measured(),
         )
         RECONCILE_SECONDS.labels(trigger).observe(time.monotonic() - started)
         if full:
@@ -245,21 +250,20 @@ async def on_child_event(labels: kopf.Labels, namespace: str | None, **kwargs: A
     owner_name = labels.get(c.LABEL_NAME)
     if kwargs.get("type") is None or owner_name is None or namespace is None:
         return  # kopf's initial listing: resume and the timer cover it
-    key = (namespace, owner_name)
+    _queue_refresh((namespace, owner_name))
+
+
+def _queue_refresh(key: tuple[str, str]) -> None:
+    """Queue one pass of a resource on the refresh pool (coalesced while queued)."""
     with _lock:
-        if key in _dirty:
+        if key in _dirty or not _indexes:
             return
         _dirty.add(key)
-    indexes = (kwargs["serving_index"], kwargs["deployment_index"], kwargs["lws_index"])
     # kopf's context (its event poster) must travel with the work, or kopf.event fails there.
-    _refresh_pool.submit(contextvars.copy_context().run, _refresh_owner, key, *indexes)
+    _refresh_pool.submit(contextvars.copy_context().run, _refresh_owner, key, tuple(_indexes))
 
 
-def _refresh_owner(
-    key: tuple[str, str],
-    index: kopf.Index[Any, Any],
-    *workload_indexes: kopf.Index[Any, Any],
-) -> None:
+def _refresh_owner(key: tuple[str, str], indexes: tuple[kopf.Index[Any, Any], ...]) -> None:
     """Re-observe one resource after its children changed and write status if it changed.
 
     The key leaves the dirty set before the pass, so a change during the pass queues another.
@@ -268,6 +272,7 @@ def _refresh_owner(
     with _lock:
         _dirty.discard(key)
     namespace, name = key
+    index, *workload_indexes = indexes
     try:
         for owner in index.get(key, []):
             outcome = _pass(
@@ -284,8 +289,16 @@ def _refresh_owner(
 async def start_fleet_guard(**kwargs: Any) -> None:
     """Start the anomaly loop: every GUARD_SECONDS one `FleetGuard.tick` over every resource
     (in a thread; kopf's context is copied so events can be posted from it)."""
-    guard = FleetGuard(kube(), metrics_source, _post_events)
-    _guard_task.append(asyncio.create_task(_guard_loop(guard, kwargs["serving_index"])))
+    global _fleet_guard
+    _indexes.extend((kwargs["serving_index"], kwargs["deployment_index"], kwargs["lws_index"]))
+    _fleet_guard = FleetGuard(kube(), metrics_source, _post_events, on_change=_measured_changed)
+    _guard_task.append(asyncio.create_task(_guard_loop(_fleet_guard, kwargs["serving_index"])))
+
+
+def _measured_changed(resource: dict[str, Any]) -> None:
+    """The anomaly loop measured new load or Auto stepped: re-plan the resource now."""
+    meta = resource["metadata"]
+    _queue_refresh((str(meta["namespace"]), str(meta["name"])))
 
 
 @kopf.on.cleanup()

@@ -22,6 +22,7 @@ from cas_operator.api import constants as c
 from cas_operator.api.models import CodingAgentServingSpec, parse_spec
 from cas_operator.kube import REVISIONED_KINDS, KindNotInstalled, Kube
 from cas_operator.planning.plan import InvalidSpec, Plan, build_plan
+from cas_operator.planning.ratio import ObservedSignals
 from cas_operator.planning.validate import SpecError
 from cas_operator.resources import build_all
 from cas_operator.resources.meta import Owner
@@ -51,13 +52,23 @@ def pydantic_errors(exc: ValidationError) -> list[SpecError]:
     return errors
 
 
-def plan_for(name: str, namespace: str, raw_spec: dict[str, Any]) -> Plan:
+@dataclass(frozen=True)
+class Measured:
+    """What the anomaly loop measured and decided for Auto/Recommend (None: nothing yet)."""
+
+    observed: ObservedSignals | None = None
+    auto_replicas: tuple[int, int] | None = None
+
+
+def plan_for(
+    name: str, namespace: str, raw_spec: dict[str, Any], measured: Measured = Measured()
+) -> Plan:
     """Steps 1: parse + validate + plan; raises InvalidSpec naming every bad field."""
     try:
         spec: CodingAgentServingSpec = parse_spec(raw_spec)
     except ValidationError as exc:
         raise InvalidSpec(pydantic_errors(exc)) from exc
-    return build_plan(name, namespace, spec)
+    return build_plan(name, namespace, spec, measured.observed, measured.auto_replicas)
 
 
 def observe(kube: Kube, namespace: str, name: str) -> list[ObservedWorkload]:
@@ -145,13 +156,14 @@ def reconcile(
     full_apply: bool,
     anomaly: dict[str, Any] | None = None,
     observed: list[ObservedWorkload] | None = None,
+    measured: Measured = Measured(),
 ) -> Outcome:
     """One pass; see the module docstring for the steps. `anomaly` is the anomaly loop's last
     `status.anomaly`, folded into the conditions here so they have one writer. `observed` is
     the caller's watch-fed copy of the workloads (saves the LIST); a full pass needs none
-    before applying and lists afresh after it."""
+    before applying and lists afresh after it. `measured` feeds the planner and Auto mode."""
     try:
-        plan = plan_for(name, namespace, raw_spec)
+        plan = plan_for(name, namespace, raw_spec, measured)
     except InvalidSpec as exc:
         return Outcome(status=invalid_status(str(exc), generation), invalid=exc)
     manifests = build_all(Owner(name, namespace, uid), plan)

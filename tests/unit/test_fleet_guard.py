@@ -8,6 +8,7 @@ the real API server runs it in tests/e2e (the operator process).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from cas_operator.api import constants as c
@@ -164,3 +165,47 @@ def test_snapshot_filters_by_every_selector_label() -> None:
     names = [p["metadata"]["name"] for p in snap.list("Pod", "ns", {c.LABEL_NAME: "b"})]
     assert names == [f"b-d{i}" for i in range(5)]
     assert snap.list("Pod", "ns", {c.LABEL_NAME: "b", c.LABEL_ROLE: "prefill"}) == []
+
+
+AUTO = {"model": {"name": "glm-5"}, "ratio": {"mode": "Auto", "gpuBudget": 64},
+        "workload": {"requestRate": 2.0}}  # fmt: skip
+
+
+def pd_fleet() -> tuple[PodStore, Canned]:
+    pods = [pod("a", "ns", "a-p0", "prefill"), pod("a", "ns", "a-d0"), pod("a", "ns", "a-d1")]
+    source = Canned()
+    source.by_name["a-p0"] = PodSignals(prompt_tokens=1000.0, cached_tokens=800.0, queued=0.0)
+    for name in ("a-d0", "a-d1"):
+        source.by_name[name] = replace(HEALTHY, requests=60.0, token_usage=0.4)
+    return PodStore(pods), source
+
+
+def test_auto_mode_measures_load_steps_replicas_and_asks_for_a_pass() -> None:
+    """Auto: status.autoscaler carries the measured load and the replicas the operator owns;
+    the reconcile is asked to run (it reads the counts from `measured_for`)."""
+    store, source = pd_fleet()
+    changed: list[str] = []
+    g, _ = guard(store, source)
+    g.on_change = lambda r: changed.append(r["metadata"]["name"])
+    res = resource("a")
+    res["spec"] = AUTO
+    g.tick([res], now=T0)
+    entry = dict(store.status_patches)["a"]["autoscaler"]
+    assert entry["observed"]["arrivalRate"] == 120.0 / 300.0  # two decodes over the 300 s window
+    assert entry["observed"]["hitRate"] == 0.8
+    assert (entry["prefill"], entry["decode"]) == g.measured_for("uid-a", {}).auto_replicas
+    assert changed == ["a"]
+
+
+def test_auto_replicas_survive_an_operator_restart_through_status() -> None:
+    g, _ = guard(*pd_fleet())
+    kept = {"autoscaler": {"prefill": 3, "decode": 2, "reason": "earlier"}}
+    assert g.measured_for("uid-a", kept).auto_replicas == (3, 2)
+
+
+def test_fixed_mode_writes_no_autoscaler_status() -> None:
+    store, source = pd_fleet()
+    g, _ = guard(store, source)
+    g.tick([resource("a")], now=T0)
+    assert "autoscaler" not in dict(store.status_patches)["a"]
+    assert g.measured == {}

@@ -70,6 +70,10 @@ class PrometheusSource:
         counters = {
             m.CHECKED: self._query("checked", f"sum {by} (increase({m.CHECKED}{sel}{w}))"),
             m.ABORTED: self._query("aborted", f"sum {by} (increase({m.ABORTED}{sel}{w}))"),
+            **{
+                name: self._query(name, f"sum {by} (increase({name}{sel}{w}))")
+                for name in m.LOAD_COUNTERS
+            },
         }
         trips = self._query(
             "trips",

@@ -28,7 +28,7 @@ from cas_operator.observe.http import FetchError, get
 from cas_operator.observe.types import Observation, PodTarget
 from cas_operator.planning.anomaly import PodSignals
 
-COUNTER_KEYS = (m.CHECKED, m.REASON_LOW, m.REASON_HIGH, m.ABORTED)
+COUNTER_KEYS = (m.CHECKED, m.REASON_LOW, m.REASON_HIGH, m.ABORTED, *m.LOAD_COUNTERS)
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ def parse_exposition(text: str, at: float) -> Scrape:
             if sample.name == m.TRIPS:
                 key = sample.labels.get("reason", "")
                 counters[key] = counters.get(key, 0.0) + value
-            elif sample.name in (m.CHECKED, m.ABORTED):
+            elif sample.name in (m.CHECKED, m.ABORTED, *m.LOAD_COUNTERS):
                 counters[sample.name] = counters.get(sample.name, 0.0) + value
             elif sample.name in m.GAUGES:
                 gauge_values.setdefault(sample.name, []).append(value)

@@ -16,6 +16,10 @@ RUNNING: Final = "sglang:num_running_reqs"
 QUEUED: Final = "sglang:num_queue_reqs"
 ABORTED: Final = "sglang:num_aborted_requests_total"
 TOKEN_USAGE: Final = "sglang:token_usage"
+REQUESTS: Final = "sglang:num_requests_total"
+PROMPT_TOKENS: Final = "sglang:prompt_tokens_total"
+CACHED_TOKENS: Final = "sglang:cached_tokens_total"
+LOAD_COUNTERS: Final = (REQUESTS, PROMPT_TOKENS, CACHED_TOKENS)  # feed the ratio autoscaler
 REASON_LOW: Final = "low_accept_length"
 REASON_HIGH: Final = "high_accept_rate"
 GAUGES: Final = (UNHEALTHY, RUNNING, QUEUED, TOKEN_USAGE)
@@ -56,7 +60,8 @@ def signals_from(
 ) -> PodSignals:
     """Assemble PodSignals from windowed increases and latest gauges of one pod.
 
-    `counters` keys: CHECKED, REASON_LOW, REASON_HIGH, ABORTED (absent = series missing).
+    `counters` keys: CHECKED, REASON_LOW, REASON_HIGH, ABORTED, LOAD_COUNTERS (absent = series
+    missing).
     A pod without guard series (a prefill, or an engine without the guard) gets None trip fields,
     which the planner reads as "insufficient data", not as healthy.
     """
@@ -70,4 +75,7 @@ def signals_from(
         queued=gauges.get(QUEUED),
         aborted=counters.get(ABORTED),
         token_usage=gauges.get(TOKEN_USAGE),
+        requests=counters.get(REQUESTS),
+        prompt_tokens=counters.get(PROMPT_TOKENS),
+        cached_tokens=counters.get(CACHED_TOKENS),
     )

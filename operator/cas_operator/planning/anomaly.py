@@ -68,6 +68,9 @@ class PodSignals:
     queued: float | None = None
     aborted: float | None = None
     token_usage: float | None = None
+    requests: float | None = None  # finished requests in the window (load, for the autoscaler)
+    prompt_tokens: float | None = None
+    cached_tokens: float | None = None
     error: str | None = None
 
     @property

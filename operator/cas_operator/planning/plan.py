@@ -18,6 +18,7 @@ from cas_operator.planning.layersplit import (
     layer_shards,
     lookup_model,
 )
+from cas_operator.planning.ratio import ObservedSignals
 from cas_operator.planning.recommend import Recommendation, recommendation_for
 from cas_operator.planning.replicas import ReplicaPlan, budget_errors, fixed_replicas
 from cas_operator.planning.revision import revision_of
@@ -98,20 +99,32 @@ def _layout(spec: CodingAgentServingSpec) -> LayerLayout | None:
 
 
 def replica_plan(
-    spec: CodingAgentServingSpec, recommendation: Recommendation | None
+    spec: CodingAgentServingSpec,
+    recommendation: Recommendation | None,
+    auto_replicas: tuple[int, int] | None = None,
 ) -> ReplicaPlan:
-    """Fixed and Recommend: the spec's counts. Auto: the planner's, when it has an answer."""
+    """Fixed and Recommend: the spec's counts. Auto: the autoscaler's (`status.autoscaler`)
+    once it has stepped, before that the planner's, when it has an answer."""
     plan = fixed_replicas(spec)
     if spec.ratio.mode == RatioMode.FIXED:
         return plan
+    if spec.ratio.mode == RatioMode.AUTO and auto_replicas is not None:
+        return ReplicaPlan(auto_replicas[0], auto_replicas[1], "Auto: autoscaler")
     if spec.ratio.mode == RatioMode.AUTO and recommendation and recommendation.ratio:
         assert recommendation.prefill is not None and recommendation.decode is not None
         return ReplicaPlan(recommendation.prefill, recommendation.decode, "Auto: planner")
     return ReplicaPlan(plan.prefill, plan.decode, f"{plan.reason} ({spec.ratio.mode.value} mode)")
 
 
-def build_plan(name: str, namespace: str, spec: CodingAgentServingSpec) -> Plan:
-    """Validate and resolve; raises InvalidSpec listing every error."""
+def build_plan(
+    name: str,
+    namespace: str,
+    spec: CodingAgentServingSpec,
+    observed: ObservedSignals | None = None,
+    auto_replicas: tuple[int, int] | None = None,
+) -> Plan:
+    """Validate and resolve; raises InvalidSpec listing every error. `observed` (measured load)
+    informs the planner; `auto_replicas` are Auto mode's current counts (see replica_plan)."""
     errors = validate(spec)
     if errors:
         raise InvalidSpec(errors)
@@ -124,10 +137,10 @@ def build_plan(name: str, namespace: str, spec: CodingAgentServingSpec) -> Plan:
     decode_shape = instance_shape(
         tensor_parallel=spec.decode.tensor_parallel, gpus_per_node=spec.decode.gpus_per_node
     )
-    recommendation = recommendation_for(spec, prefill_shape, decode_shape)
-    replicas = replica_plan(spec, recommendation)
+    recommendation = recommendation_for(spec, prefill_shape, decode_shape, observed)
+    replicas = replica_plan(spec, recommendation, auto_replicas)
     errors = budget_errors(spec, replicas, prefill_shape.gpus, decode_shape.gpus)
-    if errors and spec.ratio.mode == RatioMode.AUTO and replicas.reason == "Auto: planner":
+    if errors and spec.ratio.mode == RatioMode.AUTO and replicas.reason.startswith("Auto: "):
         fixed = fixed_replicas(spec)  # the planner's answer breaks a bound: keep the spec's
         why = "; ".join(str(e) for e in errors)
         replicas = ReplicaPlan(fixed.prefill, fixed.decode, f"Auto: planner's {replicas.ratio} "

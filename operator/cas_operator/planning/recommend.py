@@ -73,13 +73,18 @@ def recommendation_for(
     hits in steady state) replaces or rescales the spec's workload estimates."""
     if spec.ratio.mode == RatioMode.FIXED:
         return None
-    if spec.workload.request_rate is None:
-        return Recommendation(None, None, "set workload.requestRate to get a recommendation")
+    rate = spec.workload.request_rate
+    if rate is None and observed is not None:
+        rate = observed.arrival_rate
+    if rate is None:
+        return Recommendation(
+            None, None, "set workload.requestRate (or wait for measured traffic) to get one"
+        )
     profile = profile_for(spec.model.name)
     if profile is None:
         return Recommendation(None, None, f"no instance profile for model {spec.model.name!r}")
     workload = WorkloadInputs(
-        request_rate=spec.workload.request_rate,
+        request_rate=rate,
         avg_input_tokens=spec.workload.avg_input_tokens,
         avg_output_tokens=spec.workload.avg_output_tokens,
         prefix_cache_hit_rate=spec.workload.prefix_cache_hit_rate,

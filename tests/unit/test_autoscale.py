@@ -1,0 +1,216 @@
+"""Auto mode's damped replica step and the measured load that feeds the planner.
+
+Pure pieces (`planning/autoscale.py`) against hand-computed cases; then the operator's side:
+the fleet guard writes `status.autoscaler` and asks for a pass, and the reconcile applies the
+autoscaler's counts to the Deployments.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from cas_operator.api import constants as c
+from cas_operator.planning.anomaly import PodSignals, PodView, ScaleHint
+from cas_operator.planning.autoscale import (
+    AutoInputs,
+    AutoState,
+    auto_step,
+    observed_signals,
+    quantized,
+)
+from cas_operator.planning.ratio import ControlState, ObservedSignals, SloInputs
+from cas_operator.reconcile import Measured, reconcile
+
+SLO = SloInputs(ttft_s=2.0, itl_ms=50.0)
+QUIET = ObservedSignals()
+T0 = 1_000_000.0
+
+
+def view(name: str, role: str, **signals: Any) -> PodView:
+    return PodView(name, role, True, True, None, PodSignals(**signals))
+
+
+def inputs(p: int, d: int, **kw: Any) -> AutoInputs:
+    defaults: dict[str, Any] = dict(
+        current=AutoState(p, d), prefill_pods=p, decode_pods=d, prefill_gpus=8,
+        decode_gpus=8, slo=SLO, pod_start_s=60.0,
+    )  # fmt: skip
+    defaults.update(kw)
+    return AutoInputs(**defaults)
+
+
+# --------------------------------------------------------------- measured load
+
+
+def test_observed_load_from_pod_counters() -> None:
+    """Arrivals = decode pods' finished requests over the window; hit rate = prefill cached /
+    prompt tokens; a pod whose signal is unavailable counts for nothing."""
+    pods = [
+        view("p0", c.ROLE_PREFILL, prompt_tokens=1000.0, cached_tokens=900.0, queued=4.0,
+             requests=60.0),
+        view("p1", c.ROLE_PREFILL, prompt_tokens=3000.0, cached_tokens=2100.0, queued=0.0,
+             requests=60.0),
+        view("d0", c.ROLE_DECODE, requests=30.0, token_usage=0.5, aborted=0.0),
+        view("d1", c.ROLE_DECODE, requests=90.0, token_usage=0.7, aborted=6.0),
+        PodView("d2", c.ROLE_DECODE, True, True, None, PodSignals(error="scrape failed")),
+    ]  # fmt: skip
+    o = observed_signals(pods, window_s=60.0)
+    assert o.arrival_rate == pytest.approx(2.0)  # (30 + 90) / 60, not counting prefill too
+    assert o.hit_rate == pytest.approx(3000.0 / 4000.0)
+    assert o.prefill_queue_depth == pytest.approx(2.0)
+    assert o.decode_kv_usage == pytest.approx(0.6)
+    assert o.aborts_per_s == pytest.approx(0.1)
+    assert (o.prefill_replicas, o.decode_replicas) == (2, 2)
+
+
+def test_no_counters_means_unknown_not_zero() -> None:
+    o = observed_signals([view("d0", c.ROLE_DECODE, running=3.0)], window_s=60.0)
+    assert o.arrival_rate is None and o.hit_rate is None
+
+
+def test_quantized_load_is_stable_under_noise() -> None:
+    """Regression guard: the planner's answer is cached on its inputs; a steady load that
+    jitters by a percent must give the same (cached) inputs tick after tick."""
+    a = quantized(ObservedSignals(arrival_rate=41.3, hit_rate=0.875, decode_kv_usage=0.615))
+    b = quantized(ObservedSignals(arrival_rate=40.6, hit_rate=0.872, decode_kv_usage=0.618))
+    assert a == b and a.arrival_rate == 41.0
+
+
+# --------------------------------------------------------------- one step
+
+
+def test_grows_in_bounded_steps_toward_the_planner() -> None:
+    state = auto_step(inputs(4, 4), (10, 4), QUIET, None, T0)
+    assert state.replicas == (6, 4)  # a step is at most 25% of the fleet (8 instances)
+    assert state.control.last_prefill_change == T0
+    assert math.isinf(state.control.last_decode_change)
+
+
+def test_cooldown_is_at_least_the_pod_start_time() -> None:
+    first = auto_step(inputs(4, 4), (10, 4), QUIET, None, T0)
+    held = auto_step(inputs(6, 4, current=first), (10, 4), QUIET, None, T0 + 59)
+    assert held.replicas == (6, 4) and "cooldown" in held.reason
+    later = auto_step(inputs(6, 4, current=held), (10, 4), QUIET, None, T0 + 61)
+    assert 6 < later.replicas[0] <= 10 and later.replicas[1] == 4
+
+
+def test_scale_down_waits_for_the_lower_target_to_hold() -> None:
+    """Hysteresis: one low reading does not shrink a pool; a target that held 15 min does."""
+    s = auto_step(inputs(8, 8), (8, 4), QUIET, None, T0)
+    assert s.replicas == (8, 8) and s.control.down_since_decode == T0
+    s = auto_step(inputs(8, 8, current=s), (8, 4), QUIET, None, T0 + 899)
+    assert s.replicas == (8, 8)
+    s = auto_step(inputs(8, 8, current=s), (8, 4), QUIET, None, T0 + 901)
+    assert s.replicas == (8, 6)
+
+
+def test_constant_load_does_not_oscillate() -> None:
+    """Safety: on a constant target the counts converge and then never change."""
+    state, seen = AutoState(2, 2), []
+    for tick in range(200):
+        state = auto_step(inputs(*state.replicas, current=state), (6, 3), QUIET, None,
+                          T0 + 61 * tick)  # fmt: skip
+        seen.append(state.replicas)
+    assert seen[-1] == (6, 3)
+    changes = [i for i in range(1, len(seen)) if seen[i] != seen[i - 1]]
+    assert all(seen[i][0] >= seen[i - 1][0] and seen[i][1] >= seen[i - 1][1] for i in changes)
+
+
+def test_budget_is_never_exceeded_counting_pods_still_terminating() -> None:
+    """At the cap growth waits for terminating pods: 8 decode pods still exist though the
+    spec says 6, so prefill (4 -> 6 wanted) may not grow onto their GPUs yet."""
+    s = auto_step(inputs(4, 6, decode_pods=8, gpu_budget=96), (6, 6), QUIET, None, T0)
+    assert s.replicas == (4, 6)
+    s = auto_step(inputs(4, 6, decode_pods=6, gpu_budget=96), (6, 6), QUIET, None, T0)
+    assert s.replicas == (6, 6) and s.replicas[0] * 8 + s.replicas[1] * 8 <= 96
+
+
+def test_ratio_bounds_hold_every_step() -> None:
+    s = auto_step(inputs(2, 4, ratio_max=0.5), (4, 4), QUIET, None, T0)
+    assert s.replicas == (2, 4) and "held by ratio bounds" in s.reason
+    s = auto_step(inputs(2, 4, ratio_max=0.75), (4, 4), QUIET, None, T0)
+    assert s.replicas == (3, 4)
+
+
+def test_sustained_prefill_pressure_raises_prefill_even_when_the_planner_is_content() -> None:
+    """The anomaly loop's starvation hint is the fast loop for prefill (no TTFT signal)."""
+    hint = ScaleHint(prefill=3, decode=2, reason="prefill queue")
+    s = auto_step(inputs(2, 2), (2, 2), QUIET, hint, T0)
+    assert s.replicas == (3, 2)
+
+
+def test_decode_kv_exhaustion_adds_decode() -> None:
+    s = auto_step(inputs(2, 2), (2, 2), ObservedSignals(decode_kv_usage=0.97), None, T0)
+    assert s.replicas == (2, 3)
+
+
+def test_state_round_trips_through_status() -> None:
+    state = AutoState(3, 5, ControlState(T0, -math.inf, None, T0 + 5), "why")
+    assert AutoState.from_status(state.to_status()) == state
+    assert AutoState.from_status({"prefill": "x"}) is None
+    assert AutoState.from_status(None) is None
+
+
+# --------------------------------------------------------------- the reconcile applies it
+
+
+class Applied:
+    """Records applies; every workload reports ready."""
+
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str], dict[str, Any]] = {}
+
+    def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        obj = {**manifest, "metadata": {**manifest["metadata"], "generation": 1}}
+        obj["status"] = {"observedGeneration": 1,
+                         "readyReplicas": manifest.get("spec", {}).get("replicas", 0)}  # fmt: skip
+        self.objects[(manifest["kind"], manifest["metadata"]["name"])] = obj
+        return obj
+
+    def list(self, kind: str, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
+        return [o for (k, _), o in self.objects.items()
+                if k == kind and all(o["metadata"]["labels"].get(a) == b
+                                     for a, b in selector.items())]  # fmt: skip
+
+    def delete(self, kind: str, namespace: str, name: str) -> None:
+        self.objects.pop((kind, name), None)
+
+
+AUTO_SPEC = {
+    "model": {"name": "glm-5"},
+    "ratio": {"mode": "Auto", "gpuBudget": 64},
+    "workload": {"requestRate": 2.0},
+}
+
+
+def pool_replicas(kube: Applied) -> dict[str, int]:
+    pools = [o for (k, _), o in kube.objects.items() if k == "Deployment"]
+    return {o["metadata"]["labels"][c.LABEL_ROLE]: o["spec"]["replicas"] for o in pools
+            if o["metadata"]["labels"].get(c.LABEL_ROLE) != c.ROLE_ROUTER}  # fmt: skip
+
+
+def test_reconcile_applies_the_autoscalers_counts_and_says_who_owns_them() -> None:
+    kube = Applied()
+    out = reconcile(
+        kube,  # type: ignore[arg-type]
+        name="demo", namespace="ns", uid="u", generation=1, raw_spec=AUTO_SPEC,
+        full_apply=True, measured=Measured(auto_replicas=(3, 2)),
+    )  # fmt: skip
+    assert pool_replicas(kube) == {c.ROLE_PREFILL: 3, c.ROLE_DECODE: 2}
+    assert out.status["ratio"]["current"] == "3:2"
+    assert out.status["ratio"]["replicasOwner"] == "operator (Auto)"
+
+
+def test_autoscaler_counts_beyond_the_budget_fall_back_to_the_spec() -> None:
+    """A stale status.autoscaler (e.g. the budget was lowered since) never breaks a bound."""
+    kube = Applied()
+    reconcile(
+        kube,  # type: ignore[arg-type]
+        name="demo", namespace="ns", uid="u", generation=1, raw_spec=AUTO_SPEC,
+        full_apply=True, measured=Measured(auto_replicas=(6, 4)),
+    )  # fmt: skip
+    total = sum(pool_replicas(kube).values())
+    assert total * 8 <= 64
