@@ -15,7 +15,10 @@ does not drop a worker whose pod merely stops matching its selector (its watch i
 "no longer matches" event; measured on the local stack), so every tick also deregisters each
 draining pod from every router replica (`GET /workers`, `DELETE /workers/{id}`; idempotent).
 
-Entry point for the operator's timer: `guard_tick(api, source, ...)` (see its docstring).
+A multi-node instance (LeaderWorkerSet group) is observed, judged and drained as its leader
+pod; deleting the leader makes LWS recreate the whole group (see `engine_pods`).
+
+Entry point for the operator's anomaly loop: `guard_tick(api, source, ...)` (see its docstring).
 Ownership: `api` (the operator's `Kube`) does all API I/O; `source` all metrics I/O; the caller
 keeps the returned `LoopState` in memory for the next tick and posts the returned events.
 """
@@ -181,11 +184,22 @@ def draining_since(pod: Manifest) -> float | None:
     return parse_time(_meta(pod).get("annotations", {}).get(ANNOTATION_DRAINING_SINCE))
 
 
+def is_group_worker(pod: Manifest) -> bool:
+    """A non-leader pod of a multi-node (LeaderWorkerSet) instance."""
+    index = _meta(pod).get("labels", {}).get(c.LWS_WORKER_INDEX_LABEL)
+    return index is not None and index != "0"
+
+
 def engine_pods(api: PodApi, namespace: str, name: str) -> list[Manifest]:
-    """This resource's engine pods that are not already being deleted."""
+    """This resource's engine instances, one pod each, not already being deleted.
+
+    A multi-node instance is its leader pod: only the leader serves (the router knows only
+    it) and exports the instance's metrics, so it is what is observed, judged and drained.
+    Deleting it replaces the whole group (the LWS restart policy is RecreateGroupOnPodRestart),
+    and holding it out of rotation holds the group; the worker pods are never touched here."""
     selector = {c.LABEL_NAME: name, c.LABEL_APP_NAME: c.APP_ENGINE}
     pods = api.list("Pod", namespace, selector)
-    return [p for p in pods if not _meta(p).get("deletionTimestamp")]
+    return [p for p in pods if not _meta(p).get("deletionTimestamp") and not is_group_worker(p)]
 
 
 def target_of(pod: Manifest) -> PodTarget:

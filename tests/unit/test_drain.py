@@ -285,3 +285,33 @@ def test_draining_pods_are_deregistered_from_routers_until_gone() -> None:
     assert [e[1] for e in results[1].events].count("WorkerDeregistered") == 1
     assert "WorkerDeregistered" not in [e[1] for e in results[2].events]
     assert [e[1] for e in results[0].events] == []
+
+
+def lws_group(index: int, size: int = 4) -> list[dict[str, Any]]:
+    """One multi-node decode instance as LWS creates it: leader (serving) + workers."""
+    pods = []
+    for worker in range(size):
+        pod = engine_pod(f"g{index}-{worker}" if worker else f"g{index}")
+        pod["metadata"]["labels"][c.LWS_WORKER_INDEX_LABEL] = str(worker)
+        if worker:
+            del pod["metadata"]["labels"][c.LABEL_SERVING]  # the worker template never serves
+        pods.append(pod)
+    return pods
+
+
+def test_multi_node_instances_are_judged_and_replaced_by_their_leader() -> None:
+    """Regression: LWS worker pods (no HTTP server, never in rotation) were scraped and judged
+    like instances. Now only leaders are observed; a bad instance's leader is drained and
+    deleted (LWS then recreates the whole group) and its workers are never touched."""
+    api = MemoryPods([p for i in range(4) for p in lws_group(i)])
+    source, state = CannedSource(), LoopState()
+    source.by_name["g1"] = CORRUPT
+    tick(api, source, state, 0)
+    assert source.asked[-1] == ["g0", "g1", "g2", "g3"]
+    tick(api, source, state, 5)
+    assert c.LABEL_SERVING not in api.pods["g1"]["metadata"]["labels"]
+    source.by_name["g1"] = PodSignals(checked=0, trips_low_accept=0, trips_high_accept=0, running=0)
+    tick(api, source, state, 30)
+    assert "g1" not in api.pods
+    assert all(f"g1-{w}" in api.pods for w in (1, 2, 3))
+    assert {name for kind, name in api.calls} == {"g1"}

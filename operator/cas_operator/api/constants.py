@@ -56,3 +56,4 @@ REASON_SIGNAL_UNAVAILABLE: Final = "AnomalySignalUnavailable"
 REASON_NOT_OBSERVED: Final = "NotObservedYet"
 
 LWS_API_VERSION: Final = "leaderworkerset.x-k8s.io/v1"
+LWS_WORKER_INDEX_LABEL: Final = "leaderworkerset.sigs.k8s.io/worker-index"  # set by LWS; 0 = leader
