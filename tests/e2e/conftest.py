@@ -119,6 +119,17 @@ def kubectl(cluster: ClusterHandle) -> Kubectl:
     return _kubectl
 
 
+@pytest.fixture(scope="session")
+def crds(kubectl: Kubectl) -> None:
+    """Our CRDs applied (server-side, from crds/) and established, once per session."""
+    root = Path(__file__).resolve().parents[2]
+    kubectl("apply", "--server-side", "-f", str(root / "crds"))
+    kubectl(
+        "wait", "--for=condition=Established", "--timeout=60s",
+        "crd/codingagentservings.serving.cas.dev",
+    )  # fmt: skip
+
+
 def _namespace_name(node_name: str) -> str:
     """A DNS-1123 label from the test name plus a random suffix (at most 63 characters)."""
     base = re.sub(r"[^a-z0-9-]+", "-", node_name.lower()).strip("-")[:48].strip("-")

@@ -75,10 +75,12 @@ def test_tokenize_is_four_byte_chunks() -> None:
 
 def test_fault_spec_parsing_and_errors() -> None:
     """Regression: every fault in the documented spec parses; unknown names are rejected."""
-    f = parse_faults("kv_write_stall=0.25:3,corruption=0.01,repetition=0.5,slow_decode=2,hang=1")
+    f = parse_faults(
+        "kv_write_stall=0.25:3,corruption=0.01,repetition=0.5,slow_decode=2,slow_prefill=3,hang=1"
+    )
     assert (f.kv_write_stall_rate, f.kv_write_stall_s) == (0.25, 3.0)
     assert f.corruption_rate == 0.01 and f.repetition_rate == 0.5
-    assert f.slow_decode == 2.0 and f.hang and not f.crash
+    assert f.slow_decode == 2.0 and f.slow_prefill == 3.0 and f.hang and not f.crash
     f.apply({"hang": False, "corruption": 0})
     assert not f.hang and f.corruption_rate == 0
     with pytest.raises(ValueError):

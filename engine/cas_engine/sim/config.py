@@ -229,7 +229,7 @@ def _add_sim_arguments(p: argparse.ArgumentParser) -> None:
         "--sim-fault",
         default="",
         help="faults, e.g. 'kv_write_stall=0.2:5,corruption=0.01,repetition=0,"
-        "slow_decode=1,crash=0,hang=0' (see cas_engine.sim.faults)",
+        "slow_decode=1,slow_prefill=1,crash=0,hang=0' (see cas_engine.sim.faults)",
     )
     g.add_argument("--sim-seed", type=int, default=None, help="seed (default --random-seed)")
 

@@ -9,6 +9,8 @@ admin endpoint replaces fields in place. Spec string: comma-separated ``name=val
 - ``repetition=P``        decode: with probability P a request degenerates into repetition
   (accept rate -> 1, repeated text).
 - ``slow_decode=F``       decode: every step takes F times longer (F >= 1).
+- ``slow_prefill=F``      prefill: every batch takes F times longer (F >= 1): a starved
+  prefill pool, the skewed P:D ratio of the production report.
 - ``crash=1``             the process exits at once (exit code 70).
 - ``hang=1``              the scheduler and health endpoints stop answering until cleared.
 """
@@ -28,6 +30,7 @@ class Faults:
     corruption_rate: float = 0.0
     repetition_rate: float = 0.0
     slow_decode: float = 1.0
+    slow_prefill: float = 1.0
     crash: bool = False
     hang: bool = False
 
@@ -91,8 +94,8 @@ def _set(f: Faults, name: str, value: Any) -> None:
         setattr(f, attr, _prob(value))
     elif name == "kv_write_stall_s":
         f.kv_write_stall_s = max(0.0, float(value))
-    elif name == "slow_decode":
-        f.slow_decode = max(1.0, float(value))
+    elif name in ("slow_decode", "slow_prefill"):
+        setattr(f, name, max(1.0, float(value)))
     elif name in ("crash", "hang"):
         setattr(f, name, _flag(value))
     else:

@@ -300,7 +300,7 @@ class SimWorker:
                     timing.prefill_overhead_ms / 1000.0
                 )
                 batch.append(fut)
-            await asyncio.sleep(self.cfg.wall(seconds))
+            await asyncio.sleep(self.cfg.wall(seconds * self.faults.slow_prefill))
             for fut in batch:
                 if not fut.done():
                     fut.set_result(None)

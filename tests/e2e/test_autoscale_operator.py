@@ -1,0 +1,133 @@
+"""Auto mode through the OPERATOR PROCESS on the local stack: a starved prefill pool is grown.
+
+The minimal sample in `ratio.mode: Auto` (its model has no planner profile, so the operator
+acts on measured pressure alone): 1 prefill : 2 decode sims behind the real SGLang router pod
+(e2e/livestack.py). Long prompts flow; then the prefill sim is slowed 40x (`slow_prefill`)
+- the skewed P:D ratio the production report reproduced its anomalies with. Only the
+operator's anomaly loop may act. Guards: it must raise the prefill pool's replicas by one
+step (status.autoscaler, the Deployment, a second prefill pod serving), keep P/D inside
+ratio.min/max, never touch the decode pool, and report who owns the replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from cas_engine.sim.fleet import router_available
+from e2e.anomaly_stack import wait_for
+from e2e.livestack import LiveStack, http_ok, router_url
+from e2e.simload import LoadStats, set_fault, steady_traffic
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.slow,
+    pytest.mark.timeout(240),
+    pytest.mark.skipif(not router_available(), reason="sglang-router not installed"),
+]
+ROOT = Path(__file__).resolve().parents[2]
+NAME = "minimal"
+SIM_ARGS = ["--sim-speedup", "20", "--log-level", "warning"]
+Kubectl = Callable[..., str]
+
+
+def manifest() -> dict[str, Any]:
+    cas: dict[str, Any] = yaml.safe_load((ROOT / "config/samples/minimal.yaml").read_text())
+    cas["spec"]["ratio"] = {"mode": "Auto", "prefill": 1, "decode": 2, "min": 0.25, "max": 1.0}
+    cas["spec"]["anomalyGuard"] = {"windowSeconds": 60}
+    return cas
+
+
+def get(kubectl: Kubectl, namespace: str, *what: str) -> dict[str, Any]:
+    out: dict[str, Any] = json.loads(kubectl("get", *what, "-n", namespace, "-o", "json"))
+    return out
+
+
+def role_pods(kubectl: Kubectl, namespace: str, role: str) -> list[dict[str, Any]]:
+    items = get(kubectl, namespace, "pods", "-l", f"cas.dev/name={NAME},cas.dev/role={role}")
+    return [p for p in items["items"] if not p["metadata"].get("deletionTimestamp")]
+
+
+def ready_ips(kubectl: Kubectl, namespace: str, role: str) -> list[str]:
+    return [p["status"]["podIP"] for p in role_pods(kubectl, namespace, role)
+            if p.get("status", {}).get("podIP") and any(
+                c["type"] == "Ready" and c["status"] == "True"
+                for c in p["status"].get("conditions", []))]  # fmt: skip
+
+
+def pool_replicas(kubectl: Kubectl, namespace: str) -> dict[str, int]:
+    items = get(kubectl, namespace, "deployments", "-l", f"cas.dev/name={NAME}")["items"]
+    return {d["metadata"]["labels"]["cas.dev/role"]: d["spec"]["replicas"] for d in items}
+
+
+@pytest.fixture
+def fleet(
+    kubeconfig: Path, namespace: str, kubectl: Kubectl, tmp_path: Path, crds: None
+) -> Iterator[tuple[LiveStack, str]]:
+    stack = LiveStack(kubeconfig, namespace, tmp_path / "live", sim_args=SIM_ARGS,
+                      scrape_interval_s=2.0, operator_args=("-n", namespace))  # fmt: skip
+    try:
+        stack.start(log=lambda line: print(f"[live] {line}"))
+        kubectl("apply", "-n", namespace, "-f", "-", stdin=yaml.safe_dump(manifest()))
+        routers = lambda: role_pods(kubectl, namespace, "router")  # noqa: E731
+        router = wait_for("router pod", lambda: router_url(routers(), NAME), 60)
+        counts = lambda: (len(ready_ips(kubectl, namespace, "prefill")),  # noqa: E731
+                          len(ready_ips(kubectl, namespace, "decode")))  # fmt: skip
+        wait_for("1 prefill + 2 decodes ready", lambda: counts() == (1, 2), 60)
+        wait_for("router ready", lambda: http_ok(f"{router}/readiness"), 60)
+        yield stack, router
+    finally:
+        stack.close(log=lambda line: print(f"[live] {line}"))
+        if stack.operator is not None:
+            print(f"operator log tail:\n{stack.operator.log_tail(15)}")
+
+
+async def test_auto_mode_grows_a_starved_prefill_pool(
+    fleet: tuple[LiveStack, str], kubectl: Kubectl, namespace: str
+) -> None:
+    _, router = fleet
+    (prefill_ip,) = ready_ips(kubectl, namespace, "prefill")
+    status = get(kubectl, namespace, "cas", NAME)["status"]
+    assert status["ratio"]["replicasOwner"] == "operator (Auto)"
+    assert pool_replicas(kubectl, namespace) == {"prefill": 1, "decode": 2, "router": 1}
+    stop, stats = asyncio.Event(), LoadStats()
+    prompt = "def handler(request):\n    return route(request)\n" * 400  # ~8K tokens each
+    load = asyncio.create_task(steady_traffic(router, stop, stats, concurrency=12, max_tokens=20,
+                                              max_requests=5_000, prompt_body=prompt))  # fmt: skip
+    try:
+        await set_fault(f"http://{prefill_ip}:30000", {"slow_prefill": 40})
+        onset = time.monotonic()
+
+        def grown() -> dict[str, Any] | None:
+            s = get(kubectl, namespace, "cas", NAME).get("status", {})
+            auto = s.get("autoscaler") or {}
+            return s if auto.get("prefill", 1) >= 2 else None
+
+        status = await asyncio.to_thread(wait_for, "Auto to add a prefill", grown, 150)
+        decided = time.monotonic() - onset
+        auto = status["autoscaler"]
+        assert (auto["prefill"], auto["decode"]) == (2, 2), auto
+        assert 0.25 <= auto["prefill"] / auto["decode"] <= 1.0
+        assert (
+            "queue" in json.dumps(status.get("anomaly", {}).get("pressure", {})) or auto["reason"]
+        ), status.get("anomaly")
+        await asyncio.to_thread(
+            wait_for, "a second prefill pod ready",
+            lambda: len(ready_ips(kubectl, namespace, "prefill")) == 2, 60,
+        )  # fmt: skip
+        applied = time.monotonic() - onset
+    finally:
+        stop.set()
+        await load
+    assert pool_replicas(kubectl, namespace) == {"prefill": 2, "decode": 2, "router": 1}
+    final = get(kubectl, namespace, "cas", NAME)["status"]
+    assert final["ratio"]["current"] == "2:2"
+    print(f"\nAuto: prefill +1 decided {decided:.1f}s and ready {applied:.1f}s after the "
+          f"slowdown; {stats.ok} ok, {len(stats.failures)} failed of {stats.sent}")  # fmt: skip
