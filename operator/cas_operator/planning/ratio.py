@@ -15,10 +15,13 @@ Model (per request class, see docs/planner.md for the derivation):
    Computed for the GPU tier and for GPU + host (HiCache) tier.
 2. Uncached tokens per class: first turns miss (only a shared system prefix hits), returning
    hits prefill only their new tokens, returning misses prefill the whole context.
-3. Prefill pool: an M/G/c queue (c = prefill instances) with an Allen-Cunneen-scaled Erlang-C
-   waiting time: ``P(W > t) = C(c, a) * exp(-2 (c*mu - lambda) t / (1 + cs^2))``. TTFT of a class
-   is wait + its prefill time + KV transfer + one decode step; the p90 is solved exactly over the
-   class mixture.
+3. Prefill pool: hits queue at their cache home (one M/G/1 queue per instance, sticky load
+   varying with the sessions homed there); misses go to the least-backlogged instance, so they
+   level the under-loaded instances (water filling) and wait like one pooled M/G/n queue.
+   Waiting times use the Allen-Cunneen-scaled Erlang C:
+   ``P(W > t) = C(c, a) * exp(-2 (c*mu - lambda) t / (1 + cs^2))``. TTFT of a class is wait +
+   its prefill time + KV transfer + one decode step; the p90 is solved exactly over the class
+   mixture.
 4. KV transfer: the whole context moves prefill -> decode; the link pool is the smaller of the
    two sides' NIC totals; per-transfer time is stretched by ``1 / (1 - rho_link)``.
 5. Decode: per-instance active requests ``c`` from Little's law with the step time that itself
@@ -26,8 +29,11 @@ Model (per request class, see docs/planner.md for the derivation):
    under the SLO, and the 95th percentile of the summed context of ``c`` requests (per-request
    sd from the p95 context) under the KV capacity - not the mean.
 
-Choice: the fewest GPUs meeting both SLOs, or - when that exceeds the budget or the bounds - the
-plan with the highest sustainable SLO-meeting request rate (goodput) within them.
+Choice: the fewest GPUs meeting both SLOs, or - when that exceeds the budget - the most
+SLO-meeting requests within it, decode first: the smallest decode pool that holds at the full
+rate and every other GPU on prefill (a short decode pool is a cliff under closed-loop agent
+traffic, a short prefill pool a longer TTFT tail); when the budget cannot hold both, the highest
+sustainable rate's plan with the leftover spent decode first.
 """
 
 from __future__ import annotations
