@@ -8,8 +8,8 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut 
 
 ##@ Quick start
 
-run: setup bins ## Local control plane, operator, sample fleet, live view until Ctrl-C
-	$(PY) -m e2e.run_local
+run: setup bins ## Local stack, operator, sample fleets with live traffic; view until Ctrl-C (RUN_ARGS="--duration 120 --fault-after 60")
+	$(PY) -m e2e.run_local $(RUN_ARGS)
 
 test: setup bins verify lint typecheck ## CRD drift, lint, types, then unit, engine and e2e tests (CI)
 	$(PY) -m pytest -q tests

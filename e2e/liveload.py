@@ -36,7 +36,7 @@ from e2e.simload import REPETITION_MARK
 
 # Light prompts (sim tokens of 4 bytes): the 2-core machine runs the whole stack as well.
 LIGHT = Workload(sessions=3, system_tokens=800, repo_tokens=1500, tool_tokens=300,
-                 max_context=6000, output_tokens=120, max_output=400)  # fmt: skip
+                 max_context=6000, output_tokens=200, max_output=500)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ import signal
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,7 @@ SCRAPE_INTERVAL_S = 5.0
 # The sims of the sample fleets: 20x faster than the modelled GPU, quiet logs (2 cores run
 # the control plane, the operator, Prometheus, ~20 sims and the routers together).
 SIM_ARGS = ["--sim-speedup", "20", "--log-level", "warning"]
+FAULT = {"repetition": 0.5}  # --fault-after: half of one decode's answers degenerate
 
 
 def say(msg: str) -> None:
@@ -210,11 +212,62 @@ def anomaly_line(status: dict[str, Any]) -> str:
     return "  ".join(parts)
 
 
-def live_view(session: Session, duration: float | None) -> None:
-    deadline = time.monotonic() + duration if duration else None
+def requests_served(url: str) -> float:
+    """`sglang:num_requests_total` of the engine at `url` (0 when it does not answer)."""
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=2) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return 0.0
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("sglang:num_requests_total"))  # fmt: skip
+
+
+def inject_fault(session: Session, manifests: list[dict[str, Any]]) -> str:
+    """Make the busiest serving decode sim of the first resource with speculative decoding
+    (the quality gate judges only then; a cache-aware router may send one decode most of the
+    traffic) repeat itself half the time; returns what was done, for the view."""
+    names = [m["metadata"]["name"] for m in manifests if m["spec"].get("engine", {}).get(
+        "speculative")] or [m["metadata"]["name"] for m in manifests]  # fmt: skip
+    selector = f"cas.dev/name={names[0]},cas.dev/role=decode,cas.dev/serving=true"
+    pods = json.loads(
+        session.kubectl("get", "pods", "-n", DEMO_NAMESPACE, "-l", selector, "-o", "json") or "{}"
+    )
+    urls = {f"http://{p['status']['podIP']}:30000": p["metadata"]["name"]
+            for p in pods.get("items", []) if p.get("status", {}).get("podIP")}  # fmt: skip
+    if not urls:
+        return f"no serving decode of {names[0]} to inject a fault into"
+    url = max(sorted(urls), key=requests_served)
+    req = urllib.request.Request(
+        f"{url}/sim/fault", data=json.dumps(FAULT).encode(), method="POST",
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=5):
+            pass
+    except OSError as exc:
+        return f"fault injection into {urls[url]} failed: {exc}"
+    return f"{time.strftime('%H:%M:%S')} injected {FAULT} into {urls[url]}"
+
+
+def live_view(
+    session: Session,
+    duration: float | None,
+    fault_after: float | None = None,
+    manifests: list[dict[str, Any]] | None = None,
+) -> None:
+    """Redraw every 2 s until `duration` ends (or the operator exits); with `fault_after`,
+    inject the demo fault that many seconds in and keep saying so."""
+    started = time.monotonic()
+    deadline = started + duration if duration else None
     interactive = sys.stdout.isatty()
+    fault_note = ""
     while deadline is None or time.monotonic() < deadline:
+        if fault_after is not None and not fault_note and time.monotonic() - started > fault_after:
+            fault_note = inject_fault(session, manifests or [])
         screen = status_table(session)
+        if fault_note:
+            screen += f"\n\nfault: {fault_note}"
         if interactive:
             print("\033[2J\033[H", end="")
         print(time.strftime("%H:%M:%S"), "— Ctrl-C to stop and tear down\n" + screen, flush=True)
@@ -228,6 +281,10 @@ def live_view(session: Session, duration: float | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--duration", type=float, help="stop after this many seconds")
+    parser.add_argument(
+        "--fault-after", type=float, default=None, metavar="SECONDS",
+        help="then make one decode sim repeat itself (watch the operator drain and replace it)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     cluster, started = open_cluster()
@@ -239,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
             "crd/codingagentservings.serving.cas.dev",
         )  # fmt: skip
         session.start_live()
+        # a previous run's namespace may still be terminating: wait for it to go first
+        session.kubectl("wait", "--for=delete", f"namespace/{DEMO_NAMESPACE}", "--timeout=120s",
+                        check=False)  # fmt: skip
         session.kubectl("create", "namespace", DEMO_NAMESPACE, check=False)
         manifests = demo_manifests()
         for manifest in manifests:
@@ -248,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
             say(f"applied {manifest['kind']} {manifest['metadata']['name']} in {DEMO_NAMESPACE}")
         session.start_load(manifests)
         say("load generator started (coding-agent sessions through each router pod)")
-        live_view(session, args.duration)
+        live_view(session, args.duration, args.fault_after, manifests)
     except KeyboardInterrupt:
         print()
     finally:
