@@ -245,6 +245,10 @@ class ReclaimLedger:
     def quarantined(self) -> list[Lease]:
         return list(self._quarantine.values())
 
+    def is_quarantined(self, room: int, generation: int) -> bool:
+        """Whether ``room`` at ``generation`` is still waiting in quarantine."""
+        return (room, generation) in self._quarantine
+
     # ---- internals -----------------------------------------------------------------------------
 
     def _abort_unlive(self, room: int) -> Abort:

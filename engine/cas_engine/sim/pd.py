@@ -18,6 +18,15 @@ Protocol for one request (the router sends the same body, with ``bootstrap_host`
                                               write of the room can land any more
     ledger.on_ack(ack) -> free the slot (Strict / Upstream); Upstream also frees on its timer
 
+    prefill dead (no ack; its bootstrap /health fails HEARTBEAT_DEAD_AFTER times in a row):
+    ledger.on_peer_dead(rank) -> nothing freed; PeerProber probes the prefill's bootstrap
+    listener (incarnation check) and its transfer engine's listener; on confirmed closure
+    (refused, or a new incarnation, 3x each) -> ledger.on_peer_closed(rank) -> free the slots
+
+Each prefill incarnation is one ledger "rank" on the decode (a fresh id once it is declared
+dead); the prefill's ack is mapped back to the rank its room was tracked with. The prefill's
+``/sim/kv/dest`` answer names its incarnation and transfer session, the endpoints to probe.
+
 Transfers use mooncake's TransferEngine over TCP (``P2PHANDSHAKE``: the session id is the
 decode's ``host:rpc_port``, no metadata server); :class:`HttpTransport` is the fallback where
 mooncake is not installed (same semantics, bytes carried in an HTTP body).
@@ -30,6 +39,7 @@ event loop (single-threaded), so the ledger and the tracker need no lock.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from collections import OrderedDict
@@ -41,12 +51,16 @@ import aiohttp
 import numpy as np
 
 from cas_engine.kvfence import AbortNotice, ReclaimAck, ReclaimLedger, WriteTracker
+from cas_engine.kvfence.peer_probe import Endpoint, PeerProber, http_incarnation
 from cas_engine.sim.faults import Faults
 from cas_engine.sim.kvpool import KvPool, corrupt, expected_kv
 
 log = logging.getLogger("cas_engine.sim.pd")
 
 PREFILL_RANK = 0
+HEARTBEAT_INTERVAL_S = 0.5  # decode -> prefill bootstrap /health while rooms wait on its ack
+HEARTBEAT_TIMEOUT_S = 1.0
+HEARTBEAT_DEAD_AFTER = 3  # consecutive failures: the prefill is declared dead (as SGLang's)
 TRANSPORT_ENV = "CAS_SIM_KV_TRANSPORT"
 _MAX_ROOMS = 65536
 
@@ -136,6 +150,35 @@ def make_transport(
         return HttpTransport(self_url, http)
 
 
+@dataclass(slots=True)
+class _Peer:
+    """A prefill (bootstrap host:port) as the decode sees it: its current ledger rank and the
+    endpoints its last ``/sim/kv/dest`` answer named."""
+
+    rank: int
+    endpoints: tuple[Endpoint, ...] = ()
+    failures: int = 0
+
+
+def peer_endpoints(host: str, port: int, answer: dict[str, Any]) -> tuple[Endpoint, ...]:
+    """Probe targets of a prefill from its dest answer: the bootstrap listener (with the
+    incarnation check) and its transfer engine's listener (mooncake ``host:rpc_port``, or the
+    worker URL for the HTTP fallback). Both live as long as the prefill process."""
+    inc = answer.get("incarnation")
+    if not isinstance(inc, str):
+        return ()
+    ident = http_incarnation("/health")
+    eps = [Endpoint(host, port, inc, ident)]
+    session = str(answer.get("session", ""))
+    if session.startswith("http://"):
+        h, _, p = session.removeprefix("http://").rstrip("/").rpartition(":")
+        eps.append(Endpoint(h, int(p), inc, ident))
+    elif ":" in session:
+        h, _, p = session.rpartition(":")
+        eps.append(Endpoint(h, int(p)))
+    return tuple(eps)
+
+
 @dataclass(frozen=True, slots=True)
 class Dest:
     """Where the prefill writes a room's KV, and whom it tells."""
@@ -159,23 +202,30 @@ class DecodeKv:
         ledger: ReclaimLedger,
         http: Callable[[], aiohttp.ClientSession],
         self_url: str,
+        prober: PeerProber | None = None,
     ) -> None:
         self.pool = pool
         self.transport = transport
         self.ledger = ledger
+        self.prober = prober
         self._http = http
         self._self_url = self_url
         self._done: dict[int, asyncio.Future[int | None]] = {}
         self.transfer_queue = 0
         self.bg: set[asyncio.Task[None]] = set()
+        self._peers: dict[tuple[str, int], _Peer] = {}
+        self._rank_addr: dict[int, tuple[str, int]] = {}
+        self._next_rank = PREFILL_RANK
+        self._heartbeat: asyncio.Task[None] | None = None
 
     async def acquire(self, room: int, host: str, port: int, timeout: float) -> int | None:
         """Allocate a slot for ``room``, track it and register it with the prefill."""
         slot = await self.pool.alloc(timeout)
         if slot is None:
             return None
+        peer = self._peer(host, port)
         try:
-            lease = self.ledger.track(room, [slot], [PREFILL_RANK])
+            lease = self.ledger.track(room, [slot], [peer.rank])
         except ValueError:
             self.pool.free([slot])
             raise
@@ -191,6 +241,10 @@ class DecodeKv:
         try:
             async with self._http().post(f"http://{host}:{port}/sim/kv/dest", json=dest) as r:
                 r.raise_for_status()
+                answer = await r.json()
+            endpoints = peer_endpoints(host, port, answer if isinstance(answer, dict) else {})
+            if endpoints and self._peers.get((host, port)) is peer:
+                peer.endpoints = endpoints
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("room %s: bootstrap registration failed: %s", room, exc)
             self._done.pop(room, None)
@@ -228,11 +282,25 @@ class DecodeKv:
 
     def abort(self, room: int, host: str, port: int) -> None:
         """Abort ``room`` (budget missed, client gone, guard trip before transfer)."""
+        lease = self.ledger.lease(room)
+        rank = min(lease.ranks) if lease is not None else PREFILL_RANK
         notice = self._abort_now(room)
         if notice is not None:
-            task = asyncio.get_running_loop().create_task(self._send_abort(notice, host, port))
+            loop = asyncio.get_running_loop()
+            task = loop.create_task(self._send_abort(notice, host, port, rank))
             self.bg.add(task)
             task.add_done_callback(self.bg.discard)
+            if self._heartbeat is None or self._heartbeat.done():
+                self._heartbeat = loop.create_task(self._heartbeat_loop())
+
+    async def close(self) -> None:
+        """Stop the heartbeat and the prober thread (the worker is shutting down)."""
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._heartbeat
+        if self.prober is not None:
+            self.prober.close(timeout=0)
 
     def poll(self) -> None:
         """Periodic tick: Upstream's timer releases."""
@@ -245,9 +313,12 @@ class DecodeKv:
             self.pool.free(reclaim.slots)
         return ab.notice
 
-    async def _send_abort(self, notice: AbortNotice, host: str, port: int) -> None:
-        """Deliver the notice; the prefill answers with the ack once no write can land."""
+    async def _send_abort(self, notice: AbortNotice, host: str, port: int, rank: int) -> None:
+        """Deliver the notice; the prefill answers with the ack once no write can land.
+        Stops once the room left quarantine (acked, or its dead peer's endpoint closed)."""
         for _ in range(600):  # bounded: 600 attempts of up to 60 s each
+            if not self.ledger.is_quarantined(notice.room, notice.generation):
+                return
             try:
                 async with self._http().post(
                     f"http://{host}:{port}/sim/kv/abort",
@@ -256,12 +327,81 @@ class DecodeKv:
                 ) as r:
                     body: dict[str, Any] = await r.json()
                 if body.get("ack"):
-                    for reclaim in self.ledger.on_ack(ReclaimAck.from_dict(body["ack"])):
+                    ack = ReclaimAck.from_dict(body["ack"])
+                    ack = ReclaimAck(room=ack.room, generation=ack.generation, rank=rank)
+                    for reclaim in self.ledger.on_ack(ack):
                         self.pool.free(reclaim.slots)
                     return
             except (aiohttp.ClientError, TimeoutError) as exc:
                 log.info("abort notice for room %s not delivered yet: %s", notice.room, exc)
                 await asyncio.sleep(0.5)
+
+    # ---- dead prefills: heartbeat verdict, then the prober's confirmation ----------------------
+
+    def _peer(self, host: str, port: int) -> _Peer:
+        peer = self._peers.get((host, port))
+        if peer is None:
+            peer = self._peers[(host, port)] = _Peer(self._new_rank(host, port))
+        return peer
+
+    def _new_rank(self, host: str, port: int) -> int:
+        rank = self._next_rank
+        self._next_rank += 1
+        self._rank_addr[rank] = (host, port)
+        return rank
+
+    async def _heartbeat_loop(self) -> None:
+        """While aborted rooms wait on a live rank's ack, check that prefill's bootstrap
+        ``/health``; HEARTBEAT_DEAD_AFTER failures in a row declare it dead. Ends when
+        nothing waits (restarted by the next abort)."""
+        while True:
+            waiting: set[int] = set()
+            for lease in self.ledger.quarantined():
+                waiting |= lease.pending
+            if not waiting:
+                return
+            peers = [(addr, peer) for addr, peer in self._peers.items() if peer.rank in waiting]
+            await asyncio.gather(*(self._check(addr, peer) for addr, peer in peers))
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    async def _check(self, addr: tuple[str, int], peer: _Peer) -> None:
+        try:
+            async with self._http().get(
+                f"http://{addr[0]}:{addr[1]}/health",
+                timeout=aiohttp.ClientTimeout(total=HEARTBEAT_TIMEOUT_S),
+            ) as r:
+                ok = r.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            ok = False
+        peer.failures = 0 if ok else peer.failures + 1
+        if peer.failures >= HEARTBEAT_DEAD_AFTER and self._peers.get(addr) is peer:
+            self._declare_dead(addr, peer)
+
+    def _declare_dead(self, addr: tuple[str, int], peer: _Peer) -> None:
+        """Heartbeat verdict: nothing is released; later rooms at ``addr`` get a new rank; the
+        prober confirms (or never confirms) that the dead incarnation can no longer write."""
+        self.ledger.on_peer_dead(peer.rank)
+        self._peers[addr] = _Peer(self._new_rank(*addr))
+        if self.prober is None:
+            return
+        loop = asyncio.get_running_loop()
+
+        def closed(key: Any, evidence: str) -> None:  # prober thread -> event loop
+            loop.call_soon_threadsafe(self._on_peer_closed, int(key), evidence)
+
+        self.prober.watch(peer.rank, peer.endpoints, closed)
+
+    def _on_peer_closed(self, rank: int, evidence: str) -> None:
+        released = self.ledger.on_peer_closed(rank)
+        for reclaim in released:
+            self.pool.free(reclaim.slots)
+        log.warning(
+            "prefill %s (rank %s) confirmed closed (%s): %d quarantined rooms released",
+            self._rank_addr.get(rank),
+            rank,
+            evidence,
+            len(released),
+        )
 
 
 class PrefillKv:

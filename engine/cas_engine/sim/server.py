@@ -29,6 +29,7 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from cas_engine.guard import error_body, http_response, sse_error_event
+from cas_engine.kvfence.peer_probe import INCARNATION_HEADER
 from cas_engine.sim import SIMULATOR_NOTICE
 from cas_engine.sim.config import SimConfig
 from cas_engine.sim.pd import HttpTransport
@@ -265,7 +266,9 @@ class SimServer:
 
     async def health(self, request: web.Request) -> web.Response:
         await self._wait_not_hung()
-        return web.Response(text="", headers=SIM_HEADER)
+        return web.Response(
+            text="", headers={**SIM_HEADER, INCARNATION_HEADER: self.worker.incarnation}
+        )
 
     async def server_info(self, request: web.Request) -> web.Response:
         c = self.cfg
@@ -383,7 +386,14 @@ class SimServer:
         if self.worker.prefill_kv is None:
             return _error(400, "not a prefill worker")
         self.worker.prefill_kv.on_dest(await request.json())
-        return _json({"ok": True})
+        # what the decode probes once it declares this prefill dead (kvfence.peer_probe)
+        return _json(
+            {
+                "ok": True,
+                "incarnation": self.worker.incarnation,
+                "session": self.worker.prefill_kv.transport.session_id,
+            }
+        )
 
     async def kv_abort(self, request: web.Request) -> web.Response:
         if self.worker.prefill_kv is None:

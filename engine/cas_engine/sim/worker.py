@@ -33,6 +33,7 @@ from prometheus_client import CollectorRegistry
 
 from cas_engine.guard import GuardConfig, GuardMetrics, GuardMonitor, GuardTrip
 from cas_engine.kvfence import KvFenceMetrics, ReclaimLedger, ReclaimMode, WriteTracker
+from cas_engine.kvfence.peer_probe import PeerProbeMetrics, PeerProber
 from cas_engine.sim.config import SimConfig
 from cas_engine.sim.faults import Faults, parse_faults
 from cas_engine.sim.kvpool import KvPool, expected_kv
@@ -133,6 +134,7 @@ class SimWorker:
         self.guard = self._make_guard()
         self.rng = np.random.default_rng(cfg.seed)
         self.fence_metrics = KvFenceMetrics(self.registry)
+        self.incarnation = uuid.uuid4().hex  # this process; peers tell a restart by it
         self._prefill_queue: list[tuple[Run, asyncio.Future[None]]] = []
         self._prefill_wake = asyncio.Event()
         self._waiting: list[Run] = []
@@ -195,7 +197,12 @@ class SimWorker:
                 clock=self.sim_clock,
             )
             self.decode_kv = DecodeKv(
-                pool=pool, transport=transport, ledger=ledger, http=self.http, self_url=url
+                pool=pool,
+                transport=transport,
+                ledger=ledger,
+                http=self.http,
+                self_url=url,
+                prober=PeerProber(metrics=PeerProbeMetrics(self.registry)),
             )
         elif self.cfg.mode == "prefill":
             transport = make_transport(host, url, self.http)
@@ -217,6 +224,8 @@ class SimWorker:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.decode_kv is not None:
+            await self.decode_kv.close()
         if self._http is not None:
             await self._http.close()
 
