@@ -224,7 +224,7 @@ async def test_operator_reports_a_fleet_wide_fault_and_drains_nothing(
             lambda s: condition(s, "Degraded").get("reason") == "FleetWideAnomaly", 90,
         )  # fmt: skip
         assert (status.get("anomaly") or {}).get("fleetWide"), status.get("anomaly")
-        await asyncio.sleep(12)  # one more operator tick under the incident
+        await asyncio.sleep(11)  # one more operator tick (10 s) under the incident
         status = cas_status(kubectl, namespace)
     finally:
         for url in before.values():
