@@ -38,11 +38,22 @@ SGLang's source; mooncake, nixl and mori do).
 
 Prefill-side source-page pinning lives in :mod:`cas_engine.sglang.prefill_pin`.
 
-Not covered: what calls :meth:`StrictReclaimPatch.on_peer_endpoint_closed` in a running engine.
-mooncake's Python API (0.3.x) exposes no per-peer connection state, so the confirmation must
-come from outside (e.g. the operator once the dead prefill pod's containers have terminated);
-until it comes, a dead peer's rooms stay held and count against the quarantine budget. Host
-(HiCache) destinations keep upstream's receiver-level drain check and are not released by it.
+5. The confirmation source: mooncake's Python API (0.3.x) exposes no per-peer connection state,
+   so when ``_handle_node_failure`` reports a peer dead, the wrapper also snapshots the dead
+   peer's per-rank KV manager endpoints (``rank_ip:rank_port`` of ``connection_pool``: the ZMQ
+   socket each prefill TP rank's scheduler process binds, the process that owns the transfer
+   engine and issues the writes) and a :class:`~cas_engine.kvfence.peer_probe.PeerProber`
+   probes them in its own thread: only a refused connect on every rank's port, 3 times in a
+   row, counts as "closed" (timeouts, unreachable hosts and accepted connections never do; see
+   :mod:`cas_engine.kvfence.peer_probe`). The verdict is queued like the heartbeat's and applied
+   on the scheduler thread as :meth:`StrictReclaimPatch.on_peer_endpoint_closed` would, for that
+   incarnation only. The launcher's install (``cls=None``) creates the prober; tests pass one.
+
+Not covered: a dead prefill whose host disappears (a deleted pod's IP answers nothing) never
+refuses, so its rooms stay held (counting against the quarantine budget) until an outside
+source calls :meth:`StrictReclaimPatch.on_peer_endpoint_closed` (e.g. the operator once the pod's
+containers have terminated). Host (HiCache) destinations keep upstream's receiver-level drain
+check and are not released by it.
 """
 
 from __future__ import annotations
@@ -67,6 +78,7 @@ from prometheus_client import Gauge
 from cas_engine.kvfence.ledger import Reclaim, ReclaimLedger
 from cas_engine.kvfence.messages import ReclaimAck, ReclaimMode
 from cas_engine.kvfence.metrics import KvFenceMetrics
+from cas_engine.kvfence.peer_probe import Endpoint, PeerProbeMetrics, PeerProber
 from cas_engine.sglang.version import SGLangVersionError, require_sglang
 
 log = logging.getLogger(__name__)
@@ -238,6 +250,21 @@ class _Held:
     closed: bool = False  # released by the peer's confirmed endpoint close
 
 
+@dataclass(frozen=True)
+class _PeerEvent:
+    """A peer event queued by any thread, applied on the scheduler thread (``prepare``).
+
+    ``dead``: heartbeat verdict (rooms and rank endpoints at that moment); ``closed``: outside
+    confirmation for every dead incarnation at ``addr``; ``probed``: the prober confirmed the
+    incarnation ``peer`` closed."""
+
+    kind: str
+    addr: str
+    rooms: frozenset[Any] = frozenset()
+    endpoints: tuple[Endpoint, ...] = ()
+    peer: int = 0
+
+
 @dataclass
 class StrictReclaimPatch:
     """State of an installed patch: what it observed in the last resolve pass.
@@ -266,7 +293,8 @@ class StrictReclaimPatch:
     _dead: dict[int, tuple[str, set[Any]]] = field(default_factory=dict)  # id -> addr, rooms
     _closed_ids: set[int] = field(default_factory=set)
     _safe: set[tuple[int, Any]] = field(default_factory=set)  # released by endpoint close
-    _events: deque[tuple[str, str, frozenset[Any]]] = field(default_factory=deque)
+    _events: deque[_PeerEvent] = field(default_factory=deque)
+    prober: PeerProber | None = None  # confirms a dead peer's endpoints closed (None: never)
 
     def __post_init__(self) -> None:
         if self.ledger is None:
@@ -287,13 +315,19 @@ class StrictReclaimPatch:
 
     # ---- peer events (any thread) --------------------------------------------------------------
 
-    def on_peer_dead(self, bootstrap_addr: str, rooms: frozenset[Any] = frozenset()) -> None:
-        """The heartbeat declared the prefill at ``bootstrap_addr`` dead; releases nothing."""
-        self._events.append(("dead", bootstrap_addr, rooms))
+    def on_peer_dead(
+        self,
+        bootstrap_addr: str,
+        rooms: frozenset[Any] = frozenset(),
+        endpoints: tuple[Endpoint, ...] = (),
+    ) -> None:
+        """The heartbeat declared the prefill at ``bootstrap_addr`` dead; releases nothing.
+        ``endpoints``: its ranks' listening sockets, probed (if a prober is set) for closure."""
+        self._events.append(_PeerEvent("dead", bootstrap_addr, rooms, endpoints))
 
     def on_peer_endpoint_closed(self, bootstrap_addr: str) -> None:
         """The transfer engine confirmed the dead peer's endpoint closed: no write can land."""
-        self._events.append(("closed", bootstrap_addr, frozenset()))
+        self._events.append(_PeerEvent("closed", bootstrap_addr))
 
     def is_closed_safe(self, kv_mgr: Any, room: Any) -> bool:
         """Whether an endpoint close already proved ``room`` of ``kv_mgr`` safe to release."""
@@ -308,11 +342,13 @@ class StrictReclaimPatch:
         death-time snapshot: the dead incarnation; otherwise the live one), not by arrival order.
         """
         while self._events:
-            kind, addr, rooms = self._events.popleft()
-            if kind == "dead":
-                self._apply_dead(addr, rooms)
+            ev = self._events.popleft()
+            if ev.kind == "dead":
+                self._apply_dead(ev.addr, ev.rooms, ev.endpoints)
+            elif ev.kind == "probed":
+                self._close_incarnation(ev.peer)
             else:
-                self._apply_closed(addr)
+                self._apply_closed(ev.addr)
         for entry in queue._deferred_releases:
             if id(entry[0]) not in self._held:
                 self._track(entry[0])
@@ -377,7 +413,9 @@ class StrictReclaimPatch:
         if peer in self._closed_ids:
             self._mark_closed(self.ledger.on_peer_closed(peer))
 
-    def _apply_dead(self, addr: str, rooms: frozenset[Any]) -> None:
+    def _apply_dead(
+        self, addr: str, rooms: frozenset[Any], endpoints: tuple[Endpoint, ...] = ()
+    ) -> None:
         assert self.ledger is not None
         old = self._peer(addr)
         tracked = {
@@ -386,6 +424,20 @@ class StrictReclaimPatch:
         self._dead[old] = (addr, set(rooms) | tracked)
         self._peer_ids[addr] = self._new_id()  # a restarted peer is a new incarnation
         self.ledger.on_peer_dead(old)
+        if self.prober is not None and endpoints:
+            events = self._events  # deque.append is thread-safe: the prober thread queues
+
+            def probed(key: Any, evidence: str) -> None:
+                events.append(_PeerEvent("probed", addr, peer=old))
+
+            self.prober.watch(("sglang-prefill", addr, old), endpoints, probed)
+
+    def _close_incarnation(self, peer: int) -> None:
+        """The prober confirmed incarnation ``peer`` closed: release its held rooms."""
+        assert self.ledger is not None
+        if peer in self._dead and peer not in self._closed_ids:
+            self._closed_ids.add(peer)
+            self._mark_closed(self.ledger.on_peer_closed(peer))
 
     def _apply_closed(self, addr: str) -> None:
         assert self.ledger is not None
@@ -394,9 +446,7 @@ class StrictReclaimPatch:
             self._apply_dead(addr, frozenset())
             dead_ids = [i for i, (a, _) in self._dead.items() if a == addr]
         for peer in dead_ids:
-            if peer not in self._closed_ids:
-                self._closed_ids.add(peer)
-                self._mark_closed(self.ledger.on_peer_closed(peer))
+            self._close_incarnation(peer)
 
     def _mark_closed(self, reclaims: list[Reclaim]) -> None:
         for reclaim in reclaims:
@@ -414,13 +464,17 @@ def install_strict_reclaim(
     quarantine_budget_rooms: int | None = None,
     metrics: KvFenceMetrics | None = None,
     clock: Callable[[], float] = time.monotonic,
+    prober: PeerProber | None = None,
 ) -> StrictReclaimPatch:
     """Patch ``cls`` (default: the pinned SGLang's DecodeTransferQueue). Idempotent.
 
     ``kv_mgr_cls`` (default: SGLang's CommonKVManager when ``cls`` is loaded here too) gets the
     peer hooks: ``_handle_node_failure`` reports the dead peer, ``is_abort_release_safe`` also
-    answers True for rooms proven safe by the peer's confirmed endpoint close.
+    answers True for rooms proven safe by the peer's confirmed endpoint close. ``prober``
+    (default with ``cls=None``: a new :class:`PeerProber` on ``metrics``' registry) probes a
+    dead peer's rank endpoints and confirms the close.
     """
+    load_real = cls is None
     if cls is None:
         cls = load_decode_queue_class()
         kv_mgr_cls = kv_mgr_cls if kv_mgr_cls is not None else load_kv_manager_class()
@@ -431,6 +485,8 @@ def install_strict_reclaim(
     if kv_mgr_cls is not None:
         check_peer_hooks(kv_mgr_cls)
     metrics = metrics if metrics is not None else KvFenceMetrics()
+    if prober is None and load_real:
+        prober = PeerProber(metrics=PeerProbeMetrics(metrics.registry))
     patch = StrictReclaimPatch(
         quarantine_budget_rooms=quarantine_budget_rooms,
         metrics=metrics,
@@ -440,6 +496,7 @@ def install_strict_reclaim(
             "SGLang decode requests held for deferred KV release",
             registry=metrics.registry,
         ),
+        prober=prober,
     )
     _wrap_init(cls)
     _wrap_resolve(cls, patch)
@@ -488,10 +545,11 @@ def _wrap_peer_hooks(cls: type, patch: StrictReclaimPatch) -> None:
 
     @functools.wraps(node_failure)
     def _handle_node_failure(self: Any, failed_bootstrap_addr: str) -> Any:
-        with self.connection_lock:  # upstream pops the rooms of the dead peer; keep a copy
+        with self.connection_lock:  # upstream pops the rooms and rank endpoints; keep a copy
             rooms = frozenset(self.addr_to_rooms_tracker.get(failed_bootstrap_addr, ()))
+            endpoints = rank_endpoints(self.connection_pool, failed_bootstrap_addr)
         result = node_failure(self, failed_bootstrap_addr)
-        patch.on_peer_dead(failed_bootstrap_addr, rooms)
+        patch.on_peer_dead(failed_bootstrap_addr, rooms, endpoints)
         return result
 
     @functools.wraps(release_safe)
@@ -503,6 +561,20 @@ def _wrap_peer_hooks(cls: type, patch: StrictReclaimPatch) -> None:
     cls._handle_node_failure = _handle_node_failure  # type: ignore[attr-defined]
     cls.is_abort_release_safe = is_abort_release_safe  # type: ignore[attr-defined]
     setattr(cls, _MARK + "_peer", patch)
+
+
+def rank_endpoints(connection_pool: dict[str, Any], bootstrap_addr: str) -> tuple[Endpoint, ...]:
+    """The listening KV-manager endpoints (``rank_ip:rank_port``) of every prefill rank cached
+    under ``bootstrap_addr`` (same key match as upstream's ``_handle_node_failure``)."""
+    seen: dict[tuple[str, int], Endpoint] = {}
+    for key, infos in connection_pool.items():
+        if not str(key).startswith(bootstrap_addr):
+            continue
+        for info in infos or ():
+            ip, port = info.get("rank_ip"), info.get("rank_port")
+            if ip and port:
+                seen.setdefault((str(ip), int(port)), Endpoint(str(ip), int(port)))
+    return tuple(seen.values())
 
 
 def apply_env_defaults(environ: dict[str, str] | None = None) -> None:
