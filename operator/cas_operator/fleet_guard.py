@@ -138,7 +138,8 @@ class FleetGuard:
         if found is not None:
             return found
         state = AutoState.from_status(status.get(autoscale.STATUS_KEY))
-        return Measured(auto_replicas=state.replicas if state else None)
+        return Measured(auto_replicas=state.replicas if state else None,
+                        anomaly=status.get("anomaly"))  # fmt: skip
 
     def tick(self, resources: list[Manifest], now: float | None = None) -> int:
         """Guard every resource once; returns how many status patches were written."""
@@ -179,7 +180,15 @@ class FleetGuard:
             )
             self.post(resource, result.events)
             desired = anomaly_status(result)
-            desired.update(self._autoscale(snapshot, resource, parsed, result, now))
+            uid = str(meta["uid"])
+            before = self.measured_for(uid, current)
+            entry, observed, auto = self._autoscale(snapshot, resource, parsed, result, before, now)
+            desired.update(entry)
+            # The reconcile folds these into the pools and conditions: hand them over in memory
+            # (the status copy a pass reads may predate this write) and ask for a pass.
+            self.measured[uid] = Measured(observed, auto, desired["anomaly"])
+            if self.measured[uid] != before:
+                self.on_change(resource)
             changes = status_changes(current, desired)
             if changes:
                 self.kube.patch_status(c.KIND, str(meta["namespace"]), str(meta["name"]), changes)
@@ -194,35 +203,28 @@ class FleetGuard:
         resource: Manifest,
         spec: CodingAgentServingSpec,
         result: TickResult,
+        before: Measured,
         now: float,
-    ) -> Status:
+    ) -> tuple[Status, ObservedSignals | None, tuple[int, int] | None]:
         """Recommend/Auto: measure the load, in Auto take one replica step; returns the
-        `status.autoscaler` entry ({} in Fixed mode) and asks for a reconcile pass when the
-        reconcile's inputs changed."""
-        meta = resource["metadata"]
-        uid = str(meta["uid"])
+        `status.autoscaler` entry ({} in Fixed mode), the measured load and Auto's counts."""
+        uid = str(resource["metadata"]["uid"])
         if spec.ratio.mode == RatioMode.FIXED:
-            self.measured.pop(uid, None)
             self.auto_states.pop(uid, None)
-            return {}
+            return {}, None, None
         observed = autoscale.quantized(
             autoscale.observed_signals(result.views, float(spec.anomaly_guard.window_seconds))
         )
-        before = self.measured_for(uid, dict(resource.get("status") or {}))
         entry: Status = {"observed": observed_status(observed)}
-        auto = None
         if spec.ratio.mode != RatioMode.AUTO:
             self.auto_states.pop(uid, None)
-        else:
-            auto = before.auto_replicas
-            state = self._auto_step(snapshot, resource, spec, result, observed, before, now)
-            if state is not None:
-                auto = state.replicas
-                entry.update(state.to_status())
-        self.measured[uid] = Measured(observed, auto)
-        if self.measured[uid] != before:
-            self.on_change(resource)
-        return {autoscale.STATUS_KEY: entry}
+            return {autoscale.STATUS_KEY: entry}, observed, None
+        auto = before.auto_replicas
+        state = self._auto_step(snapshot, resource, spec, result, observed, before, now)
+        if state is not None:
+            auto = state.replicas
+            entry.update(state.to_status())
+        return {autoscale.STATUS_KEY: entry}, observed, auto
 
     def _auto_step(
         self,

@@ -125,12 +125,19 @@ def _pass(
     starts (kopf's own status patch would land after the handler returned, possibly over a
     newer pass's answer). Since every child change queues a pass that starts after it, the
     last write reflects the last change. `observe` reads the workloads (the watch-fed indexes)
-    inside the lock; None lists them. The diff baseline is the status we last wrote (the
-    event's copy may predate it); full passes diff against the object itself, which repairs a
-    status changed by anyone else.
+    inside the lock; None lists them. The anomaly loop's latest findings come from its memory
+    (`measured_for`), not from the event's status copy, which may predate them. The diff
+    baseline is the status we last wrote (the event's copy may predate it); full passes diff
+    against the object itself, which repairs a status changed by anyone else.
     """
     uid, name, namespace = str(meta["uid"]), str(meta["name"]), str(meta["namespace"])
     with _owner_lock((namespace, name)):
+        current = dict(status or {})
+        measured = (
+            _fleet_guard.measured_for(uid, current)
+            if _fleet_guard is not None
+            else Measured(anomaly=current.get("anomaly"))
+        )
         started = time.monotonic()
         outcome = reconcile(
             kube(),
@@ -140,11 +147,9 @@ def _pass(
             generation=int(meta.get("generation", 0)),
             raw_spec=dict(spec),
             full_apply=full,
-            anomaly=dict(status or {}).get("anomaly"),
+            anomaly=measured.anomaly,
             observed=observe() if observe is not None else None,
-            measured=_fleet_guard.measured_for(uid, dict(status or {}))
-            if _fleet_guard
-            else Measured(),
+            measured=measured,
         )
         RECONCILE_SECONDS.labels(trigger).observe(time.monotonic() - started)
         if full:

@@ -54,10 +54,12 @@ def pydantic_errors(exc: ValidationError) -> list[SpecError]:
 
 @dataclass(frozen=True)
 class Measured:
-    """What the anomaly loop measured and decided for Auto/Recommend (None: nothing yet)."""
+    """What the anomaly loop measured and decided (None: nothing yet): the load for the
+    planner, Auto mode's replicas, and its last `status.anomaly` for the conditions."""
 
     observed: ObservedSignals | None = None
     auto_replicas: tuple[int, int] | None = None
+    anomaly: dict[str, Any] | None = None
 
 
 def plan_for(

@@ -150,6 +150,21 @@ def test_one_failing_resource_does_not_stop_the_others() -> None:
     assert [name for name, _ in store.status_patches] == ["b"]
 
 
+def test_a_changed_anomaly_asks_for_a_pass_with_the_finding_in_memory() -> None:
+    """Regression: conditions fold status.anomaly in; a pass reading the event's stale copy
+    kept Degraded/FleetWideAnomaly wrong until the 30 s timer. The loop now hands its finding
+    over in memory and asks for a pass when it changed (and not when it did not)."""
+    store, source = fleets(), Canned()
+    changed: list[str] = []
+    g, _ = guard(store, source)
+    g.on_change = lambda r: changed.append(r["metadata"]["name"])
+    g.tick([resource("a")], now=T0)
+    assert changed == ["a"]
+    assert g.measured_for("uid-a", {}).anomaly == dict(store.status_patches)["a"]["anomaly"]
+    g.tick([resource("a", status=dict(store.status_patches)["a"])], now=T0 + 10)
+    assert changed == ["a"]
+
+
 def test_state_of_deleted_resources_is_forgotten() -> None:
     store, source = fleets(), Canned()
     g, _ = guard(store, source)
@@ -208,4 +223,5 @@ def test_fixed_mode_writes_no_autoscaler_status() -> None:
     g, _ = guard(store, source)
     g.tick([resource("a")], now=T0)
     assert "autoscaler" not in dict(store.status_patches)["a"]
-    assert g.measured == {}
+    kept = g.measured["uid-a"]
+    assert kept.observed is None and kept.auto_replicas is None and kept.anomaly is not None
