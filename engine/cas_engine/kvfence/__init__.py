@@ -22,6 +22,7 @@ Pure Python, engine-agnostic, no GPU, no threads, no clock of its own. API (all 
     ledger.on_ack(ack) -> list[Reclaim]         # free what it returns
     ledger.on_peer_dead(rank)                   # heartbeat failure: releases nothing
     ledger.on_peer_closed(rank) -> list[Reclaim]  # transport confirmed the endpoint closed
+                                                # (source: kvfence.peer_probe.PeerProber)
     ledger.poll() -> list[Reclaim]              # UPSTREAM's timer release; no-op otherwise
     ledger.health() -> (ok, reason)             # False when quarantine exceeds the budget
     ledger.quarantined_slots, ledger.quarantine_peak, ledger.quarantined_rooms
