@@ -304,51 +304,52 @@ class PdPair:
     as separate processes on loopback; the decode aborts the request and quarantines its slot."""
 
     def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
         self.bport = free_port()
         self.purl = f"http://{HOST}:{free_port()}"
         self.durl = f"http://{HOST}:{free_port()}"
-        env = {**os.environ, "GLOG_minloglevel": "2", "PYTHONUNBUFFERED": "1"}
-        common = ["--host", HOST, "--sim-speedup", "1", "--sim-kv-reclaim", "Strict"]
-        common += ["--log-level", "warning"]
         self.procs: list[subprocess.Popen[bytes]] = []
-        for name, url, extra in (
-            (
-                "prefill",
-                self.purl,
-                [
-                    "--disaggregation-bootstrap-port",
-                    str(self.bport),
-                    "--sim-fault",
-                    "kv_write_stall=1:600",
-                ],
-            ),
-            ("decode", self.durl, ["--sim-prefill-budget", "1"]),
-        ):
-            cmd = [sys.executable, "-m", "cas_engine.sim", "--disaggregation-mode", name]
-            cmd += ["--port", url.rsplit(":", 1)[1], *common, *extra]
-            with open(log_dir / f"{name}.log", "wb") as log:
-                self.procs.append(
-                    subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-                )
-        self.prefill = self.procs[0]
+        self.prefill = self._spawn("prefill", self.purl, ["--sim-fault", "kv_write_stall=1:600"])
+        self._spawn("decode", self.durl, ["--sim-prefill-budget", "1"])
+
+    def _spawn(self, mode: str, url: str, extra: list[str]) -> subprocess.Popen[bytes]:
+        env = {**os.environ, "GLOG_minloglevel": "2", "PYTHONUNBUFFERED": "1"}
+        cmd = [sys.executable, "-m", "cas_engine.sim", "--disaggregation-mode", mode]
+        cmd += ["--host", HOST, "--port", url.rsplit(":", 1)[1], "--sim-speedup", "1"]
+        cmd += ["--sim-kv-reclaim", "Strict", "--log-level", "warning", *extra]
+        if mode == "prefill":
+            cmd += ["--disaggregation-bootstrap-port", str(self.bport)]
+        with open(self.log_dir / f"{mode}{len(self.procs)}.log", "wb") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.procs.append(proc)
+        return proc
+
+    def restart_prefill(self) -> None:
+        """A new prefill process (no faults) on the same HTTP and bootstrap ports."""
+        self.prefill = self._spawn("prefill", self.purl, [])
+        _wait(lambda: _ok(f"{self.purl}/health"), 20, "restarted prefill ready")
+
+    def request(self, room: int, prefill_timeout: float = 30) -> None:
+        """One request sent to both workers (the prefill's in the background)."""
+        body = {
+            "text": "def f(x): return x",
+            "sampling_params": {"max_new_tokens": 4},
+            "bootstrap_host": HOST,
+            "bootstrap_port": self.bport,
+            "bootstrap_room": room,
+        }
+        threading.Thread(
+            target=_post, args=(f"{self.purl}/generate", body, prefill_timeout), daemon=True
+        ).start()
+        _post(f"{self.durl}/generate", body, 15)
 
     def ready(self) -> None:
         for url in (self.purl, self.durl):
             _wait(lambda u=url: _ok(f"{u}/health"), 20, f"{url} ready")  # type: ignore[misc]
 
     def quarantine_one_room(self) -> None:
-        """Send one request to both; the prefill's write stalls, the decode aborts it at 1 s."""
-        body = {
-            "text": "def f(x): return x",
-            "sampling_params": {"max_new_tokens": 4},
-            "bootstrap_host": HOST,
-            "bootstrap_port": self.bport,
-            "bootstrap_room": 4242,
-        }
-        threading.Thread(
-            target=_post, args=(f"{self.purl}/generate", body, 30), daemon=True
-        ).start()
-        _post(f"{self.durl}/generate", body, 15)  # 503 after the budget
+        """One request; the prefill's write stalls, the decode aborts the room at 1 s."""
+        self.request(4242)
         _wait(lambda: _stats(self.purl)["stalled_writes"] == 1, 5, "prefill write stalled")
         _wait(lambda: _stats(self.durl)["kv_quarantined_slots"] == 1, 5, "slot quarantined")
 
@@ -453,3 +454,24 @@ def test_sglang_dead_peer_rank_endpoints_probed_and_released() -> None:
         else:
             assert world.released == [11] and probes(reg, "refused") == FAST.evidence
             assert reg.get_sample_value("cas_kv_reclaims_total", {"outcome": "peer_closed"}) == 1
+
+
+def test_sim_restarted_prefill_on_the_same_ports_releases_the_dead_ones_slots(
+    pd_pair: PdPair,
+) -> None:
+    """guards: the prefill is SIGKILLed and restarted on the same ports at once (a container
+    restart in the same pod). The new process must not ack for the old one's room; the decode
+    declares the old incarnation dead and the prober confirms it (the bootstrap port answers
+    a new incarnation, the old transfer engine port refuses): the slot comes back; the new
+    incarnation then serves a request normally."""
+    pd_pair.quarantine_one_room()
+    os.kill(pd_pair.prefill.pid, signal.SIGKILL)
+    pd_pair.prefill.wait(5)
+    pd_pair.restart_prefill()
+    _wait(lambda: pd_pair.quarantined() == 0, 20, "release after the restart")
+    assert _metric(pd_pair.durl, *PEER_CLOSED) == 1
+    assert _metric(pd_pair.durl, "cas_kv_reclaims_total", '{outcome="acked"}') == 0
+    finished = _stats(pd_pair.durl)["finished"]
+    pd_pair.request(4243)
+    _wait(lambda: _stats(pd_pair.durl)["finished"] == finished + 1, 10, "request on new one")
+    assert _stats(pd_pair.durl)["kv_corrupted"] == 0

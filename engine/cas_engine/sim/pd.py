@@ -51,7 +51,12 @@ import aiohttp
 import numpy as np
 
 from cas_engine.kvfence import AbortNotice, ReclaimAck, ReclaimLedger, WriteTracker
-from cas_engine.kvfence.peer_probe import Endpoint, PeerProber, http_incarnation
+from cas_engine.kvfence.peer_probe import (
+    INCARNATION_HEADER,
+    Endpoint,
+    PeerProber,
+    http_incarnation,
+)
 from cas_engine.sim.faults import Faults
 from cas_engine.sim.kvpool import KvPool, corrupt, expected_kv
 
@@ -152,10 +157,11 @@ def make_transport(
 
 @dataclass(slots=True)
 class _Peer:
-    """A prefill (bootstrap host:port) as the decode sees it: its current ledger rank and the
-    endpoints its last ``/sim/kv/dest`` answer named."""
+    """One prefill incarnation at a bootstrap host:port as the decode sees it: its ledger rank,
+    its incarnation id (from its first ``/sim/kv/dest`` answer) and the endpoints to probe."""
 
     rank: int
+    incarnation: str | None = None
     endpoints: tuple[Endpoint, ...] = ()
     failures: int = 0
 
@@ -216,6 +222,7 @@ class DecodeKv:
         self._peers: dict[tuple[str, int], _Peer] = {}
         self._rank_addr: dict[int, tuple[str, int]] = {}
         self._next_rank = PREFILL_RANK
+        self._rank_inc: dict[int, str] = {}  # rank -> the incarnation it stands for
         self._heartbeat: asyncio.Task[None] | None = None
 
     async def acquire(self, room: int, host: str, port: int, timeout: float) -> int | None:
@@ -237,15 +244,17 @@ class DecodeKv:
             "addr": self.pool.addr(slot),
             "nbytes": self.pool.slot_bytes,
             "notify": self._self_url,
+            "incarnation": peer.incarnation,  # the prefill refuses (409) if it is another one
         }
+        answer: Any = None
         try:
             async with self._http().post(f"http://{host}:{port}/sim/kv/dest", json=dest) as r:
+                answer = await r.json() if r.status in (200, 409) else None
                 r.raise_for_status()
-                answer = await r.json()
-            endpoints = peer_endpoints(host, port, answer if isinstance(answer, dict) else {})
-            if endpoints and self._peers.get((host, port)) is peer:
-                peer.endpoints = endpoints
+            self._learn(host, port, peer, answer if isinstance(answer, dict) else {}, bind=True)
         except (aiohttp.ClientError, TimeoutError) as exc:
+            if isinstance(answer, dict):
+                self._learn(host, port, peer, answer)  # 409: a restarted prefill answered
             log.warning("room %s: bootstrap registration failed: %s", room, exc)
             self._done.pop(room, None)
             self._abort_now(room)
@@ -319,6 +328,7 @@ class DecodeKv:
         for _ in range(600):  # bounded: 600 attempts of up to 60 s each
             if not self.ledger.is_quarantined(notice.room, notice.generation):
                 return
+            peer = self._peers.get((host, port))
             try:
                 async with self._http().post(
                     f"http://{host}:{port}/sim/kv/abort",
@@ -326,6 +336,11 @@ class DecodeKv:
                     timeout=aiohttp.ClientTimeout(total=60),
                 ) as r:
                     body: dict[str, Any] = await r.json()
+                if peer is not None and peer.rank == rank:
+                    self._learn(host, port, peer, body)
+                inc, bound = body.get("incarnation"), self._rank_inc.get(rank)
+                if inc is not None and bound is not None and inc != bound:
+                    return  # another process acks for the dead writer: the prober decides
                 if body.get("ack"):
                     ack = ReclaimAck.from_dict(body["ack"])
                     ack = ReclaimAck(room=ack.room, generation=ack.generation, rank=rank)
@@ -343,6 +358,32 @@ class DecodeKv:
         if peer is None:
             peer = self._peers[(host, port)] = _Peer(self._new_rank(host, port))
         return peer
+
+    def _learn(
+        self, host: str, port: int, peer: _Peer, answer: dict[str, Any], bind: bool = False
+    ) -> None:
+        """``bind`` (a dest answer): bind ``peer``'s rank to the incarnation that first answered
+        and to its endpoints. Any answer from a different incarnation at the same address means
+        the rank's process is gone or replaced: declare it dead (nothing is released; the
+        prober confirms)."""
+        inc = answer.get("incarnation")
+        if not isinstance(inc, str) or self._peers.get((host, port)) is not peer:
+            return
+        if peer.incarnation is None:
+            if not bind:
+                return
+            peer.incarnation = self._rank_inc[peer.rank] = inc
+            peer.endpoints = peer_endpoints(host, port, answer)
+        elif inc != peer.incarnation:
+            log.warning(
+                "prefill %s:%s answers as incarnation %s, not %s (rank %s)",
+                host,
+                port,
+                inc,
+                peer.incarnation,
+                peer.rank,
+            )
+            self._declare_dead((host, port), peer)
 
     def _new_rank(self, host: str, port: int) -> int:
         rank = self._next_rank
@@ -371,6 +412,7 @@ class DecodeKv:
                 timeout=aiohttp.ClientTimeout(total=HEARTBEAT_TIMEOUT_S),
             ) as r:
                 ok = r.status == 200
+                self._learn(*addr, peer, {"incarnation": r.headers.get(INCARNATION_HEADER)})
         except (aiohttp.ClientError, TimeoutError):
             ok = False
         peer.failures = 0 if ok else peer.failures + 1

@@ -385,21 +385,27 @@ class SimServer:
     async def kv_dest(self, request: web.Request) -> web.Response:
         if self.worker.prefill_kv is None:
             return _error(400, "not a prefill worker")
-        self.worker.prefill_kv.on_dest(await request.json())
-        # what the decode probes once it declares this prefill dead (kvfence.peer_probe)
-        return _json(
-            {
-                "ok": True,
-                "incarnation": self.worker.incarnation,
-                "session": self.worker.prefill_kv.transport.session_id,
-            }
-        )
+        body = await request.json()
+        # the decode's ledger tracks the room under a rank bound to one incarnation: another
+        # process (this one, restarted) must not take the room; the decode learns it from 409
+        answer = {
+            "ok": True,
+            "incarnation": self.worker.incarnation,
+            "session": self.worker.prefill_kv.transport.session_id,
+        }
+        expected = body.get("incarnation")
+        if expected is not None and expected != self.worker.incarnation:
+            return _json({**answer, "ok": False}, status=409)
+        self.worker.prefill_kv.on_dest(body)
+        return _json(answer)  # its endpoints: what the decode probes once it declares us dead
 
     async def kv_abort(self, request: web.Request) -> web.Response:
         if self.worker.prefill_kv is None:
             return _error(400, "not a prefill worker")
         ack = await self.worker.prefill_kv.on_abort(await request.json(), timeout=50.0)
-        return _json({"ack": None if ack is None else ack.to_dict()})
+        return _json(
+            {"ack": None if ack is None else ack.to_dict(), "incarnation": self.worker.incarnation}
+        )
 
 
 class _Shape:
