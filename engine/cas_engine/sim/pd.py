@@ -24,8 +24,13 @@ Protocol for one request (the router sends the same body, with ``bootstrap_host`
     (refused, or a new incarnation, 3x each) -> ledger.on_peer_closed(rank) -> free the slots
 
 Each prefill incarnation is one ledger "rank" on the decode (a fresh id once it is declared
-dead); the prefill's ack is mapped back to the rank its room was tracked with. The prefill's
-``/sim/kv/dest`` answer names its incarnation and transfer session, the endpoints to probe.
+dead); the prefill's ack is mapped back to the rank its room was tracked with. The first
+``/sim/kv/dest`` answer binds the rank to the prefill's incarnation and names its transfer
+session (the endpoints to probe); later dests carry that incarnation and another process at the
+address refuses them (409). A ``/health``, dest or abort answer from another incarnation declares
+the rank dead at once (a restarted prefill never acks for its predecessor); the prober decides.
+The prober runs in its own thread; its verdict reaches the ledger via
+``loop.call_soon_threadsafe``.
 
 Transfers use mooncake's TransferEngine over TCP (``P2PHANDSHAKE``: the session id is the
 decode's ``host:rpc_port``, no metadata server); :class:`HttpTransport` is the fallback where
