@@ -119,11 +119,12 @@ def status_changes(current: Status, desired: Status) -> Status:
 class FleetGuard:
     """One tick over every resource; see the module docstring.
 
-    `post(body, events)` publishes events on a resource (kopf.event in the operator)."""
+    `post(body, event)` publishes one event on a resource (`Kube.post_event` in the operator:
+    this runs outside kopf's handlers, where `kopf.event` has no queue)."""
 
     kube: Kube
     source: Callable[[], MetricsSource]
-    post: Callable[[Manifest, list[Event]], None]
+    post: Callable[[Manifest, Event], None]
     guard_workers: int = 4
     on_change: Callable[[Manifest], None] = lambda resource: None
     states: dict[str, LoopState] = field(default_factory=dict)
@@ -178,7 +179,6 @@ class FleetGuard:
                 counts=pool_counts(current),
                 bounds=ScaleBounds(parsed.ratio.min, parsed.ratio.max, parsed.ratio.gpu_budget),
             )
-            self.post(resource, result.events)
             desired = anomaly_status(result)
             uid = str(meta["uid"])
             before = self.measured_for(uid, current)
@@ -195,7 +195,16 @@ class FleetGuard:
         except Exception:  # one resource's failure must not stop the others' guard
             log.exception("anomaly tick of %s/%s failed", meta["namespace"], meta["name"])
             return 0
+        self._post(resource, result.events)
         return 1 if changes else 0
+
+    def _post(self, resource: Manifest, events: list[Event]) -> None:
+        """Events after the status (a failed post must not cost the status write)."""
+        for event in events:
+            try:
+                self.post(resource, event)
+            except Exception:
+                log.exception("event %s on %s not posted", event[1], resource["metadata"]["name"])
 
     def _autoscale(
         self,

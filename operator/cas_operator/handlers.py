@@ -296,7 +296,7 @@ async def start_fleet_guard(**kwargs: Any) -> None:
     (in a thread; kopf's context is copied so events can be posted from it)."""
     global _fleet_guard
     _indexes.extend((kwargs["serving_index"], kwargs["deployment_index"], kwargs["lws_index"]))
-    _fleet_guard = FleetGuard(kube(), metrics_source, _post_events, on_change=_measured_changed)
+    _fleet_guard = FleetGuard(kube(), metrics_source, _post_event, on_change=_measured_changed)
     _guard_task.append(asyncio.create_task(_guard_loop(_fleet_guard, kwargs["serving_index"])))
 
 
@@ -323,8 +323,8 @@ async def _guard_loop(guard: FleetGuard, index: kopf.Index[Any, Any]) -> None:
         GUARD_TICK_SECONDS.observe(guard.last_tick_seconds)
 
 
-def _post_events(body: dict[str, Any], events: list[tuple[str, str, str]]) -> None:
-    _post(body, events)
+def _post_event(body: dict[str, Any], event: tuple[str, str, str]) -> None:
+    kube().post_event(body, *event)
 
 
 @kopf.on.delete(c.GROUP, c.VERSION, c.PLURAL, optional=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 from kubernetes import client, config
@@ -38,6 +39,7 @@ KINDS: dict[str, KindInfo] = {
     "ConfigMap": KindInfo("v1", "configmaps"),
     "Service": KindInfo("v1", "services"),
     "Pod": KindInfo("v1", "pods"),
+    "Event": KindInfo("v1", "events"),
     "Role": KindInfo("rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": KindInfo("rbac.authorization.k8s.io/v1", "rolebindings"),
     "PodDisruptionBudget": KindInfo("policy/v1", "poddisruptionbudgets"),
@@ -158,6 +160,33 @@ class Kube:
             "PATCH", path, body=patch, content_type="application/merge-patch+json"
         )
         return result
+
+    def post_event(self, obj: Manifest, event_type: str, reason: str, message: str) -> None:
+        """A core/v1 Event about `obj` (for code that runs outside kopf's handlers, which
+        have no kopf event queue); `kubectl describe` shows it like kopf's own."""
+        meta = obj["metadata"]
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {
+                "apiVersion": obj.get("apiVersion", f"{c.GROUP}/{c.VERSION}"),
+                "kind": obj.get("kind", c.KIND),
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "uid": meta.get("uid"),
+            },
+            "type": event_type,
+            "reason": reason,
+            "message": message[:1024],
+            "source": {"component": c.FIELD_MANAGER},
+            "reportingComponent": c.FIELD_MANAGER,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        self._call("POST", KINDS["Event"].base_path(meta["namespace"]), body=event)
 
     def patch_status(self, kind: str, namespace: str, name: str, status: Manifest) -> Manifest:
         """JSON merge patch of the status subresource (only the given keys change)."""

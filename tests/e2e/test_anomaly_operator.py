@@ -117,7 +117,7 @@ def requests_served(url: str) -> float:
 
 @pytest.fixture
 def fleet(
-    kubeconfig: Path, namespace: str, kubectl: Kubectl, tmp_path: Path
+    kubeconfig: Path, namespace: str, kubectl: Kubectl, tmp_path: Path, crds: None
 ) -> Iterator[tuple[LiveStack, str]]:
     """The live stack for the test namespace with the resource applied and serving; yields the
     stack and the URL of the router pod once it routes to every decode."""
@@ -175,6 +175,10 @@ async def test_operator_drains_and_replaces_the_faulty_decode(
         )  # fmt: skip
         out_of_rotation = time.monotonic() - onset
         assert [d["pod"] for d in status["draining"]] == [bad], status["draining"]
+        events = json.loads(kubectl("get", "events", "-n", namespace, "-o", "json"))["items"]
+        assert any(e["reason"] == "PodDraining" and bad in e["message"]
+                   and e["involvedObject"]["name"] == NAME for e in events), [
+            e["reason"] for e in events]  # fmt: skip
         assert bad not in serving_decodes(kubectl, namespace)
         assert set(before) - {bad} <= set(serving_decodes(kubectl, namespace))
         await asyncio.to_thread(

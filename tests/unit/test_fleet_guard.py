@@ -92,7 +92,7 @@ def guard(store: PodStore, source: Canned) -> tuple[FleetGuard, list[tuple[str, 
     g = FleetGuard(
         store,  # type: ignore[arg-type]
         lambda: source,
-        lambda body, events: posted.extend((body["metadata"]["name"], e) for e in events),
+        lambda body, event: posted.append((body["metadata"]["name"], event)),
     )
     return g, posted
 
@@ -139,6 +139,21 @@ def test_a_corrupted_pod_is_drained_only_in_its_own_resource() -> None:
         (name, e) for name, e in posted
     ]
     assert dict(store.status_patches)["b"]["draining"][0]["pod"] == "b-d3"
+
+
+def test_a_failing_event_post_does_not_cost_the_status_write() -> None:
+    """Regression: kopf.event raised outside kopf's handlers (no event queue) before the status
+    patch, so every tick with events (a drain start, a deletion) wrote no status."""
+    store, source = fleets(), Canned()
+    source.by_name["b-d3"] = CORRUPT
+
+    def refuse(body: Any, event: Any) -> None:
+        raise LookupError("no event queue here")
+
+    g = FleetGuard(store, lambda: source, refuse)  # type: ignore[arg-type]
+    for t in (0, 5):
+        g.tick([resource("b")], now=T0 + t)
+    assert [d["pod"] for d in store.status_patches[-1][1]["draining"]] == ["b-d3"]
 
 
 def test_one_failing_resource_does_not_stop_the_others() -> None:
