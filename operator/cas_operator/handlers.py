@@ -63,6 +63,7 @@ _indexes: list[kopf.Index[Any, Any]] = []  # serving, deployment, LWS (set at st
 _owner_locks: dict[tuple[str, str], threading.Lock] = {}
 _written: dict[str, Status] = {}  # uid -> the owned status keys as we last wrote them
 _dirty: set[tuple[str, str]] = set()  # owners with a status refresh queued
+_rerun: set[tuple[str, str]] = set()  # owners whose running pass must queue one more
 _refresh_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="refresh")
 
 
@@ -118,8 +119,12 @@ def _pass(
     full: bool,
     trigger: str,
     observe: Callable[[], list[ObservedWorkload]] | None = None,
-) -> Outcome:
-    """One reconcile pass for one owner, its status written here; returns the outcome.
+    wait: bool = True,
+) -> Outcome | None:
+    """One reconcile pass for one owner, its status written here; returns the outcome, or
+    None when `wait` is False and another pass of this owner is running: that pass then
+    queues a refresh when it ends, so a refresh worker never idles behind a slow create
+    (measured at N=200: refreshes queued behind 3 s creates left resources NotReady 2 min).
 
     Passes of one owner are serialized and each writes the status it computed before the next
     starts (kopf's own status patch would land after the handler returned, possibly over a
@@ -130,41 +135,70 @@ def _pass(
     baseline is the status we last wrote (the event's copy may predate it); full passes diff
     against the object itself, which repairs a status changed by anyone else.
     """
+    key = (str(meta["namespace"]), str(meta["name"]))
+    lock = _owner_lock(key)
+    if wait:
+        lock.acquire()
+    else:
+        with _lock:  # atomic with the holder's release-and-check below: no request is lost
+            if not lock.acquire(blocking=False):
+                _rerun.add(key)
+                return None
+    try:
+        return _locked_pass(meta, spec, status, full=full, trigger=trigger, observe=observe)
+    finally:
+        with _lock:
+            again = key in _rerun
+            _rerun.discard(key)
+            lock.release()
+        if again:
+            _queue_refresh(key)
+
+
+def _locked_pass(
+    meta: Any,
+    spec: Any,
+    status: Any,
+    *,
+    full: bool,
+    trigger: str,
+    observe: Callable[[], list[ObservedWorkload]] | None,
+) -> Outcome:
+    """The body of `_pass`, run while holding the owner's lock."""
     uid, name, namespace = str(meta["uid"]), str(meta["name"]), str(meta["namespace"])
-    with _owner_lock((namespace, name)):
-        current = dict(status or {})
-        measured = (
-            _fleet_guard.measured_for(uid, current)
-            if _fleet_guard is not None
-            else Measured(anomaly=current.get("anomaly"))
-        )
-        started = time.monotonic()
-        outcome = reconcile(
-            kube(),
-            name=name,
-            namespace=namespace,
-            uid=uid,
-            generation=int(meta.get("generation", 0)),
-            raw_spec=dict(spec),
-            full_apply=full,
-            anomaly=measured.anomaly,
-            observed=observe() if observe is not None else None,
-            measured=measured,
-        )
-        RECONCILE_SECONDS.labels(trigger).observe(time.monotonic() - started)
-        if full:
-            _last_full_apply[uid] = time.monotonic()
-        degraded = outcome.status["conditions"][2]
-        if degraded["status"] == "True":
-            RECONCILE_ERRORS.labels(degraded["reason"]).inc()
-        baseline = owned(status, OWNED_STATUS_KEYS)
-        if not full:
-            baseline = _written.get(uid, baseline)
-        changes = status_patch(baseline, outcome.status, now_rfc3339())
-        if changes:
-            kube().patch_status(c.KIND, namespace, name, changes)
-            _written[uid] = {**baseline, **changes}
-            STATUS_WRITES.inc()
+    current = dict(status or {})
+    measured = (
+        _fleet_guard.measured_for(uid, current)
+        if _fleet_guard is not None
+        else Measured(anomaly=current.get("anomaly"))
+    )
+    started = time.monotonic()
+    outcome = reconcile(
+        kube(),
+        name=name,
+        namespace=namespace,
+        uid=uid,
+        generation=int(meta.get("generation", 0)),
+        raw_spec=dict(spec),
+        full_apply=full,
+        anomaly=measured.anomaly,
+        observed=observe() if observe is not None else None,
+        measured=measured,
+    )
+    RECONCILE_SECONDS.labels(trigger).observe(time.monotonic() - started)
+    if full:
+        _last_full_apply[uid] = time.monotonic()
+    degraded = outcome.status["conditions"][2]
+    if degraded["status"] == "True":
+        RECONCILE_ERRORS.labels(degraded["reason"]).inc()
+    baseline = owned(status, OWNED_STATUS_KEYS)
+    if not full:
+        baseline = _written.get(uid, baseline)
+    changes = status_patch(baseline, outcome.status, now_rfc3339())
+    if changes:
+        kube().patch_status(c.KIND, namespace, name, changes)
+        _written[uid] = {**baseline, **changes}
+        STATUS_WRITES.inc()
     return outcome
 
 
@@ -182,6 +216,7 @@ def on_spec(
 ) -> None:  # fmt: skip
     """Apply everything for the current spec; an invalid spec is reported once, not retried."""
     outcome = _pass(meta, spec, status, full=True, trigger="spec")
+    assert outcome is not None  # a spec pass waits for its turn
     _post(body, outcome.events)
     if outcome.applied:
         logger.info("applied %d children", outcome.applied)
@@ -200,9 +235,10 @@ def on_timer(
     indexes = (kwargs["deployment_index"], kwargs["lws_index"])
     outcome = _pass(
         meta, spec, status, full=full, trigger="timer",
-        observe=lambda: indexed_workloads(owner, *indexes),
+        observe=lambda: indexed_workloads(owner, *indexes), wait=False,
     )  # fmt: skip
-    _post(body, outcome.events)
+    if outcome is not None:  # else the running pass queues a refresh when it ends
+        _post(body, outcome.events)
 
 
 @kopf.index(c.GROUP, c.VERSION, c.PLURAL)
@@ -283,9 +319,10 @@ def _refresh_owner(key: tuple[str, str], indexes: tuple[kopf.Index[Any, Any], ..
             outcome = _pass(
                 owner["metadata"], owner.get("spec", {}), owner.get("status"),
                 full=False, trigger="child",
-                observe=lambda: indexed_workloads(key, *workload_indexes),
+                observe=lambda: indexed_workloads(key, *workload_indexes), wait=False,
             )  # fmt: skip
-            _post(owner, outcome.events)
+            if outcome is not None:
+                _post(owner, outcome.events)
     except Exception:  # the timer retries; a refresh must never kill the pool
         logging.getLogger(__name__).exception("status refresh of %s/%s failed", namespace, name)
 
