@@ -19,7 +19,13 @@ from cas_operator.planning.fleetsim import (
     parse_trace,
     simulate,
 )
-from cas_operator.planning.fleetsim.engine import FleetView, Metrics, fifo_finish, spread
+from cas_operator.planning.fleetsim.engine import (
+    FleetView,
+    Metrics,
+    Simulator,
+    fifo_finish,
+    spread,
+)
 from cas_operator.planning.fleetsim.policies import (
     FixedPolicy,
     MeanBasedPolicy,
@@ -216,3 +222,23 @@ def test_planner_policy_does_not_read_closed_loop_throttling_as_lower_demand() -
     assert (policy.last_rec.n_prefill, policy.last_rec.n_decode) == (want.n_prefill, want.n_decode)
     throttled = recommend(policy._workload(hot, 8.0 * policy.headroom), slo, P, D, bounds)
     assert want.n_decode > throttled.n_decode
+
+
+def test_decode_waiting_counts_only_requests_whose_kv_has_arrived() -> None:
+    """Regression: the metric counted every request between prefill admission and decode
+    admission, so requests still being prefilled read as 'waiting for decode KV' (~20 at the
+    benchmark's load on an idle decode pool) and the planner's KV recalibration added decode
+    instances that were not needed. With ample decode nothing waits, while requests are in
+    prefill at some ticks."""
+    seen: list[tuple[int, int]] = []
+    sim: Simulator | None = None
+
+    def probe(now: float, m: Metrics, fleet: FleetView) -> tuple[int, int]:
+        assert sim is not None
+        seen.append((m.decode_waiting, len(sim.wait)))
+        return fleet.prefill, fleet.decode
+
+    sim = Simulator(_cfg(5, 4), workload=WL, policy=probe)
+    sim.run()
+    assert seen and all(waiting == 0 for waiting, _ in seen)
+    assert any(in_flight > 0 for _, in_flight in seen)

@@ -753,7 +753,7 @@ def recommend(
 
     ``observed.hit_rate`` measured at ``observed.prefill_replicas`` rescales the modelled
     returning-turn hit probability (clamped to [0.5, 1.5]); ``observed.decode_kv_usage`` at
-    ``observed.decode_replicas`` rescales the modelled decode KV need (clamped to [0.8, 2.5]).
+    ``observed.decode_replicas`` rescales the modelled decode KV need (clamped to [1.0, 2.5]).
     ``prefill_alternatives`` are other CP shapes of the prefill instance; one that needs 5%
     fewer GPUs (or gives 5% more goodput at the cap) is reported as ``cp_hint``.
     """
@@ -801,7 +801,10 @@ def _kv_scale(
     wl: WorkloadInputs, decode: InstanceProfile, observed: ObservedSignals | None
 ) -> float:
     """Observed / modelled mean decode KV use at the observed decode size, clamped to
-    [0.8, 2.5]; 1.0 without a usable observation or when the fleet is nearly idle."""
+    [1.0, 2.5]; 1.0 without a usable observation or when the fleet is nearly idle. Never below
+    1: the model already counts ~10-15% fewer active requests than a fleet holds (the batch a
+    request sees is above the time-average batch), so a lower reading is a transient (new,
+    short sessions whose contexts have not grown yet), not spare decode."""
     if observed is None or observed.decode_kv_usage is None or not observed.decode_replicas:
         return 1.0
     w = wl.resolved()
@@ -811,7 +814,7 @@ def _kv_scale(
     model = active * (w.avg_input_tokens + w.avg_output_tokens / 2.0) / decode.kv_capacity_tokens
     if model < 0.05:
         return 1.0
-    return min(2.5, max(0.8, observed.decode_kv_usage / model))
+    return min(2.5, max(1.0, observed.decode_kv_usage / model))
 
 
 def _hit_scale(

@@ -89,7 +89,7 @@ class Metrics:
     tool_pause_s: float
     prefill_backlog_s: float
     decode_kv_usage: float
-    decode_waiting: int
+    decode_waiting: int  # requests whose KV has arrived but that wait for decode admission
 
 
 Policy = Callable[[float, Metrics, FleetView], tuple[int, int]]
@@ -726,7 +726,7 @@ class Simulator:
             tool_pause_s=float(b["pause"][lo:hi].sum() / pauses) if pauses else 0.0,
             prefill_backlog_s=float(backlog.mean()) if backlog.size else 0.0,
             decode_kv_usage=float(used[ready_d].sum() / cap),
-            decode_waiting=len(self.wait),
+            decode_waiting=int((self.wait["ready"] <= now).sum()),
         )
 
     def _tick(self, step: int, now: float) -> None:
