@@ -3,7 +3,7 @@
 - create, spec update, resume: apply everything (an invalid spec raises `PermanentError`
   once, after its Degraded/InvalidSpec status is patched: no retry storm);
 - a change of a child workload (Deployment, LeaderWorkerSet): queue one re-observation of its
-  owner (coalesced while queued; 4 workers), re-apply a drifted workload, write status if it
+  owner (coalesced while queued; REFRESH_WORKERS), re-apply a drifted workload, write status if it
   changed (so Ready follows pods within seconds, not a timer period);
 - a timer: the same re-observation as a safety net, plus a full apply every FULL_APPLY_SECONDS;
 - one fleet-wide loop started at start-up: the anomaly loop (`fleet_guard.FleetGuard`: one pod
@@ -47,6 +47,9 @@ from cas_operator.status import ObservedWorkload, Status, status_patch
 TIMER_SECONDS = 30.0  # a safety net: child events drive status
 GUARD_SECONDS = 10.0
 FULL_APPLY_SECONDS = 300.0
+# A refresh is one status PATCH (I/O-bound): enough workers that Ready writes do not queue
+# behind each other while a burst of creates keeps the API server busy.
+REFRESH_WORKERS = 12
 OWNED_STATUS_KEYS = ("observedGeneration", "revision", "conditions", "prefill", "decode",
                      "ratio", "layerSplit", "gpus")  # fmt: skip
 ANOMALY_STATUS_KEYS = ("anomaly", "draining")
@@ -64,7 +67,7 @@ _owner_locks: dict[tuple[str, str], threading.Lock] = {}
 _written: dict[str, Status] = {}  # uid -> the owned status keys as we last wrote them
 _dirty: set[tuple[str, str]] = set()  # owners with a status refresh queued
 _rerun: set[tuple[str, str]] = set()  # owners whose running pass must queue one more
-_refresh_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="refresh")
+_refresh_pool = ThreadPoolExecutor(max_workers=REFRESH_WORKERS, thread_name_prefix="refresh")
 
 
 def kube() -> Kube:
