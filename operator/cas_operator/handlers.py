@@ -45,7 +45,7 @@ from cas_operator.reconcile import Measured, Outcome, reconcile
 from cas_operator.status import ObservedWorkload, Status, status_patch
 
 TIMER_SECONDS = 30.0  # a safety net: child events drive status
-GUARD_SECONDS = 10.0
+GUARD_SECONDS = 5.0  # the anomaly loop's period (one tick covers every resource)
 FULL_APPLY_SECONDS = 300.0
 # A refresh is one status PATCH (I/O-bound): enough workers that Ready writes do not queue
 # behind each other while a burst of creates keeps the API server busy.
@@ -354,7 +354,9 @@ async def stop_fleet_guard(**_: Any) -> None:
 
 async def _guard_loop(guard: FleetGuard, index: kopf.Index[Any, Any]) -> None:
     while True:
-        await asyncio.sleep(GUARD_SECONDS)
+        # A period, not a pause: a tick that took long (a large fleet) is followed at once,
+        # after a breath for the event loop.
+        await asyncio.sleep(max(1.0, GUARD_SECONDS - guard.last_tick_seconds))
         resources = [body for key in list(index) for body in index.get(key, [])]
         try:
             await asyncio.to_thread(guard.tick, resources)  # copies the context

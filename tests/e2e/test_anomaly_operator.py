@@ -5,7 +5,7 @@ a CodingAgentServing is applied, the operator (`python -m cas_operator`, watchin
 test's namespace, reading PromQL from a real Prometheus when one is installed) builds its
 pools, the pod runner turns the engine pods into sims and the router pod into the real SGLang
 router (PD mode, Kubernetes discovery) at the pod IPs (e2e/livestack.py), and traffic flows
-through that router. Then a fault goes into sims and only the operator's 10 s anomaly timer
+through that router. Then a fault goes into sims and only the operator's anomaly loop (5 s period)
 may act. Guards: the operator must take the one faulty decode (and only it) out of rotation,
 list it in status.draining, let its controller replace it and route to the replacement; a
 fault on every decode is a fleet-wide incident (Degraded/FleetWideAnomaly) with no drain.
