@@ -6,9 +6,11 @@
   owner (coalesced while queued; REFRESH_WORKERS), re-apply a drifted workload, write status if it
   changed (so Ready follows pods within seconds, not a timer period);
 - a timer: the same re-observation as a safety net, plus a full apply every FULL_APPLY_SECONDS;
-- one fleet-wide loop started at start-up: the anomaly loop (`fleet_guard.FleetGuard`: one pod
-  LIST per namespace, then observe -> decide -> act per resource), which writes only
-  `status.anomaly` and `status.draining`; `reconcile` folds those into the conditions.
+- one fleet-wide loop started at start-up, every GUARD_SECONDS: the anomaly loop and Auto mode
+  (`fleet_guard.FleetGuard`: one pod LIST per namespace, then observe -> decide -> act per
+  resource), which writes only `status.anomaly`, `status.draining` and `status.autoscaler`
+  and hands its findings to the passes in memory (`measured_for`), queueing a pass when they
+  change; `reconcile` folds them into the pools and conditions.
 Workloads are read from watch-fed kopf indexes, not listed, on child and timer passes. Passes
 of one resource are serialized and each writes its own status (`_pass`), so an older pass can
 never land its answer over a newer one.
@@ -52,7 +54,6 @@ FULL_APPLY_SECONDS = 300.0
 REFRESH_WORKERS = 12
 OWNED_STATUS_KEYS = ("observedGeneration", "revision", "conditions", "prefill", "decode",
                      "ratio", "layerSplit", "gpus")  # fmt: skip
-ANOMALY_STATUS_KEYS = ("anomaly", "draining")
 PROMETHEUS_URL_ENV = "CAS_PROMETHEUS_URL"
 CHILD_LABELS = {c.LABEL_MANAGED_BY: c.MANAGED_BY}
 
