@@ -22,6 +22,7 @@ import asyncio
 import contextvars
 import logging
 import os
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -216,10 +217,20 @@ def _post(body: Any, events: list[tuple[str, str, str]]) -> None:
 @kopf.on.resume(c.GROUP, c.VERSION, c.PLURAL)
 def on_spec(
     body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec, status: kopf.Status, logger: kopf.Logger,
-    **_: Any,
+    reason: str, **_: Any,
 ) -> None:  # fmt: skip
-    """Apply everything for the current spec; an invalid spec is reported once, not retried."""
-    outcome = _pass(meta, spec, status, full=True, trigger="spec")
+    """Apply everything for the current spec; an invalid spec is reported once, not retried.
+
+    On resume (operator start), a resource whose status says it was Ready at its current
+    generation gets a light pass (workloads by spec-hash) and its full re-apply is spread over
+    the next FULL_APPLY_SECONDS: a restart at N resources must not send N x 12 applies at once.
+    """
+    settled = reason == kopf.Reason.RESUME and in_sync(meta, status)
+    if settled:
+        _last_full_apply[str(meta["uid"])] = time.monotonic() - random.uniform(
+            0.0, FULL_APPLY_SECONDS
+        )
+    outcome = _pass(meta, spec, status, full=not settled, trigger="resume" if settled else "spec")
     assert outcome is not None  # a spec pass waits for its turn
     _post(body, outcome.events)
     if outcome.applied:
@@ -227,6 +238,15 @@ def on_spec(
     if outcome.invalid is not None:
         kopf.event(body, type="Warning", reason=c.REASON_INVALID_SPEC, message=str(outcome.invalid))
         raise kopf.PermanentError(f"invalid spec: {outcome.invalid}")
+
+
+def in_sync(meta: Any, status: Any) -> bool:
+    """The status was written for the current generation and says Ready."""
+    current = dict(status or {})
+    if current.get("observedGeneration") != meta.get("generation"):
+        return False
+    return any(cd.get("type") == c.COND_READY and cd.get("status") == "True"
+               for cd in current.get("conditions", []))  # fmt: skip
 
 
 @kopf.timer(c.GROUP, c.VERSION, c.PLURAL, interval=TIMER_SECONDS, initial_delay=TIMER_SECONDS)
