@@ -108,9 +108,13 @@ def router_workers(router: str) -> set[str]:
 
 
 def requests_served(url: str) -> float:
-    """`sglang:num_requests_total` of the sim at `url` (requests it finished)."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=3) as resp:
-        text = resp.read().decode()
+    """`sglang:num_requests_total` of the sim at `url` (requests it finished); 0 while the
+    sim is not listening yet (a replacement can be listed before its server is up)."""
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=3) as resp:
+            text = resp.read().decode()
+    except OSError:  # URLError, connection refused
+        return 0.0
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("sglang:num_requests_total"))  # fmt: skip
 
@@ -156,18 +160,25 @@ async def traffic_until_observed(
     return stop, stats, task
 
 
+@pytest.mark.parametrize(
+    ("fault", "reason"),
+    [({"repetition": 0.5}, "high_accept_rate"), ({"decode_corruption": 0.5}, "low_accept_length")],
+    ids=["repetition", "corruption"],
+)
 async def test_operator_drains_and_replaces_the_faulty_decode(
-    fleet: tuple[LiveStack, str], kubectl: Kubectl, namespace: str
-) -> None:
-    """Regression: with only the operator process acting, a decode that repeats itself leaves
-    rotation (label gone, status.draining names it, the router pod no longer lists it), no
+    fleet: tuple[LiveStack, str], kubectl: Kubectl, namespace: str, fault: dict[str, float],
+    reason: str,
+) -> None:  # fmt: skip
+    """Regression: with only the operator process acting, a decode that repeats itself (the
+    high tail) or reads corrupted KV (collapsed acceptance, the low tail) leaves rotation for
+    that reason (label gone, status.draining names it, the router pod no longer lists it), no
     healthy decode is touched, its controller's replacement joins the router and serves."""
     _, router = fleet
     before = serving_decodes(kubectl, namespace)
     bad, bad_url = sorted(before.items())[1]
     stop, stats, load = await traffic_until_observed(router, kubectl, namespace)
     try:
-        await set_fault(bad_url, {"repetition": 0.5})
+        await set_fault(bad_url, fault)
         onset = time.monotonic()
         status = await asyncio.to_thread(
             wait_status, kubectl, namespace, f"{bad} in status.draining",
@@ -175,6 +186,7 @@ async def test_operator_drains_and_replaces_the_faulty_decode(
         )  # fmt: skip
         out_of_rotation = time.monotonic() - onset
         assert [d["pod"] for d in status["draining"]] == [bad], status["draining"]
+        assert status["draining"][0]["reason"] == reason, status["draining"]
         events = json.loads(kubectl("get", "events", "-n", namespace, "-o", "json"))["items"]
         assert any(e["reason"] == "PodDraining" and bad in e["message"]
                    and e["involvedObject"]["name"] == NAME for e in events), [

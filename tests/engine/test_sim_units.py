@@ -81,6 +81,7 @@ def test_fault_spec_parsing_and_errors() -> None:
     assert (f.kv_write_stall_rate, f.kv_write_stall_s) == (0.25, 3.0)
     assert f.corruption_rate == 0.01 and f.repetition_rate == 0.5
     assert f.slow_decode == 2.0 and f.slow_prefill == 3.0 and f.hang and not f.crash
+    assert parse_faults("decode_corruption=0.25").decode_corruption == 0.25
     f.apply({"hang": False, "corruption": 0})
     assert not f.hang and f.corruption_rate == 0
     with pytest.raises(ValueError):

@@ -258,6 +258,8 @@ class SimWorker:
         if self.faults.repetition_rate and self.rng.random() < self.faults.repetition_rate:
             run.stream.set_style("repeat")
             run.accept_prob = REPEAT_ACCEPT_PROB
+        elif self.faults.decode_corruption and self.rng.random() < self.faults.decode_corruption:
+            self._corrupt(run, "read from bad KV memory")
         self._spawn(self._serve(run))
         return run
 
@@ -417,16 +419,16 @@ class SimWorker:
         if run.corrupted or kv is None or run.kv_slot is None:
             return
         if not kv.pool.holds(run.kv_slot, run.expected):
-            run.corrupted = True
-            run.stream.set_style("garbled")
-            run.accept_prob = CORRUPTED_ACCEPT_PROB
-            self.stats["kv_corrupted"] += 1
-            self.metrics.kv_corrupted.labels(self.m).inc()
-            log.warning(
-                "request %s: KV slot %s does not hold its content (corrupted)",
-                run.req.rid,
-                run.kv_slot,
-            )
+            self._corrupt(run, f"KV slot {run.kv_slot} does not hold its content")
+
+    def _corrupt(self, run: Run, why: str) -> None:
+        """The request decodes from corrupted KV: garbled text, collapsed draft acceptance."""
+        run.corrupted = True
+        run.stream.set_style("garbled")
+        run.accept_prob = CORRUPTED_ACCEPT_PROB
+        self.stats["kv_corrupted"] += 1
+        self.metrics.kv_corrupted.labels(self.m).inc()
+        log.warning("request %s: %s (corrupted)", run.req.rid, why)
 
     def _step(self) -> None:
         """One decode/verify step of the whole batch."""
