@@ -62,7 +62,9 @@ class PodSnapshot:
 
     @classmethod
     def take(cls, kube: Kube, namespaces: Iterable[str]) -> PodSnapshot:
-        return cls(kube, {ns: kube.list_labelled("Pod", ns, c.LABEL_NAME) for ns in namespaces})
+        return cls(
+            kube, {ns: kube.list_labelled("Pod", ns, c.LABEL_NAME, slim_pod) for ns in namespaces}
+        )
 
     def list(self, kind: str, namespace: str, selector: dict[str, str]) -> list[Manifest]:
         if kind != "Pod" or namespace not in self.pods:
@@ -74,6 +76,21 @@ class PodSnapshot:
 
     def delete(self, kind: str, namespace: str, name: str) -> None:
         self.kube.delete(kind, namespace, name)
+
+
+POD_METADATA_KEPT = ("name", "namespace", "uid", "labels", "annotations",
+                     "creationTimestamp", "deletionTimestamp")  # fmt: skip
+POD_STATUS_KEPT = ("podIP", "phase", "conditions")
+
+
+def slim_pod(pod: Manifest) -> Manifest:
+    """The fields the anomaly loop and Auto read (a pod's spec and managedFields are most of
+    its size; at N=200 the whole list was tens of MiB per tick)."""
+    meta, status = pod.get("metadata", {}), pod.get("status", {})
+    return {
+        "metadata": {k: meta[k] for k in POD_METADATA_KEPT if k in meta},
+        "status": {k: status[k] for k in POD_STATUS_KEPT if k in status},
+    }
 
 
 def pool_counts(status: Status) -> PoolCounts | None:

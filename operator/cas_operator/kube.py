@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -124,13 +125,28 @@ class Kube:
             raise
         return result
 
-    def list_labelled(self, kind: str, namespace: str, label: str) -> list[Manifest]:
-        """Objects of `kind` that carry `label` with any value (one LIST for many owners)."""
-        result = self._call(
-            "GET", KINDS[kind].base_path(namespace), query=[("labelSelector", label)]
-        )
-        items: list[Manifest] = result.get("items", [])
-        return items
+    def list_labelled(
+        self,
+        kind: str,
+        namespace: str,
+        label: str,
+        keep: Callable[[Manifest], Manifest] = lambda obj: obj,
+        page_size: int = 250,
+    ) -> list[Manifest]:
+        """Objects of `kind` that carry `label` with any value (one LIST for many owners),
+        read in pages of `page_size`; `keep` slims each object as its page arrives, so a large
+        namespace never sits in memory whole."""
+        items: list[Manifest] = []
+        token = ""
+        while True:
+            query = [("labelSelector", label), ("limit", str(page_size))]
+            if token:
+                query.append(("continue", token))
+            page = self._call("GET", KINDS[kind].base_path(namespace), query=query)
+            items.extend(keep(obj) for obj in page.get("items", []))
+            token = page.get("metadata", {}).get("continue") or ""
+            if not token:
+                return items
 
     def list(self, kind: str, namespace: str, selector: dict[str, str]) -> list[Manifest]:
         """Objects of `kind` matching every label of `selector`; [] when the kind is not served."""

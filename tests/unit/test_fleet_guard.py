@@ -48,9 +48,11 @@ class PodStore:
         self.status_patches: list[tuple[str, dict[str, Any]]] = []
         self.fail_status_for: set[str] = set()
 
-    def list_labelled(self, kind: str, namespace: str, label: str) -> list[dict[str, Any]]:
+    def list_labelled(
+        self, kind: str, namespace: str, label: str, keep: Any = lambda p: p
+    ) -> list[dict[str, Any]]:
         self.lists.append(namespace)
-        return [p for (ns, _), p in self.pods.items()
+        return [keep(p) for (ns, _), p in self.pods.items()
                 if ns == namespace and label in p["metadata"]["labels"]]  # fmt: skip
 
     def list(self, kind: str, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
@@ -240,3 +242,31 @@ def test_fixed_mode_writes_no_autoscaler_status() -> None:
     assert "autoscaler" not in dict(store.status_patches)["a"]
     kept = g.measured["uid-a"]
     assert kept.observed is None and kept.auto_replicas is None and kept.anomaly is not None
+
+
+def test_pods_are_listed_in_pages_and_slimmed_as_they_arrive() -> None:
+    """Regression guard for the operator's memory at N=200: the fleet LIST is paged and each
+    pod keeps only what the loop reads (no spec, no managedFields)."""
+    from cas_operator.fleet_guard import slim_pod
+    from cas_operator.kube import Kube
+
+    pages = {"": (["a", "b"], "t1"), "t1": (["c"], "")}
+    asked: list[list[tuple[str, str]]] = []
+
+    def fake_call(method: str, path: str, *, query: list[tuple[str, str]]) -> Any:
+        asked.append(query)
+        names, token = pages[dict(query).get("continue", "")]
+        items = [{**pod("x", "ns", n), "spec": {"containers": [{"args": ["--big"] * 100}]}}
+                 for n in names]  # fmt: skip
+        for item in items:
+            item["metadata"]["managedFields"] = [{"manager": "kwok"}] * 50
+        return {"items": items, "metadata": {"continue": token}}
+
+    kube = Kube.__new__(Kube)
+    kube._call = fake_call  # type: ignore[method-assign,assignment]
+    got = kube.list_labelled("Pod", "ns", c.LABEL_NAME, slim_pod, page_size=2)
+    assert [p["metadata"]["name"] for p in got] == ["a", "b", "c"]
+    assert [dict(q).get("limit") for q in asked] == ["2", "2"]
+    assert all("spec" not in p and "managedFields" not in p["metadata"] for p in got)
+    assert got[0]["status"]["podIP"] == "127.0.0.1"
+    assert got[0]["metadata"]["labels"][c.LABEL_SERVING] == "true"
