@@ -39,9 +39,8 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +53,17 @@ from cas_operator.observe import PrometheusSource
 from cas_operator.planning.anomaly import GuardState, PodSignals, PodView, Policy, decide
 from e2e.anomaly_stack import AnomalyStack, wait_for
 from e2e.cluster import ClusterError, load_cluster, run_kubectl, start_cluster
+from e2e.fleetview import (
+    NAME,
+    Kubectl,
+    apply_crds,
+    cas_status,
+    requests_served,
+    role_pods,
+    router_workers,
+    serving_decodes,
+    speculative_sample,
+)
 from e2e.livestack import LiveStack, http_ok, router_url
 from e2e.manifests import NodeShape
 from e2e.prometheus import file_sd_scrape_config, prometheus_binary, start_prometheus
@@ -173,74 +183,8 @@ async def _inject_once(stack: AnomalyStack, args: argparse.Namespace, out: dict[
 
 # -- operator mode: the operator process acts on its own ----------------------------------------
 
-NAME = "minimal"  # the sample's resource name
 SIM_ARGS = ["--sim-speedup", "40", "--log-level", "warning"]
 COOLDOWN_S = Policy().cooldown_seconds  # the pool's drain cooldown in the operator
-Kubectl = Callable[..., str]
-
-
-def manifest(decodes: int, window_s: int) -> dict[str, Any]:
-    """The minimal sample with 1 prefill : `decodes` decode, NEXTN speculative decoding (the
-    quality gate judges accept lengths) and a guard window of `window_s`."""
-    cas: dict[str, Any] = yaml.safe_load((ROOT / "config/samples/minimal.yaml").read_text())
-    cas["spec"]["engine"] = {"speculative": {"algorithm": "NEXTN", "numSteps": 3,
-                                             "eagleTopk": 1, "numDraftTokens": 4}}  # fmt: skip
-    cas["spec"]["decode"] = {"replicas": decodes}
-    cas["spec"]["ratio"] = {"mode": "Fixed", "prefill": 1, "decode": decodes}
-    cas["spec"]["anomalyGuard"] = {"windowSeconds": window_s}
-    return cas
-
-
-def role_pods(kubectl: Kubectl, namespace: str, role: str) -> list[dict[str, Any]]:
-    """Live (not being deleted) pods of the resource with `role`."""
-    out = kubectl("get", "pods", "-n", namespace, "-l", f"cas.dev/name={NAME},cas.dev/role={role}",
-                  "-o", "json")  # fmt: skip
-    items: list[dict[str, Any]] = json.loads(out)["items"]
-    return [p for p in items if not p["metadata"].get("deletionTimestamp")]
-
-
-def serving_decodes(kubectl: Kubectl, namespace: str) -> dict[str, str]:
-    """Name -> URL of decode pods labelled cas.dev/serving=true with an IP."""
-    return {
-        p["metadata"]["name"]: f"http://{p['status']['podIP']}:30000"
-        for p in role_pods(kubectl, namespace, "decode")
-        if (p["metadata"].get("labels") or {}).get("cas.dev/serving") == "true"
-        and p.get("status", {}).get("podIP")
-    }
-
-
-def cas_status(kubectl: Kubectl, namespace: str) -> dict[str, Any]:
-    status: dict[str, Any] = json.loads(
-        kubectl("get", "cas", NAME, "-n", namespace, "-o", "json")
-    ).get("status", {})
-    return status
-
-
-def router_workers(router: str) -> set[str]:
-    """Worker URLs the router pod lists (empty when it does not answer)."""
-    try:
-        with urllib.request.urlopen(f"{router}/workers", timeout=3) as resp:
-            return {w["url"] for w in json.loads(resp.read()).get("workers", [])}
-    except OSError:
-        return set()
-
-
-def requests_served(url: str) -> float:
-    """`sglang:num_requests_total` of the sim at `url` (0 when it does not answer)."""
-    try:
-        with urllib.request.urlopen(f"{url}/metrics", timeout=3) as resp:
-            text = resp.read().decode()
-    except OSError:
-        return 0.0
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("sglang:num_requests_total"))  # fmt: skip
-
-
-def apply_crds(kubectl: Kubectl) -> None:
-    """Our CRDs, server-side and established (as tests/e2e/conftest.py's `crds` fixture)."""
-    kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
-    kubectl("wait", "--for=condition=Established", "--timeout=60s",
-            "crd/codingagentservings.serving.cas.dev")  # fmt: skip
 
 
 def create_namespace(kubectl: Kubectl, name: str) -> None:
@@ -294,7 +238,7 @@ async def live_operator(
         if stack.prometheus is None:
             raise RuntimeError("prometheus missing: the operator mode measures the PromQL path")
         kubectl("apply", "-n", namespace, "-f", "-",
-                stdin=yaml.safe_dump(manifest(args.pods, args.window)))  # fmt: skip
+                stdin=yaml.safe_dump(speculative_sample(args.pods, args.window)))  # fmt: skip
         router = await asyncio.to_thread(_wait_fleet, kubectl, namespace, args.pods)
         print(f"[bench] router {router} routes to {args.pods} decodes", flush=True)
         traffic = asyncio.create_task(

@@ -122,12 +122,9 @@ def kubectl(cluster: ClusterHandle) -> Kubectl:
 @pytest.fixture(scope="session")
 def crds(kubectl: Kubectl) -> None:
     """Our CRDs applied (server-side, from crds/) and established, once per session."""
-    root = Path(__file__).resolve().parents[2]
-    kubectl("apply", "--server-side", "-f", str(root / "crds"))
-    kubectl(
-        "wait", "--for=condition=Established", "--timeout=60s",
-        "crd/codingagentservings.serving.cas.dev",
-    )  # fmt: skip
+    from e2e.fleetview import apply_crds
+
+    apply_crds(kubectl)
 
 
 def _namespace_name(node_name: str) -> str:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,17 @@ import yaml
 
 from cas_engine.sim.fleet import router_available
 from e2e.anomaly_stack import wait_for
+from e2e.fleetview import (
+    NAME,
+    Kubectl,
+    cas_status,
+    condition,
+    requests_served,
+    role_pods,
+    router_workers,
+    serving_decodes,
+    speculative_sample,
+)
 from e2e.livestack import LiveStack, http_ok, router_url
 from e2e.podrunner import ROUTER_SHIM, router_launch_for
 from e2e.simload import LoadStats, set_fault, steady_traffic
@@ -37,46 +47,8 @@ pytestmark = [
     pytest.mark.skipif(not router_available(), reason="sglang-router not installed"),
 ]
 ROOT = Path(__file__).resolve().parents[2]
-NAME = "minimal"
 DECODES = 3
 SIM_ARGS = ["--sim-speedup", "40", "--log-level", "warning"]
-Kubectl = Callable[..., str]
-
-
-def manifest() -> dict[str, Any]:
-    """The minimal sample with 1 prefill : 3 decode, speculative decoding (without it the
-    engines' quality gate has nothing to judge) and a guard window short enough to test."""
-    cas: dict[str, Any] = yaml.safe_load((ROOT / "config/samples/minimal.yaml").read_text())
-    cas["spec"]["engine"] = {"speculative": {"algorithm": "NEXTN", "numSteps": 3,
-                                             "eagleTopk": 1, "numDraftTokens": 4}}  # fmt: skip
-    cas["spec"]["decode"] = {"replicas": DECODES}
-    cas["spec"]["ratio"] = {"mode": "Fixed", "prefill": 1, "decode": DECODES}
-    cas["spec"]["anomalyGuard"] = {"windowSeconds": 60, "maxDrainingPercent": 34}
-    return cas
-
-
-def pods(kubectl: Kubectl, namespace: str, role: str) -> list[dict[str, Any]]:
-    out = kubectl("get", "pods", "-n", namespace, "-l", f"cas.dev/name={NAME},cas.dev/role={role}",
-                  "-o", "json")  # fmt: skip
-    items: list[dict[str, Any]] = json.loads(out)["items"]
-    return [p for p in items if not p["metadata"].get("deletionTimestamp")]
-
-
-def serving_decodes(kubectl: Kubectl, namespace: str) -> dict[str, str]:
-    """Name -> URL of decode pods still labelled cas.dev/serving=true with an IP."""
-    return {
-        p["metadata"]["name"]: f"http://{p['status']['podIP']}:30000"
-        for p in pods(kubectl, namespace, "decode")
-        if (p["metadata"].get("labels") or {}).get("cas.dev/serving") == "true"
-        and p.get("status", {}).get("podIP")
-    }
-
-
-def cas_status(kubectl: Kubectl, namespace: str) -> dict[str, Any]:
-    status: dict[str, Any] = json.loads(
-        kubectl("get", "cas", NAME, "-n", namespace, "-o", "json")
-    ).get("status", {})
-    return status
 
 
 def wait_status(
@@ -98,27 +70,6 @@ def wait_status(
     return result
 
 
-def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
-    return next((c for c in status.get("conditions", []) if c["type"] == kind), {})
-
-
-def router_workers(router: str) -> set[str]:
-    with urllib.request.urlopen(f"{router}/workers", timeout=3) as resp:
-        return {w["url"] for w in json.loads(resp.read()).get("workers", [])}
-
-
-def requests_served(url: str) -> float:
-    """`sglang:num_requests_total` of the sim at `url` (requests it finished); 0 while the
-    sim is not listening yet (a replacement can be listed before its server is up)."""
-    try:
-        with urllib.request.urlopen(f"{url}/metrics", timeout=3) as resp:
-            text = resp.read().decode()
-    except OSError:  # URLError, connection refused
-        return 0.0
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("sglang:num_requests_total"))  # fmt: skip
-
-
 @pytest.fixture
 def fleet(
     kubeconfig: Path, namespace: str, kubectl: Kubectl, tmp_path: Path, crds: None
@@ -129,8 +80,15 @@ def fleet(
                       scrape_interval_s=2.0, operator_args=("-n", namespace))  # fmt: skip
     try:
         stack.start(log=lambda line: print(f"[live] {line}"))
-        kubectl("apply", "-n", namespace, "-f", "-", stdin=yaml.safe_dump(manifest()))
-        router = wait_for("router pod", lambda: router_url(pods(kubectl, namespace, "router"),
+        kubectl(
+            "apply",
+            "-n",
+            namespace,
+            "-f",
+            "-",
+            stdin=yaml.safe_dump(speculative_sample(DECODES, 60, maxDrainingPercent=34)),
+        )
+        router = wait_for("router pod", lambda: router_url(role_pods(kubectl, namespace, "router"),
                                                            NAME), 60)  # fmt: skip
         decodes = wait_for(f"{DECODES} serving decodes", lambda: len(
             serving_decodes(kubectl, namespace)) == DECODES and serving_decodes(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ import yaml
 
 from cas_engine.sim.fleet import router_available
 from e2e.anomaly_stack import wait_for
+from e2e.fleetview import NAME, Kubectl, role_pods
 from e2e.livestack import LiveStack, http_ok, router_url
 from e2e.simload import LoadStats, set_fault, steady_traffic
 
@@ -33,9 +34,7 @@ pytestmark = [
     pytest.mark.skipif(not router_available(), reason="sglang-router not installed"),
 ]
 ROOT = Path(__file__).resolve().parents[2]
-NAME = "minimal"
 SIM_ARGS = ["--sim-speedup", "20", "--log-level", "warning"]
-Kubectl = Callable[..., str]
 
 
 def manifest() -> dict[str, Any]:
@@ -48,11 +47,6 @@ def manifest() -> dict[str, Any]:
 def get(kubectl: Kubectl, namespace: str, *what: str) -> dict[str, Any]:
     out: dict[str, Any] = json.loads(kubectl("get", *what, "-n", namespace, "-o", "json"))
     return out
-
-
-def role_pods(kubectl: Kubectl, namespace: str, role: str) -> list[dict[str, Any]]:
-    items = get(kubectl, namespace, "pods", "-l", f"cas.dev/name={NAME},cas.dev/role={role}")
-    return [p for p in items["items"] if not p["metadata"].get("deletionTimestamp")]
 
 
 def ready_ips(kubectl: Kubectl, namespace: str, role: str) -> list[str]:
