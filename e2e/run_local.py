@@ -40,6 +40,7 @@ from e2e.cluster import (
     run_kubectl,
     start_cluster,
 )
+from e2e.fleetview import requests_served
 from e2e.liveload import LiveLoad, format_summary
 from e2e.livestack import LiveStack, http_ok, router_url
 from e2e.podrunner import kube_pod_lister
@@ -210,17 +211,6 @@ def anomaly_line(status: dict[str, Any]) -> str:
     pods = [f"{d['pod']} ({d.get('state')}, {d.get('reason', '')[:40]})" for d in draining]
     parts.append("draining: " + (", ".join(pods) or "none"))
     return "  ".join(parts)
-
-
-def requests_served(url: str) -> float:
-    """`sglang:num_requests_total` of the engine at `url` (0 when it does not answer)."""
-    try:
-        with urllib.request.urlopen(f"{url}/metrics", timeout=2) as resp:
-            text = resp.read().decode()
-    except OSError:
-        return 0.0
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("sglang:num_requests_total"))  # fmt: skip
 
 
 def inject_fault(session: Session, manifests: list[dict[str, Any]]) -> str:
