@@ -21,10 +21,7 @@ the same tests on unpatched code; every test marked ``guards`` then fails (check
 """
 
 from __future__ import annotations
-import __future__
 
-import ast
-import functools
 import importlib.util
 import logging
 import os
@@ -46,6 +43,7 @@ from cas_engine.kvfence import KvFenceMetrics
 from cas_engine.sglang import prefill_pin
 from cas_engine.sglang.reclaim import StrictReclaimError
 from cas_engine.sglang.version import PINNED_SGLANG_VERSION, installed_sglang_version
+from tests.engine.sglang_source import compile_from
 
 if installed_sglang_version() != PINNED_SGLANG_VERSION:
     pytest.skip(
@@ -60,60 +58,6 @@ assert _SPEC is not None and _SPEC.origin is not None
 SRT = Path(_SPEC.origin).parent / "srt"
 DISAGG = SRT / "disaggregation"
 WAIT_S = 5.0
-
-
-@functools.cache
-def _parsed(path: Path) -> ast.Module:
-    """Parse each real source once per session (compiling from the tree does not mutate it)."""
-    return ast.parse(path.read_text(), filename=str(path))
-
-
-def compile_from(
-    path: Path,
-    ns: dict[str, Any],
-    *,
-    cls: str | None = None,
-    names: tuple[str, ...] = (),
-    as_name: str | None = None,
-    whole: bool = False,
-) -> Any:
-    """Compile real code from ``path`` into ``ns``: module functions ``names``, the methods
-    ``names`` of class ``cls`` as a new class ``as_name``, or (``whole``) class ``cls`` as is."""
-    tree = _parsed(path)
-    if whole:
-        body: list[ast.stmt] = [
-            n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls
-        ]
-        assert body, f"{cls} missing in {path}"
-    else:
-        scope = tree.body
-        if cls is not None:
-            scope = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls).body
-        funcs = [n for n in scope if isinstance(n, ast.FunctionDef) and n.name in names]
-        assert {f.name for f in funcs} == set(names), f"missing in {path.name}: {names}"
-        body = list(funcs)
-        if cls is not None:
-            body = [
-                ast.ClassDef(
-                    name=as_name or cls,
-                    bases=[],
-                    keywords=[],
-                    body=funcs,
-                    decorator_list=[],
-                    type_params=[],
-                    lineno=1,
-                    col_offset=0,
-                )
-            ]
-    code = compile(
-        ast.Module(body=body, type_ignores=[]),
-        str(path),
-        "exec",
-        flags=__future__.annotations.compiler_flag,
-        dont_inherit=True,
-    )
-    exec(code, ns)
-    return ns[as_name or cls] if cls else ns
 
 
 # ---- a thread-backed gloo group: ranks really MIN-reduce ----------------------------------------

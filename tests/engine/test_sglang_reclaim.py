@@ -15,9 +15,7 @@ runs the peer tests (docstrings start with "guards") without the patch: they mus
 """
 
 from __future__ import annotations
-import __future__
 
-import ast
 import importlib.util
 import math
 import os
@@ -34,6 +32,7 @@ from prometheus_client import CollectorRegistry
 from cas_engine.kvfence import KvFenceMetrics
 from cas_engine.sglang import reclaim
 from cas_engine.sglang.version import PINNED_SGLANG_VERSION, installed_sglang_version
+from tests.engine.sglang_source import compile_from
 
 if installed_sglang_version() != PINNED_SGLANG_VERSION:
     pytest.skip(
@@ -85,40 +84,12 @@ def compile_real(
     as_name: str | None = None,
 ) -> Any:
     """Compile the named real functions (of class ``cls``, or module level) from ``path``."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    body = tree.body
-    if cls is not None:
-        body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls).body
-    funcs = [n for n in body if isinstance(n, ast.FunctionDef) and n.name in names]
-    assert {f.name for f in funcs} == set(names), f"missing in {path.name}: {names}"
-    if cls is None:
-        module = ast.Module(body=funcs, type_ignores=[])
-    else:
-        klass = ast.ClassDef(
-            name=as_name or cls,
-            bases=[],
-            keywords=[],
-            body=funcs,
-            decorator_list=[],
-            type_params=[],
-            lineno=1,
-            col_offset=0,
-        )
-        module = ast.Module(body=[klass], type_ignores=[])
-    code = compile(
-        module, str(path), "exec", flags=__future__.annotations.compiler_flag, dont_inherit=True
-    )
-    exec(code, namespace)
-    return namespace[as_name or cls] if cls else namespace
+    return compile_from(path, namespace, cls=cls, names=names, as_name=as_name)
 
 
 def real_class(path: Path, name: str) -> Any:
     """Compile the whole real class ``name`` from ``path`` (for plain constant classes)."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
-    namespace: dict[str, Any] = {}
-    exec(compile(ast.Module(body=[node], type_ignores=[]), str(path), "exec"), namespace)
-    return namespace[name]
+    return compile_from(path, {}, cls=name, whole=True)
 
 
 class FakeClock:
