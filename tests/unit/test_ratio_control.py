@@ -69,9 +69,15 @@ def _run(world: World, recs: list[tuple[int, int]], cfg: ControlConfig, ticks_pe
 
 
 BOUNDS = Bounds(min_prefill=2, max_prefill=40, min_decode=2, max_decode=40, gpu_budget=320)
-CFG = ControlConfig(
-    prefill_gpus=8, decode_gpus=8, bounds=BOUNDS, pod_start_s=120.0, down_stable_s=120.0
-)
+CAP_320 = Bounds(min_prefill=1, max_prefill=40, min_decode=1, max_decode=40, gpu_budget=320)
+
+
+def _cfg(bounds: Bounds, **knobs: float) -> ControlConfig:
+    """8-GPU instances in both pools, the given bounds and controller knobs."""
+    return ControlConfig(prefill_gpus=8, decode_gpus=8, bounds=bounds, **knobs)
+
+
+CFG = _cfg(BOUNDS, pod_start_s=120.0, down_stable_s=120.0)
 
 
 @settings(max_examples=60, deadline=None)
@@ -111,13 +117,7 @@ def test_constant_load_converges_without_oscillation(target, start) -> None:
 def test_cooldown_at_least_pod_start_between_changes() -> None:
     """Guards the cooldown: consecutive changes of one pool are at least the pod start time
     apart, even when the configured cooldown is shorter."""
-    cfg = ControlConfig(
-        prefill_gpus=8,
-        decode_gpus=8,
-        bounds=Bounds(max_prefill=100, max_decode=100),
-        pod_start_s=300.0,
-        cooldown_s=10.0,
-    )
+    cfg = _cfg(bounds=Bounds(max_prefill=100, max_decode=100), pod_start_s=300.0, cooldown_s=10.0)
     world = World(prefill=4, decode=4, drain_s=0.0)
     hist = _run(world, [(40, 40)], cfg, ticks_per=100)
     times = [
@@ -132,15 +132,8 @@ def test_cooldown_at_least_pod_start_between_changes() -> None:
 def test_drain_confirm_then_grow_at_budget_cap() -> None:
     """Guards the rebalance order at the cap: moving from 20P:20D to 28P:12D, prefill grows
     only after the decode pods removed to make room have actually gone."""
-    bounds = Bounds(min_prefill=1, max_prefill=40, min_decode=1, max_decode=40, gpu_budget=320)
-    cfg = ControlConfig(
-        prefill_gpus=8,
-        decode_gpus=8,
-        bounds=bounds,
-        pod_start_s=60.0,
-        down_stable_s=0.0,
-        max_step_fraction=1.0,
-    )
+    bounds = CAP_320
+    cfg = _cfg(bounds=bounds, pod_start_s=60.0, down_stable_s=0.0, max_step_fraction=1.0)
     world = World(prefill=20, decode=20, drain_s=200.0)
     hist = _run(world, [(28, 12)], cfg, ticks_per=40)
     first_decode_down = next(t for t, dec, _ in hist if dec.decode < 20)
@@ -152,14 +145,7 @@ def test_drain_confirm_then_grow_at_budget_cap() -> None:
 def test_scale_down_waits_for_stable_lower_target_and_is_bounded() -> None:
     """Guards hysteresis on the way down: a brief dip in the recommendation does not remove
     pods, a lasting one does, one bounded step at a time."""
-    cfg = ControlConfig(
-        prefill_gpus=8,
-        decode_gpus=8,
-        bounds=Bounds(),
-        pod_start_s=60.0,
-        down_stable_s=300.0,
-        max_step_fraction=0.25,
-    )
+    cfg = _cfg(bounds=Bounds(), pod_start_s=60.0, down_stable_s=300.0, max_step_fraction=0.25)
     world = World(prefill=20, decode=20, drain_s=0.0)
     hist = _run(world, [(10, 10)] * 1 + [(20, 20)], cfg, ticks_per=5)  # 150 s dip
     assert all(dec.prefill == 20 for _, dec, _ in hist)
@@ -175,15 +161,8 @@ def test_rebalance_at_cap_does_not_wait_for_scale_in_stabilisation() -> None:
     """Guards rebalancing at the budget cap: when decode must grow and prefill must shrink to
     make room, the prefill step is taken at once (not after down_stable_s), and decode grows
     only after the removed prefill pods are gone."""
-    bounds = Bounds(min_prefill=1, max_prefill=40, min_decode=1, max_decode=40, gpu_budget=320)
-    cfg = ControlConfig(
-        prefill_gpus=8,
-        decode_gpus=8,
-        bounds=bounds,
-        pod_start_s=60.0,
-        down_stable_s=3600.0,
-        max_step_fraction=0.25,
-    )
+    bounds = CAP_320
+    cfg = _cfg(bounds=bounds, pod_start_s=60.0, down_stable_s=3600.0, max_step_fraction=0.25)
     world = World(prefill=30, decode=10, drain_s=90.0)
     hist = _run(world, [(24, 16)], cfg, ticks_per=60)
     first_p_down = next(t for t, dec, _ in hist if dec.prefill < 30)
@@ -199,14 +178,7 @@ def test_small_pool_takes_what_the_large_one_released_in_one_step() -> None:
     three cooldowns. A step up is now bounded by 25% of the fleet: decode grows by what the
     prefill drain freed at once, and never past the budget."""
     bounds = Bounds(min_prefill=1, max_prefill=31, min_decode=1, max_decode=31, gpu_budget=256)
-    cfg = ControlConfig(
-        prefill_gpus=8,
-        decode_gpus=8,
-        bounds=bounds,
-        pod_start_s=600.0,
-        down_stable_s=600.0,
-        max_step_fraction=0.25,
-    )
+    cfg = _cfg(bounds=bounds, pod_start_s=600.0, down_stable_s=600.0, max_step_fraction=0.25)
     world = World(prefill=24, decode=8, drain_s=60.0)
     hist = _run(world, [(17, 15)], cfg, ticks_per=30)
     decodes = [dec.decode for _, dec, _ in hist]
