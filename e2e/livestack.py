@@ -19,13 +19,16 @@ resources and the cluster belong to the caller.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from cas_operator.api import constants as c
 from e2e.operator_process import OperatorProcess
@@ -152,3 +155,31 @@ def http_ok(url: str, timeout: float = 1.0) -> bool:
             return bool(resp.status == 200)
     except OSError:
         return False
+
+
+@contextlib.contextmanager
+def resource_live(
+    stack: LiveStack,
+    kubectl: Callable[..., str],
+    manifest: dict[str, Any],
+    log: Callable[[str], None] = print,
+) -> Iterator[str]:
+    """Start `stack`, apply `manifest` (one CodingAgentServing) in its namespace and yield the
+    URL of the resource's router pod once it has an IP; the stack is closed (operator log tail
+    printed) however the block ends. Waiting for the pools to serve is the caller's part."""
+    from e2e.anomaly_stack import wait_for
+    from e2e.fleetview import role_pods
+
+    name, namespace = manifest["metadata"]["name"], stack.namespace
+    try:
+        stack.start(log=log)
+        kubectl("apply", "-n", namespace, "-f", "-", stdin=yaml.safe_dump(manifest))
+        yield wait_for(
+            "router pod",
+            lambda: router_url(role_pods(kubectl, namespace, c.ROLE_ROUTER, name), name),
+            60,
+        )
+    finally:
+        stack.close(log=log)
+        if stack.operator is not None:
+            log(f"operator log tail:\n{stack.operator.log_tail(15)}")

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from cas_engine.sim.fleet import router_available
 from e2e.anomaly_stack import wait_for
@@ -31,12 +30,11 @@ from e2e.fleetview import (
     cas_status,
     condition,
     requests_served,
-    role_pods,
     router_workers,
     serving_decodes,
     speculative_sample,
 )
-from e2e.livestack import LiveStack, http_ok, router_url
+from e2e.livestack import LiveStack, http_ok, resource_live
 from e2e.podrunner import ROUTER_SHIM, router_launch_for
 from e2e.simload import LoadStats, set_fault, steady_traffic
 
@@ -78,28 +76,14 @@ def fleet(
     stack and the URL of the router pod once it routes to every decode."""
     stack = LiveStack(kubeconfig, namespace, tmp_path / "live", sim_args=SIM_ARGS,
                       scrape_interval_s=2.0, operator_args=("-n", namespace))  # fmt: skip
-    try:
-        stack.start(log=lambda line: print(f"[live] {line}"))
-        kubectl(
-            "apply",
-            "-n",
-            namespace,
-            "-f",
-            "-",
-            stdin=yaml.safe_dump(speculative_sample(DECODES, 60, maxDrainingPercent=34)),
-        )
-        router = wait_for("router pod", lambda: router_url(role_pods(kubectl, namespace, "router"),
-                                                           NAME), 60)  # fmt: skip
+    cas = speculative_sample(DECODES, window_s=60, maxDrainingPercent=34)
+    with resource_live(stack, kubectl, cas, log=lambda line: print(f"[live] {line}")) as router:
         decodes = wait_for(f"{DECODES} serving decodes", lambda: len(
             serving_decodes(kubectl, namespace)) == DECODES and serving_decodes(
             kubectl, namespace), 60)  # fmt: skip
         wait_for("the router to list every decode", lambda: http_ok(f"{router}/readiness")
                  and set(decodes.values()) <= router_workers(router), 60)  # fmt: skip
         yield stack, router
-    finally:
-        stack.close(log=lambda line: print(f"[live] {line}"))
-        if stack.operator is not None:
-            print(f"operator log tail:\n{stack.operator.log_tail(15)}")
 
 
 async def traffic_until_observed(

@@ -24,7 +24,7 @@ import yaml
 from cas_engine.sim.fleet import router_available
 from e2e.anomaly_stack import wait_for
 from e2e.fleetview import NAME, Kubectl, role_pods
-from e2e.livestack import LiveStack, http_ok, router_url
+from e2e.livestack import LiveStack, http_ok, resource_live
 from e2e.simload import LoadStats, set_fault, steady_traffic
 
 pytestmark = [
@@ -67,20 +67,14 @@ def fleet(
 ) -> Iterator[tuple[LiveStack, str]]:
     stack = LiveStack(kubeconfig, namespace, tmp_path / "live", sim_args=SIM_ARGS,
                       scrape_interval_s=2.0, operator_args=("-n", namespace))  # fmt: skip
-    try:
-        stack.start(log=lambda line: print(f"[live] {line}"))
-        kubectl("apply", "-n", namespace, "-f", "-", stdin=yaml.safe_dump(manifest()))
-        routers = lambda: role_pods(kubectl, namespace, "router")  # noqa: E731
-        router = wait_for("router pod", lambda: router_url(routers(), NAME), 60)
+    with resource_live(
+        stack, kubectl, manifest(), log=lambda line: print(f"[live] {line}")
+    ) as router:
         counts = lambda: (len(ready_ips(kubectl, namespace, "prefill")),  # noqa: E731
                           len(ready_ips(kubectl, namespace, "decode")))  # fmt: skip
         wait_for("1 prefill + 2 decodes ready", lambda: counts() == (1, 2), 60)
         wait_for("router ready", lambda: http_ok(f"{router}/readiness"), 60)
         yield stack, router
-    finally:
-        stack.close(log=lambda line: print(f"[live] {line}"))
-        if stack.operator is not None:
-            print(f"operator log tail:\n{stack.operator.log_tail(15)}")
 
 
 async def test_auto_mode_grows_a_starved_prefill_pool(
