@@ -310,7 +310,7 @@ async def _inject_operator(kubectl: Kubectl, namespace: str, router: str,
     out["out_of_rotation_s"].append(drained_at - onset)
     await asyncio.to_thread(wait_for, "the router pod to drop the drained decode",
                             lambda: bad_url not in router_workers(router), 60)  # fmt: skip
-    failed_at_drop = len(load.failures)
+    dropped_at = time.monotonic()
     fresh: dict[str, str] = await asyncio.to_thread(
         wait_for, "a replacement decode serving",
         lambda: len(now := serving_decodes(kubectl, namespace)) == args.pods
@@ -322,7 +322,7 @@ async def _inject_operator(kubectl: Kubectl, namespace: str, router: str,
         lambda: new_url in router_workers(router) and requests_served(new_url) > 0, 90,
     )  # fmt: skip
     out["replacement_serving_s"].append(time.monotonic() - onset)
-    out["failures_after_router_drop"].append(len(load.failures) - failed_at_drop)
+    out["failures_after_router_drop"].append(len(load.failures_started_after(dropped_at)))
     print(f"[bench] injection {i + 1}: out of rotation {drained_at - onset:.1f}s, replacement "
           f"serving {out['replacement_serving_s'][-1]:.1f}s", flush=True)  # fmt: skip
     await asyncio.to_thread(

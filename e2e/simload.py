@@ -27,6 +27,12 @@ class LoadStats:
     sent: int = 0
     ok: int = 0
     failures: list[str] = field(default_factory=list)
+    failed_started: list[float] = field(default_factory=list)  # monotonic start, per failure
+
+    def failures_started_after(self, t: float) -> list[str]:
+        """Failures of requests sent at or after `t` (a request in flight on a pod that is
+        being drained may still fail after the router dropped the pod: it was sent before)."""
+        return [f for f, at in zip(self.failures, self.failed_started, strict=True) if at >= t]
 
 
 async def steady_traffic(
@@ -53,14 +59,17 @@ async def steady_traffic(
                     ],
                     "max_tokens": max_tokens,
                 }
+                started = time.monotonic()
                 try:
                     async with session.post(f"{router}/v1/chat/completions", json=body) as resp:
                         text = await resp.text()
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     stats.failures.append(f"request error: {exc!r}")
+                    stats.failed_started.append(started)
                     continue
                 if resp.status != 200 or REPETITION_MARK in text:
                     stats.failures.append(f"{resp.status}: {text[:200]}")
+                    stats.failed_started.append(started)
                 else:
                     stats.ok += 1
 

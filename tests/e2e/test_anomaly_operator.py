@@ -139,7 +139,7 @@ async def test_operator_drains_and_replaces_the_faulty_decode(
             wait_for, "the router pod to drop the drained decode",
             lambda: bad_url not in router_workers(router), 30,
         )  # fmt: skip
-        failed_at_drop = len(stats.failures)
+        dropped_at = time.monotonic()
         fresh = await asyncio.to_thread(
             wait_for, "a replacement decode serving",
             lambda: len(now := serving_decodes(kubectl, namespace)) == DECODES
@@ -155,7 +155,7 @@ async def test_operator_drains_and_replaces_the_faulty_decode(
     finally:
         stop.set()
         await load
-    after_drop = stats.failures[failed_at_drop:]
+    after_drop = stats.failures_started_after(dropped_at)
     print(f"\noperator: out of rotation {out_of_rotation:.1f}s, replacement serving "
           f"{replaced:.1f}s after onset; {stats.ok} ok, {len(stats.failures)} failed "
           f"(of {stats.sent}), {len(after_drop)} after the router dropped it")  # fmt: skip
