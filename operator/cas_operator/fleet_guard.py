@@ -328,6 +328,7 @@ def observed_status(o: ObservedSignals) -> Status:
         "hitRate": o.hit_rate,
         "prefillQueue": o.prefill_queue_depth,
         "decodeKvUsage": o.decode_kv_usage,
+        "decodeQueue": o.decode_queue_depth,
         "abortsPerSecond": o.aborts_per_s,
     }
     return {k: v for k, v in fields.items() if v is not None}

@@ -53,8 +53,8 @@ def test_observed_load_from_pod_counters() -> None:
              requests=60.0),
         view("p1", c.ROLE_PREFILL, prompt_tokens=3000.0, cached_tokens=2100.0, queued=0.0,
              requests=60.0),
-        view("d0", c.ROLE_DECODE, requests=30.0, token_usage=0.5, aborted=0.0),
-        view("d1", c.ROLE_DECODE, requests=90.0, token_usage=0.7, aborted=6.0),
+        view("d0", c.ROLE_DECODE, requests=30.0, token_usage=0.5, aborted=0.0, queued=1.0),
+        view("d1", c.ROLE_DECODE, requests=90.0, token_usage=0.7, aborted=6.0, queued=0.0),
         PodView("d2", c.ROLE_DECODE, True, True, None, PodSignals(error="scrape failed")),
     ]  # fmt: skip
     o = observed_signals(pods, window_s=60.0)
@@ -62,6 +62,7 @@ def test_observed_load_from_pod_counters() -> None:
     assert o.hit_rate == pytest.approx(3000.0 / 4000.0)
     assert o.prefill_queue_depth == pytest.approx(2.0)
     assert o.decode_kv_usage == pytest.approx(0.6)
+    assert o.decode_queue_depth == pytest.approx(0.5)
     assert o.aborts_per_s == pytest.approx(0.1)
     assert (o.prefill_replicas, o.decode_replicas) == (2, 2)
 
@@ -140,6 +141,14 @@ def test_sustained_prefill_pressure_raises_prefill_even_when_the_planner_is_cont
     hint = ScaleHint(prefill=3, decode=2, reason="prefill queue")
     s = auto_step(inputs(2, 2), (2, 2), QUIET, hint, T0)
     assert s.replicas == (3, 2)
+
+
+def test_prefill_timeouts_grow_prefill_not_decode() -> None:
+    """Guards Auto against growing decode on a starved prefill's aborts (decode idle)."""
+    hint = ScaleHint(prefill=2, decode=2, reason="prefill aborts")
+    aborting = ObservedSignals(aborts_per_s=0.02, decode_kv_usage=0.0, decode_queue_depth=0.0)
+    s = auto_step(inputs(1, 2), (1, 2), aborting, hint, T0)
+    assert s.replicas == (2, 2)
 
 
 def test_decode_kv_exhaustion_adds_decode() -> None:

@@ -298,6 +298,18 @@ def test_fast_adjust_steps_only_the_failing_side() -> None:
     assert fast_adjust((4, 4), (6, 4), full, slo) == (4, 5)
     calm = ObservedSignals(ttft_p90_s=1.0, prefill_queue_depth=0.0, decode_kv_usage=0.5)
     assert fast_adjust((4, 4), (6, 4), calm, slo) == (4, 4)
+    waiting = ObservedSignals(ttft_p90_s=3.0, prefill_queue_depth=0.0, decode_queue_depth=2.0)
+    assert fast_adjust((4, 4), (6, 4), waiting, slo) == (4, 5)
+
+
+def test_fast_adjust_does_not_read_aborts_as_decode_pressure() -> None:
+    """Guards the CI failure where Auto grew a healthy decode pool 2 -> 5 while the PREFILL was
+    starved: its time-budget aborts (counted on both sides) were read as decode failing."""
+    slo = SloInputs(ttft_s=2.0, itl_ms=50.0)
+    starved_prefill = ObservedSignals(aborts_per_s=0.5, decode_kv_usage=0.0, decode_queue_depth=0.0)
+    assert fast_adjust((1, 2), (1, 2), starved_prefill, slo) == (1, 2)
+    queued_but_fast = ObservedSignals(ttft_p90_s=1.0, decode_queue_depth=3.0)
+    assert fast_adjust((1, 2), (1, 2), queued_but_fast, slo) == (1, 2)
 
 
 def test_observed_decode_kv_use_recalibrates_decode() -> None:

@@ -112,7 +112,8 @@ def _mean(values: Sequence[float | None]) -> float | None:
 def observed_signals(pods: Sequence[PodView], window_s: float) -> ObservedSignals:
     """The fleet's load over the window: arrivals from the decode pods' finished requests (each
     PD request ends on one decode; prefill pods count when there are no decode numbers), hit
-    rate from the prefill pods' cached/prompt tokens, mean prefill queue and decode KV use."""
+    rate from the prefill pods' cached/prompt tokens, mean prefill and decode queues, decode KV
+    use and aborts on either side."""
     prefill, decode = _measured(pods, c.ROLE_PREFILL), _measured(pods, c.ROLE_DECODE)
     window = max(window_s, 1.0)
     finished = _total([s.requests for s in decode]) or _total([s.requests for s in prefill])
@@ -126,6 +127,7 @@ def observed_signals(pods: Sequence[PodView], window_s: float) -> ObservedSignal
         prefill_queue_depth=_mean([s.queued for s in prefill]),
         decode_kv_usage=_mean([s.token_usage for s in decode]),
         decode_replicas=len(decode) or None,
+        decode_queue_depth=_mean([s.queued for s in decode]),
         aborts_per_s=None if aborted is None else aborted / window,
     )
 
@@ -150,6 +152,7 @@ def quantized(o: ObservedSignals) -> ObservedSignals:
         prefill_queue_depth=_two_digits(o.prefill_queue_depth),
         decode_kv_usage=_step(o.decode_kv_usage, 0.02),
         decode_replicas=o.decode_replicas,
+        decode_queue_depth=_two_digits(o.decode_queue_depth),
         transfer_backlog_bytes=o.transfer_backlog_bytes,
         ttft_p90_s=o.ttft_p90_s,
         itl_ms=o.itl_ms,

@@ -179,10 +179,11 @@ class ObservedSignals:
     prefill_queue_depth: float | None = None
     decode_kv_usage: float | None = None  # used (plus waiting) KV over capacity, 0..1+
     decode_replicas: int | None = None
+    decode_queue_depth: float | None = None  # requests whose KV arrived, waiting for admission
     transfer_backlog_bytes: float | None = None
     ttft_p90_s: float | None = None
     itl_ms: float | None = None
-    aborts_per_s: float | None = None
+    aborts_per_s: float | None = None  # reported only: a PD abort is mostly a prefill timeout
 
 
 # ---------------------------------------------------------------- outputs
@@ -860,14 +861,16 @@ def fast_adjust(
 ) -> tuple[int, int]:
     """Fast loop: raise the slow loop's target one instance above the current size on the side
     that is failing now (TTFT p90 over ``tolerance`` x SLO with a prefill queue; decode KV over
-    95% or aborts). Off the budget cap it never lowers anything; at the cap (``at_budget``) the
-    side that is not failing gives up one instance so the other can grow after it drained.
-    ``next_replicas`` then bounds the steps and orders them."""
+    95%, or TTFT over with transferred requests waiting for decode admission). Aborts are not
+    decode evidence: in PD most are prefill time-budget aborts, which the anomaly loop's
+    pressure hint turns into prefill growth. Off the budget cap it never lowers anything; at
+    the cap (``at_budget``) the side that is not failing gives up one instance so the other can
+    grow after it drained. ``next_replicas`` then bounds the steps and orders them."""
     want_p, want_d = target
     ttft_bad = observed.ttft_p90_s is not None and observed.ttft_p90_s > slo.ttft_s * tolerance
     prefill_bad = ttft_bad and (observed.prefill_queue_depth or 0.0) > 0.0
     kv_bad = (observed.decode_kv_usage or 0.0) > 0.95
-    decode_bad = kv_bad or (observed.aborts_per_s or 0.0) > 0.0
+    decode_bad = kv_bad or (ttft_bad and (observed.decode_queue_depth or 0.0) > 0.0)
     if prefill_bad:
         want_p = max(want_p, current[0] + 1)
     if decode_bad:

@@ -154,7 +154,7 @@ class RatioPlannerPolicy:
             ttft_p90_s=m.ttft_p90_s,
             prefill_queue_depth=m.prefill_backlog_s - self.slo.ttft_s,
             decode_kv_usage=m.decode_kv_usage,
-            aborts_per_s=float(m.decode_waiting > 0 and m.ttft_p90_s > self.slo.ttft_s),
+            decode_queue_depth=float(m.decode_waiting),
         )
         budget = self.bounds.gpu_budget
         held = fleet.prefill_pods * self.prefill.gpus + fleet.decode_pods * self.decode.gpus
