@@ -242,3 +242,21 @@ def test_decode_waiting_counts_only_requests_whose_kv_has_arrived() -> None:
     sim.run()
     assert seen and all(waiting == 0 for waiting, _ in seen)
     assert any(in_flight > 0 for _, in_flight in seen)
+
+
+def test_new_tokens_per_turn_modifier_applies_at_turn_time() -> None:
+    """Guards the reading -> writing shift of the budget-capped-rebalance scenario: the tool
+    result a session adds between turns is read through the workload's modifiers when the turn
+    finishes (it was the mix's constant, so a ``new_tokens_per_turn`` modifier did nothing).
+    With a x0.1 modifier from 150 s, returning turns that hit their cache prefill about the
+    new tokens plus the last output (~3,800 -> ~740), and earlier turns are unchanged."""
+    shift = SessionWorkload(MIX, (Modifier("new_tokens_per_turn", 0.1, 150.0),), seed=1)
+    plain = simulate(_cfg(5, 3, duration_s=400.0, warmup_s=0.0), WL)
+    shifted = simulate(_cfg(5, 3, duration_s=400.0, warmup_s=0.0), shift)
+
+    def uncached(res: SimResult, lo: float, hi: float) -> float:
+        hit = (res.cached_tokens > 5_000) & (res.arrival >= lo) & (res.arrival < hi)
+        return float(np.median((res.input_tokens - res.cached_tokens)[hit]))
+
+    assert uncached(shifted, 250.0, 400.0) < 0.5 * uncached(plain, 250.0, 400.0)
+    assert uncached(shifted, 0.0, 150.0) == pytest.approx(uncached(plain, 0.0, 150.0), rel=0.25)

@@ -381,7 +381,8 @@ class Simulator:
         sid = S.alloc(k)
         done = rng.geometric(1.0 / max(mix.mean_turns, 1.0), k) - 1
         first = lognormal(rng, mix.first_input_tokens, mix.first_input_sigma, k)
-        grow = done * (mix.new_tokens_per_turn + mix.output_tokens)
+        per_turn = wl.value("new_tokens_per_turn", 0.0) + wl.value("output_tokens", 0.0)
+        grow = done * per_turn
         S.live[sid] = True
         S.first[sid] = done == 0
         S.ctx[sid] = np.minimum(first + grow, mix.max_context * 0.95)
@@ -392,7 +393,7 @@ class Simulator:
         S.home[sid] = np.where(done > 0, ready[rng.integers(0, ready.size, k)], -1)
         S.tier[sid] = np.where(done > 0, 1, 0)
         S.cached[sid] = np.where(
-            done > 0, np.maximum(S.ctx[sid] - mix.new_tokens_per_turn - mix.output_tokens, 0.0), 0.0
+            done > 0, np.maximum(S.ctx[sid] - per_turn, 0.0), 0.0
         )
         S.last[sid] = -rng.uniform(0.0, cycle, k)
         self._evict()
@@ -632,7 +633,9 @@ class Simulator:
             return
         S, mix, sid = self.S, self.wl.mix, rows["sid"]
         t = float(t_end.min()) if t_end.size else 0.0
-        grow = lognormal(self.rng, mix.new_tokens_per_turn, mix.new_tokens_sigma, sid.size)
+        grow = lognormal(
+            self.rng, self.wl.value("new_tokens_per_turn", t), mix.new_tokens_sigma, sid.size
+        )
         pause = lognormal(
             self.rng, self.wl.value("tool_pause_s", t), mix.tool_pause_sigma, sid.size
         )

@@ -4,7 +4,8 @@ Sessions (closed loop): a session starts (Poisson, rate from :class:`SessionMix`
 modifiers), sends its first turn with a cold context, and after each answer waits a tool pause,
 then sends the next turn whose context grew by the previous output plus the tool result. It ends
 after its turn count or when the context would pass ``max_context``. Modifiers change one thing
-over a time window: a session-start storm, longer tool pauses, an output-length shift.
+over a time window: a session-start storm, longer tool pauses, an output-length shift, smaller
+or larger tool results.
 
 Trace replay (open loop): one JSON object per line with ``timestamp`` (seconds or ms),
 ``input_length``, ``output_length`` and ``hash_ids`` (prefix block ids, e.g. 512 tokens each);
@@ -48,7 +49,10 @@ class SessionMix:
 @dataclass(frozen=True)
 class Modifier:
     """Multiply one parameter during [start_s, end_s): ``session_rate`` (storm),
-    ``tool_pause_s`` (longer pauses) or ``output_tokens`` (output-length shift)."""
+    ``tool_pause_s`` (longer pauses), ``output_tokens`` (output-length shift) or
+    ``new_tokens_per_turn`` (tool-result size, e.g. a reading -> writing shift). Each is read
+    when it is drawn: session starts per step, outputs at arrival, pauses and new tokens when
+    a turn finishes."""
 
     field: str
     factor: float
