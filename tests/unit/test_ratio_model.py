@@ -21,6 +21,7 @@ from cas_operator.planning.ratio import (
     _water_level,
     erlang_c,
     evaluate,
+    failing_sides,
     fast_adjust,
     hit_probabilities,
     recommend,
@@ -310,6 +311,27 @@ def test_fast_adjust_does_not_read_aborts_as_decode_pressure() -> None:
     assert fast_adjust((1, 2), (1, 2), starved_prefill, slo) == (1, 2)
     queued_but_fast = ObservedSignals(ttft_p90_s=1.0, decode_queue_depth=3.0)
     assert fast_adjust((1, 2), (1, 2), queued_but_fast, slo) == (1, 2)
+
+
+def test_failing_sides_names_the_side_at_fault() -> None:
+    """Guards the signal the controller's at-cap rebalance trusts: prefill fails on a TTFT
+    breach with a prefill queue, decode on KV over 95% or a TTFT breach with requests waiting
+    for decode admission; aborts alone and a breach without a queue name neither side."""
+    slo = SloInputs(ttft_s=2.0, itl_ms=50.0)
+    assert failing_sides(ObservedSignals(ttft_p90_s=3.0, prefill_queue_depth=1.0), slo) == (
+        True,
+        False,
+    )
+    assert failing_sides(ObservedSignals(decode_kv_usage=0.97), slo) == (False, True)
+    assert failing_sides(ObservedSignals(ttft_p90_s=3.0, decode_queue_depth=4.0), slo) == (
+        False,
+        True,
+    )
+    assert failing_sides(ObservedSignals(ttft_p90_s=3.0, aborts_per_s=2.0), slo) == (False, False)
+    assert failing_sides(ObservedSignals(ttft_p90_s=2.3, prefill_queue_depth=1.0), slo) == (
+        False,
+        False,
+    )  # within the 1.2x tolerance
 
 
 def test_observed_decode_kv_use_recalibrates_decode() -> None:

@@ -58,6 +58,7 @@ __all__ = [
     "WorkloadInputs",
     "erlang_c",
     "evaluate",
+    "failing_sides",
     "fast_adjust",
     "hit_probabilities",
     "next_replicas",
@@ -851,6 +852,20 @@ def scale_down_ok(
     return evaluate(workload, slo, prefill, decode, n_prefill, n_decode, limits).feasible
 
 
+def failing_sides(
+    observed: ObservedSignals, slo: SloInputs, tolerance: float = 1.2
+) -> tuple[bool, bool]:
+    """(prefill failing, decode failing) now: prefill when TTFT p90 is over ``tolerance`` x SLO
+    with a prefill queue; decode when its KV is over 95%, or TTFT is over with transferred
+    requests waiting for decode admission. Aborts are not decode evidence (in PD most are
+    prefill time-budget aborts)."""
+    ttft_bad = observed.ttft_p90_s is not None and observed.ttft_p90_s > slo.ttft_s * tolerance
+    prefill_bad = ttft_bad and (observed.prefill_queue_depth or 0.0) > 0.0
+    kv_bad = (observed.decode_kv_usage or 0.0) > 0.95
+    decode_bad = kv_bad or (ttft_bad and (observed.decode_queue_depth or 0.0) > 0.0)
+    return prefill_bad, decode_bad
+
+
 def fast_adjust(
     target: tuple[int, int],
     current: tuple[int, int],
@@ -867,10 +882,7 @@ def fast_adjust(
     the cap (``at_budget``) the side that is not failing gives up one instance so the other can
     grow after it drained. ``next_replicas`` then bounds the steps and orders them."""
     want_p, want_d = target
-    ttft_bad = observed.ttft_p90_s is not None and observed.ttft_p90_s > slo.ttft_s * tolerance
-    prefill_bad = ttft_bad and (observed.prefill_queue_depth or 0.0) > 0.0
-    kv_bad = (observed.decode_kv_usage or 0.0) > 0.95
-    decode_bad = kv_bad or (ttft_bad and (observed.decode_queue_depth or 0.0) > 0.0)
+    prefill_bad, decode_bad = failing_sides(observed, slo, tolerance)
     if prefill_bad:
         want_p = max(want_p, current[0] + 1)
     if decode_bad:
@@ -979,12 +991,19 @@ def next_replicas(
     state: ControlState,
     now: float,
     config: ControlConfig,
+    failing: tuple[bool, bool] = (False, False),
 ) -> ControlDecision:
     """Bounded, hysteretic step from ``current`` toward ``recommendation``.
 
     Safety: replicas stay within bounds; GPUs of existing pods (including ones still
     terminating) plus any growth never exceed the budget; a pool grows at the budget cap only
     after the other pool's scale-down has finished (its pods equal its spec).
+
+    ``failing`` (prefill, decode), from :func:`failing_sides`: at the cap, when a pool that is
+    failing now wants to grow and the budget blocks it, the other pool's lower target (past the
+    deadband) is taken as a rebalance step at once, without the ``rebalance_stable_s`` wait
+    that filters noise in the slow loop's targets: a pool failing now is not noise. Cooldown,
+    deadband and step bounds still apply, and the growth still waits for the removed pods.
     """
     b = config.bounds
     held = current.prefill * config.prefill_gpus + current.decode * config.decode_gpus
@@ -1016,13 +1035,17 @@ def next_replicas(
     # scale-in ``down_stable_s``) is then a rebalance step; cooldown and step bounds still
     # apply, and the growth follows only once the removed pods are gone.
     settled = now - config.rebalance_stable_s
+    p_blocked = p < min(recommendation.n_prefill, b.max_prefill)
+    d_blocked = d < min(recommendation.n_decode, b.max_decode)
     d_ready = d_why == "waiting" and d_since is not None and d_since <= settled
-    if p < min(recommendation.n_prefill, b.max_prefill) and d_ready:
+    d_ready = d_ready or (failing[0] and d_why == "waiting")
+    if p_blocked and d_ready:
         d, d_since, d_why = _rebalance_down(
             current.decode, recommendation.n_decode, b.min_decode, config
         )
     p_ready = p_why == "waiting" and p_since is not None and p_since <= settled
-    if d < min(recommendation.n_decode, b.max_decode) and p_ready:
+    p_ready = p_ready or (failing[1] and p_why == "waiting")
+    if d_blocked and p_ready:
         p, p_since, p_why = _rebalance_down(
             current.prefill, recommendation.n_prefill, b.min_prefill, config
         )

@@ -392,9 +392,7 @@ class Simulator:
         ready = np.flatnonzero(self.P.state == READY)
         S.home[sid] = np.where(done > 0, ready[rng.integers(0, ready.size, k)], -1)
         S.tier[sid] = np.where(done > 0, 1, 0)
-        S.cached[sid] = np.where(
-            done > 0, np.maximum(S.ctx[sid] - per_turn, 0.0), 0.0
-        )
+        S.cached[sid] = np.where(done > 0, np.maximum(S.ctx[sid] - per_turn, 0.0), 0.0)
         S.last[sid] = -rng.uniform(0.0, cycle, k)
         self._evict()
 
