@@ -105,7 +105,7 @@ def test_budget_and_floors_hold_for_any_recommendations(recs, start, drain) -> N
 @settings(max_examples=40, deadline=None)
 @given(
     recs=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 60)), min_size=1, max_size=6),
-    start=st.tuples(st.integers(2, 30), st.integers(2, 30)),
+    start=st.tuples(st.integers(2, 20), st.integers(2, 20)),
     drain=st.floats(0.0, 400.0),
     failing=st.tuples(st.booleans(), st.booleans()),
 )
