@@ -66,9 +66,12 @@ def proc_usage(pid: int) -> tuple[float, float]:
     return cpu, peak
 
 
-def scrape(port: int) -> dict[str, float]:
-    """Sum each metric family of the operator's /metrics (labels folded)."""
+def scrape(port: int, keep: Path | None = None) -> dict[str, float]:
+    """Sum each metric family of the operator's /metrics (labels folded); `keep` saves the
+    raw exposition text for a closer look."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    if keep is not None:
+        keep.write_text(text)
     totals: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("#") or not line.strip():
@@ -79,6 +82,11 @@ def scrape(port: int) -> dict[str, float]:
         if name.startswith("cas_operator_reconcile_seconds_") and 'trigger="' in name_part:
             trigger = name_part.split('trigger="', 1)[1].split('"', 1)[0]
             key = f"{name}:{trigger}"
+            totals[key] = totals.get(key, 0.0) + float(value)
+        if name == "cas_operator_api_requests_total":
+            verb = name_part.split('verb="', 1)[1].split('"', 1)[0]
+            kind = name_part.split('kind="', 1)[1].split('"', 1)[0]
+            key = f"api:{verb} {kind}"
             totals[key] = totals.get(key, 0.0) + float(value)
     return totals
 
@@ -177,6 +185,38 @@ class ReadyTracker:
             first.setdefault(owner, time.monotonic())
 
 
+def _stamp(conditions: list[dict[str, Any]], kind: str) -> float | None:
+    """Epoch seconds of a True condition's lastTransitionTime (1 s resolution)."""
+    from datetime import datetime
+
+    for cond in conditions:
+        if cond.get("type") == kind and cond.get("status") == "True":
+            stamp = cond.get("lastTransitionTime")
+            return (
+                datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp() if stamp else None
+            )
+    return None
+
+
+def server_stamped_lag(resources: dict[str, Any], pods: dict[str, Any]) -> list[float]:
+    """Per Ready resource: its Ready condition's transition time minus its last pod's Ready
+    transition time, both stamped by their writers (KWOK, the operator) on this host: the
+    operator's share without the benchmark's own watch lag."""
+    last_pod: dict[str, float] = {}
+    for pod in pods["items"]:
+        owner = pod["metadata"].get("labels", {}).get("cas.dev/name")
+        at = _stamp(pod.get("status", {}).get("conditions", []), "Ready")
+        if owner and at is not None:
+            last_pod[owner] = max(last_pod.get(owner, 0.0), at)
+    lags = []
+    for res in resources["items"]:
+        at = _stamp(res.get("status", {}).get("conditions", []), "Ready")
+        name = res["metadata"]["name"]
+        if at is not None and name in last_pod:
+            lags.append(at - last_pod[name])
+    return lags
+
+
 class Round:
     """One N: apply, poll to Ready, collect numbers."""
 
@@ -228,7 +268,13 @@ class Round:
             time.sleep(3.0)
             to_ready, pods_ready_abs, workloads_ready_abs, ready_abs = self.poll()
             cpu, peak = proc_usage(operator.pid)
-            metrics = scrape(METRICS_PORT)
+            stamped = server_stamped_lag(
+                json.loads(
+                    self.kubectl("get", "codingagentservings", "-n", self.namespace, "-o", "json")
+                ),
+                json.loads(self.kubectl("get", "pods", "-n", self.namespace, "-o", "json")),
+            )
+            metrics = scrape(METRICS_PORT, log_path.with_suffix(".metrics"))
         finally:
             operator.stop()
             self.kubectl("delete", "namespace", self.namespace, "--wait=false")
@@ -248,6 +294,16 @@ class Round:
                 statistics.median(after_workloads) if after_workloads else None
             ),
             "workloads_to_ready_p99_s": percentile(after_workloads, 0.99),
+            "pods_to_ready_server_stamps_median_s": (
+                statistics.median(stamped) if stamped else None
+            ),
+            "pods_to_ready_server_stamps_p99_s": percentile(stamped, 0.99),
+            "refresh_wait_mean_ms": round(
+                1000
+                * metrics.get("cas_operator_refresh_wait_seconds_sum", 0.0)
+                / (metrics.get("cas_operator_refresh_wait_seconds_count") or 1.0),
+                1,
+            ),
             "reconcile_mean_ms": 1000
             * metrics.get("cas_operator_reconcile_seconds_sum", 0)
             / count,
@@ -271,6 +327,11 @@ class Round:
             "operator_peak_mib": peak,
             "api_requests_per_resource": metrics.get("cas_operator_api_requests_total", 0) / self.n,
             "problems": metrics.get("cas_operator_reconcile_problems_total", 0.0),
+            "api_requests_by_call_per_resource": {
+                k.removeprefix("api:"): round(v / self.n, 2)
+                for k, v in sorted(metrics.items(), key=lambda kv: -kv[1])
+                if k.startswith("api:")
+            },
         }
 
 
@@ -303,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sizes", default="10,50,200")
     parser.add_argument("--timeout", type=float, default=600.0, help="per round, seconds")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="JSON results file")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     shape = NodeShape(count=8, gpus=128, pods=250)
@@ -321,12 +383,20 @@ def main(argv: list[str] | None = None) -> int:
                 f"anomaly tick mean {rows[-1]['guard_tick_mean_ms']} ms",
                 flush=True,
             )
+            print(f"API requests per resource: {rows[-1]['api_requests_by_call_per_resource']}")
+            print(
+                "pods->Ready by server stamps p50/p99 s: "
+                f"{rows[-1]['pods_to_ready_server_stamps_median_s']}/"
+                f"{rows[-1]['pods_to_ready_server_stamps_p99_s']}, "
+                f"refresh wait mean {rows[-1]['refresh_wait_mean_ms']} ms",
+                flush=True,
+            )
     finally:
         cluster.stop()
     print(table(rows))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"rounds": rows}, indent=2))
-    print(f"wrote {RESULTS}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"rounds": rows}, indent=2))
+    print(f"wrote {args.out}")
     return 0
 
 

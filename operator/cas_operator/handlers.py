@@ -5,13 +5,17 @@
 - a change of a child workload (Deployment, LeaderWorkerSet): queue one re-observation of its
   owner (coalesced while queued; REFRESH_WORKERS), re-apply a drifted workload, write status if it
   changed (so Ready follows pods within seconds, not a timer period);
-- a timer: the same re-observation as a safety net, plus a full apply every FULL_APPLY_SECONDS;
+- a timer: queues the same re-observation as a safety net, a full apply every
+  FULL_APPLY_SECONDS;
 - one fleet-wide loop started at start-up, every GUARD_SECONDS: the anomaly loop and Auto mode
   (`fleet_guard.FleetGuard`: one pod LIST per namespace, then observe -> decide -> act per
   resource), which writes only `status.anomaly`, `status.draining` and `status.autoscaler`
   and hands its findings to the passes in memory (`measured_for`), queueing a pass when they
   change; `reconcile` folds them into the pools and conditions.
-Workloads are read from watch-fed kopf indexes, not listed, on child and timer passes. Passes
+Workloads are read from watch-fed kopf indexes (async index functions: they run on kopf's
+loop, never behind a handler in its executor), not listed; a pass's own applies are read from
+the server's answers, and a workload missing from the index is only re-created once the index
+had time to catch up or after a DELETED event (`_may_create`). Passes
 of one resource are serialized and each writes its own status (`_pass`), so an older pass can
 never land its answer over a newer one.
 """
@@ -39,6 +43,7 @@ from cas_operator.metrics import (
     GUARD_TICK_SECONDS,
     RECONCILE_ERRORS,
     RECONCILE_SECONDS,
+    REFRESH_WAIT_SECONDS,
     STATUS_WRITES,
 )
 from cas_operator.observe.prometheus import PrometheusSource
@@ -50,6 +55,10 @@ from cas_operator.status import ObservedWorkload, Status, status_patch
 TIMER_SECONDS = 30.0  # a safety net: child events drive status
 GUARD_SECONDS = 5.0  # the anomaly loop's period (one tick covers every resource)
 FULL_APPLY_SECONDS = 300.0
+# A workload missing from the watch-fed index this soon after our own apply is one the watch
+# has not delivered yet, not one someone deleted (that arrives as a DELETED event).
+INDEX_SETTLE_SECONDS = 30.0
+SPEC_TRIGGERS = ("spec", "resume")
 # A refresh is one status PATCH (I/O-bound): enough workers that Ready writes do not queue
 # behind each other while a burst of creates keeps the API server busy.
 REFRESH_WORKERS = 12
@@ -62,6 +71,8 @@ _lock = threading.Lock()
 _kube: Kube | None = None
 _source: MetricsSource | None = None
 _last_full_apply: dict[str, float] = {}
+_applied_at: dict[str, float] = {}  # uid -> when a pass of ours last applied a child
+_child_deleted: set[tuple[str, str]] = set()  # owners that lost a workload since their last pass
 _guard_task: list[asyncio.Task[None]] = []
 _fleet_guard: FleetGuard | None = None
 _indexes: list[kopf.Index[Any, Any]] = []  # serving, deployment, LWS (set at start-up)
@@ -69,6 +80,7 @@ _owner_locks: dict[tuple[str, str], threading.Lock] = {}
 _written: dict[str, Status] = {}  # uid -> the owned status keys as we last wrote them
 _dirty: set[tuple[str, str]] = set()  # owners with a status refresh queued
 _rerun: set[tuple[str, str]] = set()  # owners whose running pass must queue one more
+_full_due: set[tuple[str, str]] = set()  # owners whose next refresh is a full apply
 _refresh_pool = ThreadPoolExecutor(max_workers=REFRESH_WORKERS, thread_name_prefix="refresh")
 
 
@@ -107,6 +119,10 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     )
     settings.posting.level = logging.WARNING
     settings.execution.max_workers = 16
+    # kopf waits this long for the watch to deliver its own annotation patch before it acts on
+    # an older copy; at the default 5 s a loaded API server's watch lag made it run the create
+    # handler a second time (bench-operator N=200: 421 spec passes for 200 creates).
+    settings.persistence.consistency_timeout = 60.0
     settings.watching.server_timeout = 270
     settings.watching.client_timeout = 300
 
@@ -178,6 +194,9 @@ def _locked_pass(
         else Measured(anomaly=current.get("anomaly"))
     )
     started = time.monotonic()
+    with _lock:
+        deleted = (namespace, name) in _child_deleted
+        _child_deleted.discard((namespace, name))
     outcome = reconcile(
         kube(),
         name=name,
@@ -189,10 +208,13 @@ def _locked_pass(
         anomaly=measured.anomaly,
         observed=observe() if observe is not None else None,
         measured=measured,
+        apply_missing=_may_create(uid, trigger, deleted, started),
     )
     RECONCILE_SECONDS.labels(trigger).observe(time.monotonic() - started)
     if full:
         _last_full_apply[uid] = time.monotonic()
+    if outcome.applied or trigger in SPEC_TRIGGERS:
+        _applied_at[uid] = time.monotonic()
     degraded = outcome.status["conditions"][2]
     if degraded["status"] == "True":
         RECONCILE_ERRORS.labels(degraded["reason"]).inc()
@@ -207,6 +229,17 @@ def _locked_pass(
     return outcome
 
 
+def _may_create(uid: str, trigger: str, deleted: bool, now: float) -> bool:
+    """Whether a pass may create workloads missing from the index. Spec and resume passes
+    create what is missing; other passes only after this process's spec or resume pass (a
+    refresh queued by the anomaly loop ran before the create handler and duplicated its
+    applies) and once a workload was deleted or the index had time to catch up."""
+    if trigger in SPEC_TRIGGERS:
+        return True
+    last = _applied_at.get(uid)
+    return last is not None and (deleted or now - last >= INDEX_SETTLE_SECONDS)
+
+
 def _post(body: Any, events: list[tuple[str, str, str]]) -> None:
     for event_type, reason, message in events:
         kopf.event(body, type=event_type, reason=reason, message=message)
@@ -217,7 +250,7 @@ def _post(body: Any, events: list[tuple[str, str, str]]) -> None:
 @kopf.on.resume(c.GROUP, c.VERSION, c.PLURAL)
 def on_spec(
     body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec, status: kopf.Status, logger: kopf.Logger,
-    reason: str, **_: Any,
+    reason: str, **kwargs: Any,
 ) -> None:  # fmt: skip
     """Apply everything for the current spec; an invalid spec is reported once, not retried.
 
@@ -230,7 +263,12 @@ def on_spec(
         _last_full_apply[str(meta["uid"])] = time.monotonic() - random.uniform(
             0.0, FULL_APPLY_SECONDS
         )
-    outcome = _pass(meta, spec, status, full=not settled, trigger="resume" if settled else "spec")
+    owner = (str(meta["namespace"]), str(meta["name"]))
+    indexes = (kwargs["deployment_index"], kwargs["lws_index"])  # populated before handlers run
+    outcome = _pass(
+        meta, spec, status, full=not settled, trigger="resume" if settled else "spec",
+        observe=lambda: indexed_workloads(owner, *indexes),
+    )  # fmt: skip
     assert outcome is not None  # a spec pass waits for its turn
     _post(body, outcome.events)
     if outcome.applied:
@@ -250,23 +288,17 @@ def in_sync(meta: Any, status: Any) -> bool:
 
 
 @kopf.timer(c.GROUP, c.VERSION, c.PLURAL, interval=TIMER_SECONDS, initial_delay=TIMER_SECONDS)
-def on_timer(
-    body: kopf.Body, meta: kopf.Meta, spec: kopf.Spec, status: kopf.Status, **kwargs: Any,
-) -> None:  # fmt: skip
-    """Safety net: re-observe, re-apply drifted workloads, full apply every few minutes."""
-    full = time.monotonic() - _last_full_apply.get(str(meta["uid"]), 0.0) > FULL_APPLY_SECONDS
-    owner = (str(meta["namespace"]), str(meta["name"]))
-    indexes = (kwargs["deployment_index"], kwargs["lws_index"])
-    outcome = _pass(
-        meta, spec, status, full=full, trigger="timer",
-        observe=lambda: indexed_workloads(owner, *indexes), wait=False,
-    )  # fmt: skip
-    if outcome is not None:  # else the running pass queues a refresh when it ends
-        _post(body, outcome.events)
+async def on_timer(meta: kopf.Meta, **_: Any) -> None:
+    """Safety net: queue a re-observation (re-applies drifted workloads), a full apply every
+    FULL_APPLY_SECONDS. Async and only queueing, like the child events: a sync timer held one
+    of kopf's executor threads per pass, and kopf runs sync index functions on that executor."""
+    last = _last_full_apply.get(str(meta["uid"]))  # None: its create/resume pass is pending
+    full = last is not None and time.monotonic() - last > FULL_APPLY_SECONDS
+    _queue_refresh((str(meta["namespace"]), str(meta["name"])), full=full)
 
 
 @kopf.index(c.GROUP, c.VERSION, c.PLURAL)
-def serving_index(
+async def serving_index(
     namespace: str | None, name: str | None, body: kopf.Body, **_: Any
 ) -> dict[tuple[str | None, str | None], dict[str, Any]]:
     """The latest copy of each resource, so a child's event finds its owner without a GET."""
@@ -283,15 +315,19 @@ def _workload_entry(
 
 
 @kopf.index("apps", "v1", "deployments", labels=CHILD_LABELS)
-def deployment_index(
+async def deployment_index(
     namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
 ) -> dict[tuple[str, str], ObservedWorkload]:
-    """Our Deployments by owner, as the watch last saw them (a reconcile reads them, no LIST)."""
+    """Our Deployments by owner, as the watch last saw them (a reconcile reads them, no LIST).
+
+    Index functions are async so kopf runs them on its event loop: as sync functions they
+    queued in kopf's executor behind create handlers waiting on the API server, and the index
+    lagged the watch by 30-70 s at N=200 (Ready followed the pods as late)."""
     return _workload_entry("Deployment", namespace, labels, body)
 
 
 @kopf.index("leaderworkerset.x-k8s.io", "v1", "leaderworkersets", labels=CHILD_LABELS)
-def lws_index(
+async def lws_index(
     namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
 ) -> dict[tuple[str, str], ObservedWorkload]:
     """Our LeaderWorkerSets by owner, as the watch last saw them."""
@@ -315,36 +351,53 @@ async def on_child_event(labels: kopf.Labels, namespace: str | None, **kwargs: A
     owner_name = labels.get(c.LABEL_NAME)
     if kwargs.get("type") is None or owner_name is None or namespace is None:
         return  # kopf's initial listing: resume and the timer cover it
+    if kwargs["type"] == "DELETED":  # the pass re-creates it if it is still wanted
+        with _lock:
+            _child_deleted.add((namespace, owner_name))
     _queue_refresh((namespace, owner_name))
 
 
-def _queue_refresh(key: tuple[str, str]) -> None:
-    """Queue one pass of a resource on the refresh pool (coalesced while queued)."""
+def _queue_refresh(key: tuple[str, str], full: bool = False) -> None:
+    """Queue one pass of a resource on the refresh pool (coalesced while queued); `full` asks
+    for a full apply (kept until a pass of that owner runs)."""
     with _lock:
+        if full:
+            _full_due.add(key)
         if key in _dirty or not _indexes:
             return
         _dirty.add(key)
     # kopf's context (its event poster) must travel with the work, or kopf.event fails there.
-    _refresh_pool.submit(contextvars.copy_context().run, _refresh_owner, key, tuple(_indexes))
+    _refresh_pool.submit(
+        contextvars.copy_context().run, _refresh_owner, key, tuple(_indexes), time.monotonic()
+    )
 
 
-def _refresh_owner(key: tuple[str, str], indexes: tuple[kopf.Index[Any, Any], ...]) -> None:
-    """Re-observe one resource after its children changed and write status if it changed.
+def _refresh_owner(
+    key: tuple[str, str], indexes: tuple[kopf.Index[Any, Any], ...], queued: float
+) -> None:
+    """Re-observe one resource after its children changed (or its timer fired) and write
+    status if it changed; a full pass when one is due.
 
     The key leaves the dirty set before the pass, so a change during the pass queues another.
     The workloads come from the watch-fed indexes (kopf updates them before this was queued).
     """
     with _lock:
         _dirty.discard(key)
+        full = key in _full_due
+        _full_due.discard(key)
+    REFRESH_WAIT_SECONDS.observe(time.monotonic() - queued)
     namespace, name = key
     index, *workload_indexes = indexes
     try:
         for owner in index.get(key, []):
             outcome = _pass(
                 owner["metadata"], owner.get("spec", {}), owner.get("status"),
-                full=False, trigger="child",
+                full=full, trigger="timer" if full else "child",
                 observe=lambda: indexed_workloads(key, *workload_indexes), wait=False,
             )  # fmt: skip
+            if outcome is None and full:  # the running pass re-queues; keep the full apply due
+                with _lock:
+                    _full_due.add(key)
             if outcome is not None:
                 _post(owner, outcome.events)
     except Exception:  # the timer retries; a refresh must never kill the pool
@@ -395,6 +448,8 @@ def on_delete(meta: kopf.Meta, **_: Any) -> None:
     """Children go with their owner reference; only forget our bookkeeping (no finalizer)."""
     uid = str(meta["uid"])
     _last_full_apply.pop(uid, None)  # the fleet guard forgets its state on its next tick
+    _applied_at.pop(uid, None)
     _written.pop(uid, None)
     with _lock:
+        _child_deleted.discard((str(meta["namespace"]), str(meta["name"])))
         _owner_locks.pop((str(meta["namespace"]), str(meta["name"])), None)

@@ -32,3 +32,9 @@ GUARD_TICK_SECONDS = Histogram(
     "Duration of one anomaly-loop tick over every resource (pod LIST, scrapes, drains)",
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
+REFRESH_WAIT_SECONDS = Histogram(
+    "cas_operator_refresh_wait_seconds",
+    "From a child workload's change (or the anomaly loop's finding) to the start of the pass "
+    "it queued: how far the refresh workers are behind",
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)

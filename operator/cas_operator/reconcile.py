@@ -12,6 +12,7 @@ Per-child failures are collected, never abort the pass, and end up in the Degrad
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,7 @@ from cas_operator.resources import build_all
 from cas_operator.resources.meta import Owner
 from cas_operator.status import ObservedWorkload, Problem, Status, compute_status, invalid_status
 
+log = logging.getLogger(__name__)
 WORKLOAD_KINDS = ("Deployment", "LeaderWorkerSet")
 # Shared by all reconciles: bounds the operator's concurrent API writes.
 _APPLY_POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="apply")
@@ -91,43 +93,78 @@ def apply_tier(manifest: dict[str, Any]) -> int:
     return 1 if manifest["kind"] in WORKLOAD_KINDS else 0
 
 
-def _apply_one(kube: Kube, manifest: dict[str, Any]) -> Problem | None:
+def _apply_one(
+    kube: Kube, manifest: dict[str, Any]
+) -> tuple[Problem | None, ObservedWorkload | None]:
+    """Apply one child; a workload comes back as the server answered it (saves a LIST)."""
     key = (manifest["kind"], manifest["metadata"]["name"])
     try:
-        kube.apply(manifest)
+        answer = kube.apply(manifest)
     except KindNotInstalled as exc:
         return Problem(
             c.REASON_LWS_MISSING,
             f"{exc.kind} API ({c.LWS_API_VERSION}) is not installed: multi-node instances "
             f"need the LeaderWorkerSet controller ({key[1]} not created)",
-        )
+        ), None
     except Exception as exc:
-        return Problem(c.REASON_APPLY_FAILED, f"{key[0]} {key[1]}: {exc}")
-    return None
+        return Problem(c.REASON_APPLY_FAILED, f"{key[0]} {key[1]}: {exc}"), None
+    if key[0] not in WORKLOAD_KINDS or not isinstance(answer, dict):
+        return None, None
+    return None, ObservedWorkload.from_object({**answer, "kind": key[0]})
+
+
+@dataclass
+class Applied:
+    """What `apply_children` did: children applied, problems, workloads as the server answered."""
+
+    count: int
+    problems: list[Problem]
+    workloads: list[ObservedWorkload]
 
 
 def apply_children(
-    kube: Kube, manifests: list[dict[str, Any]], observed: list[ObservedWorkload], full: bool
-) -> tuple[int, list[Problem]]:
+    kube: Kube,
+    manifests: list[dict[str, Any]],
+    observed: list[ObservedWorkload],
+    full: bool,
+    apply_missing: bool = True,
+) -> Applied:
     """Step 3: apply tier by tier, each tier's children concurrently (a tier waits for the one
-    before). Without `full`, only workloads whose spec-hash differs from the observed one."""
+    before). Without `full`, only workloads whose spec-hash differs from the observed one, and
+    (with `apply_missing`) those not observed at all."""
     current_hashes = {(w.kind, w.name): w.spec_hash for w in observed}
-    todo = [
-        m
-        for m in manifests
-        if full
-        or (
-            m["kind"] in WORKLOAD_KINDS
-            and current_hashes.get((m["kind"], m["metadata"]["name"]))
-            != m["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH]
-        )
-    ]
+
+    def stale(m: dict[str, Any]) -> bool:
+        key = (m["kind"], m["metadata"]["name"])
+        if key not in current_hashes:
+            return apply_missing
+        want: str = m["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH]
+        return current_hashes[key] != want
+
+    todo = [m for m in manifests if full or (m["kind"] in WORKLOAD_KINDS and stale(m))]
+    if not full:
+        for m in todo:
+            key = (m["kind"], m["metadata"]["name"])
+            log.info("re-applying %s %s (spec-hash %s, want %s)", *key,
+                     current_hashes.get(key, "missing"),
+                     m["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH])  # fmt: skip
     problems: list[Problem] = []
+    workloads: list[ObservedWorkload] = []
     for tier in sorted({apply_tier(m) for m in todo}):
         batch = [m for m in todo if apply_tier(m) == tier]
-        results = list(_APPLY_POOL.map(lambda m: _apply_one(kube, m), batch))
-        problems += [p for p in results if p is not None]
-    return len(todo) - len(problems), problems
+        for problem, workload in _APPLY_POOL.map(lambda m: _apply_one(kube, m), batch):
+            problems += [problem] if problem is not None else []
+            workloads += [workload] if workload is not None else []
+    return Applied(len(todo) - len(problems), problems, workloads)
+
+
+def merged(
+    observed: list[ObservedWorkload], fresh: list[ObservedWorkload]
+) -> list[ObservedWorkload]:
+    """`observed` with each workload in `fresh` (the server's latest answer) replacing its
+    older copy."""
+    newer = {(w.kind, w.name) for w in fresh}
+    return [w for w in observed if (w.kind, w.name) not in newer] + fresh
 
 
 def retire_stale(
@@ -159,20 +196,28 @@ def reconcile(
     anomaly: dict[str, Any] | None = None,
     observed: list[ObservedWorkload] | None = None,
     measured: Measured = Measured(),
+    apply_missing: bool = True,
 ) -> Outcome:
     """One pass; see the module docstring for the steps. `anomaly` is the anomaly loop's last
     `status.anomaly`, folded into the conditions here so they have one writer. `observed` is
-    the caller's watch-fed copy of the workloads (saves the LIST); a full pass needs none
-    before applying and lists afresh after it. `measured` feeds the planner and Auto mode."""
+    the caller's watch-fed copy of the workloads (saves the LISTs: what this pass applies is
+    taken from the server's answers); without it a full pass lists after applying, others
+    before. `apply_missing=False` leaves workloads absent from `observed` alone (the caller
+    knows its copy may not have caught up with its own recent apply). `measured` feeds the
+    planner and Auto mode."""
     try:
         plan = plan_for(name, namespace, raw_spec, measured)
     except InvalidSpec as exc:
         return Outcome(status=invalid_status(str(exc), generation), invalid=exc)
     manifests = build_all(Owner(name, namespace, uid), plan)
+    watched = observed is not None
     if observed is None:
         observed = [] if full_apply else observe(kube, namespace, name)
-    applied, problems = apply_children(kube, manifests, observed, full_apply)
-    if applied or full_apply:
+    applied = apply_children(kube, manifests, observed, full_apply, apply_missing)
+    problems = applied.problems
+    if watched:
+        observed = merged(observed, applied.workloads)
+    elif applied.count or full_apply:
         observed = observe(kube, namespace, name)
     status = compute_status(plan, observed, problems, generation, anomaly)
     events = []
@@ -181,4 +226,4 @@ def reconcile(
         events = retire_stale(kube, plan, observed)
         observed = [w for w in observed if w.revision == plan.revision]
         status = compute_status(plan, observed, problems, generation, anomaly)
-    return Outcome(status=status, events=events, applied=applied)
+    return Outcome(status=status, events=events, applied=applied.count)

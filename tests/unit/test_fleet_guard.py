@@ -13,7 +13,7 @@ from typing import Any
 
 from cas_operator.api import constants as c
 from cas_operator.drain import ANNOTATION_DRAINING_SINCE
-from cas_operator.fleet_guard import FleetGuard, PodSnapshot
+from cas_operator.fleet_guard import RESYNC_SECONDS, FleetGuard, PodSnapshot
 from cas_operator.observe.types import Observation, PodTarget
 from cas_operator.planning.anomaly import PodSignals
 
@@ -124,6 +124,20 @@ def test_status_is_written_only_when_it_changed() -> None:
     unchanged = [resource(r, status=written[r]) for r in ("a", "b")]
     store.status_patches.clear()
     assert g.tick(unchanged, now=T0 + 10) == 0 and store.status_patches == []
+
+
+def test_a_lagging_status_copy_does_not_rewrite_the_same_status() -> None:
+    """Regression (bench-operator N=200: 12.8 guard status writes per resource in 13 ticks):
+    the resource copy the guard reads lags its own writes under load; the guard diffs against
+    what it wrote, and against the object again after RESYNC_SECONDS (repairs foreign edits)."""
+    store, source = fleets(), Canned()
+    g, _ = guard(store, source)
+    stale = [resource("a")]  # the watch has not delivered our write yet
+    assert g.tick(stale, now=T0) == 1
+    assert g.tick(stale, now=T0 + 5) == 0 and g.tick(stale, now=T0 + 10) == 0
+    for written in g.written.values():
+        written.at -= RESYNC_SECONDS + 1
+    assert g.tick(stale, now=T0 + 15) == 1  # still not there after a resync period: rewrite
 
 
 def test_a_corrupted_pod_is_drained_only_in_its_own_resource() -> None:

@@ -7,6 +7,8 @@ queues exactly one more refresh, so no child change is left unobserved.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import threading
 import time
 from dataclasses import dataclass, field
@@ -15,6 +17,7 @@ from typing import Any
 import pytest
 
 from cas_operator import handlers
+from cas_operator.api import constants as c
 
 META = {"uid": "u1", "name": "demo", "namespace": "ns"}
 
@@ -91,8 +94,106 @@ def test_a_restart_does_not_reapply_every_settled_resource_at_once(
     monkeypatch.setattr(handlers, "_pass", fake_pass)
     monkeypatch.setattr(handlers, "_last_full_apply", {})
     meta = {**META, "generation": 3}
-    handlers.on_spec(body={}, meta=meta, spec={}, status=status, logger=None, reason=reason)  # type: ignore[arg-type]
+    handlers.on_spec(
+        body={},
+        meta=meta,
+        spec={},
+        status=status,
+        logger=None,
+        reason=reason,  # type: ignore[arg-type]
+        deployment_index={},
+        lws_index={},
+    )
     assert calls == [full]
     if not full:  # its full re-apply falls due somewhere in the next period, not now
         last = handlers._last_full_apply["u1"]
         assert time.monotonic() - handlers.FULL_APPLY_SECONDS <= last <= time.monotonic()
+
+
+def test_missing_workloads_are_created_only_by_spec_passes_after_a_delete_or_settling(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Guards the index-lag rule: before this process's create/resume pass, and right after
+    our own apply, a workload absent from the watch-fed index is in flight, not gone
+    (bench-operator N=200: a refresh queued by the anomaly loop ran before the create handler
+    and both created the Deployments: 2.6 extra applies per resource). After a DELETED event,
+    or once the index had time, a refresh re-creates it; spec and resume passes always do."""
+    seen: list[bool] = []
+
+    def fake_reconcile(*_: Any, apply_missing: bool, **__: Any) -> Any:
+        seen.append(apply_missing)
+        return handlers.Outcome(status={"conditions": [{}, {}, {"status": "False"}]}, applied=1)
+
+    monkeypatch.setattr(handlers, "reconcile", fake_reconcile)
+    monkeypatch.setattr(handlers, "_applied_at", {})
+    monkeypatch.setattr(handlers, "_child_deleted", set())
+    monkeypatch.setattr(handlers, "_fleet_guard", None)
+    monkeypatch.setattr(handlers, "_kube", object())
+    monkeypatch.setattr(handlers, "status_patch", lambda *_: {})
+    meta = {**META, "generation": 1}
+
+    def run(trigger: str) -> None:
+        handlers._locked_pass(meta, {}, {}, full=trigger == "spec", trigger=trigger, observe=list)
+
+    run("child")  # before the create handler ran in this process
+    run("spec")
+    run("child")  # the create just applied: the index may lag
+    monkeypatch.setattr(handlers, "_queue_refresh", lambda key: None)
+    asyncio.run(handlers.on_child_event(labels={c.LABEL_NAME: "demo"}, namespace="ns",  # type: ignore[arg-type]
+                                        type="DELETED"))  # fmt: skip
+    run("child")
+    run("timer")  # the DELETED mark was used up
+    handlers._applied_at["u1"] -= handlers.INDEX_SETTLE_SECONDS
+    run("timer")
+    run("resume")
+    assert seen == [False, True, False, True, False, True, True]
+
+
+def test_index_functions_and_the_timer_never_occupy_kopfs_executor() -> None:
+    """Regression (bench-operator N=200): kopf runs sync index functions and timers on the
+    executor its sync create handlers block for seconds on the API server; the Deployment
+    index then lagged the watch by 30-70 s and Ready followed the pods as late."""
+    for fn in (handlers.serving_index, handlers.deployment_index, handlers.lws_index,
+               handlers.on_timer, handlers.on_child_event):  # fmt: skip
+        assert inspect.iscoroutinefunction(fn), fn.__name__
+
+
+def test_a_due_full_apply_survives_a_refresh_skipped_behind_a_running_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The timer's full apply is queued; if that refresh finds the owner busy, the full apply
+    stays due for the refresh the running pass queues when it ends."""
+    calls: list[bool] = []
+    busy = [True]
+
+    def fake_pass(*_: Any, full: bool, **__: Any) -> Any:
+        calls.append(full)
+        return None if busy[0] else handlers.Outcome(status={})
+
+    owner = {"metadata": META, "spec": {}, "status": {}}
+    monkeypatch.setattr(handlers, "_pass", fake_pass)
+    monkeypatch.setattr(handlers, "_full_due", set())
+    monkeypatch.setattr(handlers, "_dirty", set())
+    indexes = ({("ns", "demo"): [owner]}, {}, {})
+    handlers._full_due.add(("ns", "demo"))
+    handlers._refresh_owner(("ns", "demo"), indexes, time.monotonic())  # type: ignore[arg-type]
+    busy[0] = False
+    handlers._refresh_owner(("ns", "demo"), indexes, time.monotonic())  # type: ignore[arg-type]
+    handlers._refresh_owner(("ns", "demo"), indexes, time.monotonic())  # type: ignore[arg-type]
+    assert calls == [True, True, False]
+
+
+def test_the_timer_leaves_a_pending_create_to_its_handler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (bench-operator N=200: 88 duplicate full applies): a timer firing before the
+    resource's create pass ran in this process queued a full apply of its own."""
+    queued: list[tuple[tuple[str, str], bool]] = []
+    monkeypatch.setattr(
+        handlers, "_queue_refresh", lambda key, full=False: queued.append((key, full))
+    )
+    monkeypatch.setattr(handlers, "_last_full_apply", {})
+    asyncio.run(handlers.on_timer(meta=META))  # type: ignore[arg-type]
+    handlers._last_full_apply["u1"] = time.monotonic()
+    asyncio.run(handlers.on_timer(meta=META))  # type: ignore[arg-type]
+    handlers._last_full_apply["u1"] -= handlers.FULL_APPLY_SECONDS + 1
+    asyncio.run(handlers.on_timer(meta=META))  # type: ignore[arg-type]
+    assert [full for _, full in queued] == [False, False, True]
