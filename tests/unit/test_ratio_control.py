@@ -60,13 +60,13 @@ def _run(
     recs: list[tuple[int, int]],
     cfg: ControlConfig,
     ticks_per: int,
-    failing: tuple[bool, bool] = (False, False),
+    decode_failing: bool = False,
 ):
     state, now, history = ControlState(), 0.0, []
     for n_p, n_d in recs:
         for _ in range(ticks_per):
             cur = world.pods(now)
-            dec = next_replicas(cur, _rec(n_p, n_d), state, now, cfg, failing=failing)
+            dec = next_replicas(cur, _rec(n_p, n_d), state, now, cfg, decode_failing=decode_failing)
             world.apply(dec.prefill, dec.decode, now)
             state = dec.state
             history.append((now, dec, world.pods(now)))
@@ -107,16 +107,16 @@ def test_budget_and_floors_hold_for_any_recommendations(recs, start, drain) -> N
     recs=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 60)), min_size=1, max_size=6),
     start=st.tuples(st.integers(2, 20), st.integers(2, 20)),
     drain=st.floats(0.0, 400.0),
-    failing=st.tuples(st.booleans(), st.booleans()),
+    decode_failing=st.booleans(),
 )
-def test_failing_side_rebalance_keeps_budget_floors_and_cooldown(
-    recs, start, drain, failing
+def test_failing_decode_rebalance_keeps_budget_floors_and_cooldown(
+    recs, start, drain, decode_failing
 ) -> None:
-    """Guards the urgent rebalance: with either side reported failing, GPUs of existing pods
+    """Guards the urgent rebalance: with decode reported failing or not, GPUs of existing pods
     still never exceed the budget, replicas stay within bounds, and one pool's consecutive
     changes stay at least the pod start time apart."""
     world = World(prefill=start[0], decode=start[1], drain_s=drain)
-    hist = _run(world, recs, CFG, ticks_per=12, failing=failing)
+    hist = _run(world, recs, CFG, ticks_per=12, decode_failing=decode_failing)
     for _, dec, pods in hist:
         assert (pods.prefill_pods + pods.decode_pods) * 8 <= BOUNDS.gpu_budget
         assert BOUNDS.min_prefill <= dec.prefill <= BOUNDS.max_prefill
@@ -222,7 +222,7 @@ def test_small_pool_takes_what_the_large_one_released_in_one_step() -> None:
     assert all(dec.prefill * 8 + dec.decode * 8 <= 256 for _, dec, _ in hist)
 
 
-def test_failing_side_takes_the_rebalance_without_the_stability_wait() -> None:
+def test_failing_decode_takes_the_rebalance_without_the_stability_wait() -> None:
     """Regression (simulator: budget-capped rebalance, reading -> writing shift at the cap): the
     decode pool was full with hundreds of requests waiting for KV, the slow loop asked for
     21P:7D -> 15P:13D, and the prefill step still waited ``rebalance_stable_s`` (300 s) before
@@ -231,7 +231,7 @@ def test_failing_side_takes_the_rebalance_without_the_stability_wait() -> None:
     without the failing signal the wait is kept."""
     bounds = Bounds(min_prefill=1, max_prefill=27, min_decode=1, max_decode=27, gpu_budget=224)
     cfg = _cfg(bounds=bounds, pod_start_s=600.0, down_stable_s=900.0, max_step_fraction=0.25)
-    hist = _run(World(21, 7, drain_s=60.0), [(15, 13)], cfg, ticks_per=30, failing=(False, True))
+    hist = _run(World(21, 7, drain_s=60.0), [(15, 13)], cfg, ticks_per=30, decode_failing=True)
     first_p_down = next(t for t, dec, _ in hist if dec.prefill < 21)
     first_d_up = next(t for t, dec, _ in hist if dec.decode > 7)
     assert first_p_down == 0.0
@@ -241,11 +241,11 @@ def test_failing_side_takes_the_rebalance_without_the_stability_wait() -> None:
     assert next(t for t, dec, _ in calm if dec.prefill < 21) >= cfg.rebalance_stable_s
 
 
-def test_failing_side_does_not_skip_the_deadband() -> None:
+def test_failing_decode_does_not_skip_the_deadband() -> None:
     """Guards against churn at the cap: a one-instance rebalance target on a 21-instance
     prefill pool (inside its deadband) is not taken even while decode reports failing, so a
     stale slow-loop target cannot start a cooldown that blocks the real rebalance."""
     bounds = Bounds(min_prefill=1, max_prefill=27, min_decode=1, max_decode=27, gpu_budget=224)
     cfg = _cfg(bounds=bounds, pod_start_s=600.0, down_stable_s=900.0)
-    hist = _run(World(21, 7, drain_s=60.0), [(20, 8)], cfg, ticks_per=20, failing=(False, True))
+    hist = _run(World(21, 7, drain_s=60.0), [(20, 8)], cfg, ticks_per=20, decode_failing=True)
     assert all((dec.prefill, dec.decode) == (21, 7) for _, dec, _ in hist)

@@ -19,6 +19,7 @@ from cas_operator.planning.ratio import (
     _kv_need,
     _prefill_waits,
     _water_level,
+    decode_saturated,
     erlang_c,
     evaluate,
     failing_sides,
@@ -332,6 +333,31 @@ def test_failing_sides_names_the_side_at_fault() -> None:
         False,
         False,
     )  # within the 1.2x tolerance
+
+
+def test_decode_saturated_needs_full_kv_and_a_queue() -> None:
+    """Guards the evidence for the urgent rebalance at the cap: KV over 95% with requests
+    waiting for admission; full KV with nobody waiting, or a queue at 85% KV, is not enough."""
+    assert decode_saturated(ObservedSignals(decode_kv_usage=0.98, decode_queue_depth=24.0))
+    assert not decode_saturated(ObservedSignals(decode_kv_usage=0.98, decode_queue_depth=0.0))
+    assert not decode_saturated(ObservedSignals(decode_kv_usage=0.85, decode_queue_depth=1.0))
+    assert not decode_saturated(ObservedSignals())
+
+
+def test_fast_adjust_never_cuts_decode_kv_that_is_in_use() -> None:
+    """Regression (simulator: session storm at the 256-GPU cap): the storm read as prefill
+    demand, the slow loop planned 27P:5D and the cap rebalance cut decode 8 -> 6 while its KV
+    was 78% used and rising with the storm's new sessions; decode collapsed (quick run 23.3 ->
+    8.9 req/s). A lower decode target stops at used x current / 0.8 (here all 8); with little
+    KV in use the cut goes through, and growth is never limited."""
+    slo = SloInputs(ttft_s=3.0, itl_ms=50.0)
+    storm = ObservedSignals(ttft_p90_s=4.1, prefill_queue_depth=1.4, decode_kv_usage=0.78)
+    assert fast_adjust((27, 5), (24, 8), storm, slo, at_budget=True) == (27, 8)
+    half = replace(storm, decode_kv_usage=0.55)  # 8 x 0.55 / 0.8 = 5.5 -> 6 stay
+    assert fast_adjust((27, 5), (24, 8), half, slo, at_budget=True) == (27, 6)
+    idle = replace(storm, decode_kv_usage=0.2)
+    assert fast_adjust((27, 5), (24, 8), idle, slo, at_budget=True) == (27, 5)
+    assert fast_adjust((4, 12), (6, 8), ObservedSignals(decode_kv_usage=0.9), slo) == (4, 12)
 
 
 def test_observed_decode_kv_use_recalibrates_decode() -> None:

@@ -56,6 +56,7 @@ __all__ = [
     "RatioRecommendation",
     "SloInputs",
     "WorkloadInputs",
+    "decode_saturated",
     "erlang_c",
     "evaluate",
     "failing_sides",
@@ -866,6 +867,15 @@ def failing_sides(
     return prefill_bad, decode_bad
 
 
+def decode_saturated(observed: ObservedSignals, kv_full: float = 0.95) -> bool:
+    """Decode is the bottleneck now: its KV is over ``kv_full`` and transferred requests wait
+    for admission (stronger evidence than :func:`failing_sides`, whose TTFT-with-a-queue rule
+    also fires while a cold prefill pool, not decode, holds the tail)."""
+    return (observed.decode_kv_usage or 0.0) > kv_full and (
+        observed.decode_queue_depth or 0.0
+    ) > 0.0
+
+
 def fast_adjust(
     target: tuple[int, int],
     current: tuple[int, int],
@@ -873,6 +883,7 @@ def fast_adjust(
     slo: SloInputs,
     tolerance: float = 1.2,
     at_budget: bool = False,
+    decode_kv_keep: float = 0.8,
 ) -> tuple[int, int]:
     """Fast loop: raise the slow loop's target one instance above the current size on the side
     that is failing now (TTFT p90 over ``tolerance`` x SLO with a prefill queue; decode KV over
@@ -880,7 +891,12 @@ def fast_adjust(
     decode evidence: in PD most are prefill time-budget aborts, which the anomaly loop's
     pressure hint turns into prefill growth. Off the budget cap it never lowers anything; at
     the cap (``at_budget``) the side that is not failing gives up one instance so the other can
-    grow after it drained. ``next_replicas`` then bounds the steps and orders them."""
+    grow after it drained. ``next_replicas`` then bounds the steps and orders them.
+
+    Decode is never lowered below the size its observed KV use needs (used fraction x current
+    size / ``decode_kv_keep``): a plan for a lower decode count made on other signals (a session
+    storm reads as prefill demand, while the sessions it starts will soon fill decode) must not
+    cut KV that is in use, since a decode shortage is a cliff under closed-loop traffic."""
     want_p, want_d = target
     prefill_bad, decode_bad = failing_sides(observed, slo, tolerance)
     if prefill_bad:
@@ -892,6 +908,9 @@ def fast_adjust(
             want_d = min(want_d, current[1] - 1)
         else:
             want_p = min(want_p, current[0] - 1)
+    if observed.decode_kv_usage is not None and want_d < current[1]:
+        in_use = math.ceil(current[1] * observed.decode_kv_usage / decode_kv_keep - 1e-9)
+        want_d = max(want_d, min(in_use, current[1]))
     return want_p, want_d
 
 
@@ -991,7 +1010,7 @@ def next_replicas(
     state: ControlState,
     now: float,
     config: ControlConfig,
-    failing: tuple[bool, bool] = (False, False),
+    decode_failing: bool = False,
 ) -> ControlDecision:
     """Bounded, hysteretic step from ``current`` toward ``recommendation``.
 
@@ -999,11 +1018,16 @@ def next_replicas(
     terminating) plus any growth never exceed the budget; a pool grows at the budget cap only
     after the other pool's scale-down has finished (its pods equal its spec).
 
-    ``failing`` (prefill, decode), from :func:`failing_sides`: at the cap, when a pool that is
-    failing now wants to grow and the budget blocks it, the other pool's lower target (past the
-    deadband) is taken as a rebalance step at once, without the ``rebalance_stable_s`` wait
-    that filters noise in the slow loop's targets: a pool failing now is not noise. Cooldown,
-    deadband and step bounds still apply, and the growth still waits for the removed pods.
+    ``decode_failing`` (decode saturated now, :func:`decode_saturated`, while prefill is not
+    failing; when both fail the fleet is overloaded rather than misallocated): at the cap, when
+    the budget blocks decode growth, prefill's lower target (past the deadband) is taken as a
+    rebalance step at once, without the ``rebalance_stable_s`` wait that filters noise in the
+    slow loop's targets. Only in that direction: a decode shortage is a cliff under closed-loop
+    agent traffic (requests wait for KV admission and the wait counts toward TTFT) while a
+    prefill shortage stretches the TTFT tail, so capacity is rushed to decode but never taken
+    from it in a hurry (a session storm's prefill pressure passes in minutes; a decode pool cut
+    for it collapsed and stayed collapsed in the simulator). Cooldown, deadband and step bounds
+    still apply, and the growth still waits for the removed prefill pods to go.
     """
     b = config.bounds
     held = current.prefill * config.prefill_gpus + current.decode * config.decode_gpus
@@ -1035,17 +1059,14 @@ def next_replicas(
     # scale-in ``down_stable_s``) is then a rebalance step; cooldown and step bounds still
     # apply, and the growth follows only once the removed pods are gone.
     settled = now - config.rebalance_stable_s
-    p_blocked = p < min(recommendation.n_prefill, b.max_prefill)
-    d_blocked = d < min(recommendation.n_decode, b.max_decode)
     d_ready = d_why == "waiting" and d_since is not None and d_since <= settled
-    d_ready = d_ready or (failing[0] and d_why == "waiting")
-    if p_blocked and d_ready:
+    if p < min(recommendation.n_prefill, b.max_prefill) and d_ready:
         d, d_since, d_why = _rebalance_down(
             current.decode, recommendation.n_decode, b.min_decode, config
         )
     p_ready = p_why == "waiting" and p_since is not None and p_since <= settled
-    p_ready = p_ready or (failing[1] and p_why == "waiting")
-    if d_blocked and p_ready:
+    p_ready = p_ready or (decode_failing and p_why == "waiting")
+    if d < min(recommendation.n_decode, b.max_decode) and p_ready:
         p, p_since, p_why = _rebalance_down(
             current.prefill, recommendation.n_prefill, b.min_prefill, config
         )
