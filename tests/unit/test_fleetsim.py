@@ -260,3 +260,60 @@ def test_new_tokens_per_turn_modifier_applies_at_turn_time() -> None:
 
     assert uncached(shifted, 250.0, 400.0) < 0.5 * uncached(plain, 250.0, 400.0)
     assert uncached(shifted, 0.0, 150.0) == pytest.approx(uncached(plain, 0.0, 150.0), rel=0.25)
+
+
+def test_planner_policy_replans_early_when_a_side_fails() -> None:
+    """Regression (simulator: budget-capped rebalance): after a reading -> writing shift the
+    decode KV filled within a minute, but the slow loop kept its pre-shift target until its
+    next 5-minute run. While a side is failing the policy re-plans after ``replan_s``; on a
+    healthy fleet it keeps the slow period."""
+    slo = SloInputs(ttft_s=3.0, itl_ms=50.0)
+    bounds = Bounds(max_prefill=27, max_decode=27, gpu_budget=224)
+    view = FleetView(21, 7, 21, 7)
+    for metrics, replans in (
+        (_metrics(decode_kv_usage=0.98, decode_waiting=50), 2),
+        (_metrics(), 1),
+    ):
+        policy = RatioPlannerPolicy(P, D, slo, bounds, start_s=0.0)
+        policy(0.0, _metrics(), view)
+        policy(policy.replan_s + 30.0, metrics, view)
+        assert policy.recommendations == replans
+
+
+def test_prefill_pressure_does_not_rush_a_cut_of_decode_at_the_cap() -> None:
+    """Regression (simulator: session storm): during the storm the slow loop's over-capacity
+    plan was 27P:5D and prefill was failing; a rebalance taken at once cut decode 8 -> 6, which
+    then collapsed (KV full, requests waiting) and stayed collapsed (quick run: 23.3 -> 8.9
+    req/s). Capacity is rushed only to a failing decode: with prefill failing, decode keeps
+    its pods for ``rebalance_stable_s`` as before."""
+    slo = SloInputs(ttft_s=3.0, itl_ms=50.0)
+    bounds = Bounds(max_prefill=31, max_decode=31, gpu_budget=256)
+    policy = RatioPlannerPolicy(P, D, slo, bounds, start_s=0.0)
+    policy.target, policy.last_slow = (27, 5), 0.0
+    hot = _metrics(ttft_p90_s=4.5, prefill_backlog_s=4.4, decode_kv_usage=0.5)
+    view = FleetView(24, 8, 24, 8)
+    for now in np.arange(30.0, 290.0, 30.0):
+        policy.last_slow = now  # keep the slow target fixed: this guards the control step
+        assert policy(float(now), hot, view)[1] == 8
+
+
+def test_planner_policy_rushes_capacity_to_decode_only_when_decode_is_saturated() -> None:
+    """Guards the urgent rebalance's trigger. Budget-capped rebalance: decode KV full with
+    requests waiting and a healthy prefill -> the prefill step of 21P:7D -> 15P:13D is taken
+    on the first tick. Long tool pauses (regression: 96% -> 92% of exhaustive): in the cold
+    start TTFT was over with one request waiting for decode at 85% KV, which also reads as
+    'decode failing'; rushing a 25P:7D -> 23P:9D move on that cost the run 1 req/s, so there
+    the lower prefill target still waits ``rebalance_stable_s``."""
+    slo = SloInputs(ttft_s=3.0, itl_ms=50.0)
+
+    def first_prefill(target: tuple[int, int], fleet: tuple[int, int], m: Metrics) -> int:
+        n = sum(fleet)
+        bounds = Bounds(max_prefill=n - 1, max_decode=n - 1, gpu_budget=8 * n)
+        policy = RatioPlannerPolicy(P, D, slo, bounds, start_s=0.0)
+        policy.target, policy.last_slow = target, 30.0
+        return policy(30.0, m, FleetView(*fleet, *fleet))[0]
+
+    saturated = _metrics(ttft_p90_s=12.9, decode_kv_usage=0.99, decode_waiting=174)
+    assert first_prefill((15, 13), (21, 7), saturated) == 15
+    cold = _metrics(ttft_p90_s=23.6, prefill_backlog_s=1.2, decode_kv_usage=0.85, decode_waiting=1)
+    assert first_prefill((23, 9), (25, 7), cold) == 25

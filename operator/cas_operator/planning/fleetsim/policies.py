@@ -8,8 +8,10 @@ and returns target (prefill, decode) replicas. State lives in the policy object.
   run on a forecast (max of the recent and smoothed arrival rate, times a headroom) built from
   the observed lengths, first-turn share and tool pauses; its recommendation passes through
   ``next_replicas`` (bounded steps, hysteresis, cooldown >= pod start, budget incl. draining
-  pods, drain-confirm-then-grow). Fast loop: every tick, when TTFT p90 or decode KV is over its
-  limit, one bounded step above the slow target on the side at fault.
+  pods, drain-confirm-then-grow). While a side is failing the slow loop re-plans after
+  ``replan_s`` (the load no longer matches the plan). Fast loop: every tick, when TTFT p90 or
+  decode KV is over its limit, one bounded step above the slow target on the side at fault;
+  at the cap, a saturated decode with a healthy prefill takes prefill's rebalance step at once.
 - :class:`MeanBasedPolicy`: a Dynamo-style throughput planner from its published equations:
   ``N_P = ceil(rate * ISL / thpt_P)`` and ``N_D = ceil(rate * OSL / thpt_D)``, where the
   per-instance throughputs come from the profile at mean lengths, a fixed prefix hit rate and
@@ -33,6 +35,8 @@ from cas_operator.planning.ratio import (
     RatioRecommendation,
     SloInputs,
     WorkloadInputs,
+    decode_saturated,
+    failing_sides,
     fast_adjust,
     next_replicas,
     recommend,
@@ -59,6 +63,7 @@ class RatioPlannerPolicy:
     slo: SloInputs
     bounds: Bounds
     slow_s: float = 300.0
+    replan_s: float = 120.0  # earliest re-plan while a side is failing (the load has changed)
     start_s: float = 150.0  # first slow loop once the metric window holds real traffic
     calibrate: bool = True  # rescale the decode KV model by the observed KV use
     headroom: float = 1.1
@@ -143,19 +148,23 @@ class RatioPlannerPolicy:
         return rec.n_prefill, rec.n_decode
 
     def __call__(self, now: float, m: Metrics, fleet: FleetView) -> tuple[int, int]:
-        if now >= self.start_s and now - self.last_slow >= self.slow_s:
-            new = self._slow(m, fleet)
-            if new is not None:
-                self.target = new
-                self.last_slow = now
-        if self.target is None:
-            return fleet.prefill, fleet.decode
         observed = ObservedSignals(
             ttft_p90_s=m.ttft_p90_s,
             prefill_queue_depth=m.prefill_backlog_s - self.slo.ttft_s,
             decode_kv_usage=m.decode_kv_usage,
             decode_queue_depth=float(m.decode_waiting),
         )
+        failing = failing_sides(observed, self.slo)
+        # A side failing now means the load no longer matches the last plan: re-plan on the
+        # latest window after ``replan_s`` instead of waiting out the slow period.
+        due = self.slow_s if not any(failing) else min(self.slow_s, self.replan_s)
+        if now >= self.start_s and now - self.last_slow >= due:
+            new = self._slow(m, fleet)
+            if new is not None:
+                self.target = new
+                self.last_slow = now
+        if self.target is None:
+            return fleet.prefill, fleet.decode
         budget = self.bounds.gpu_budget
         held = fleet.prefill_pods * self.prefill.gpus + fleet.decode_pods * self.decode.gpus
         at_budget = budget is not None and held + min(self.prefill.gpus, self.decode.gpus) > budget
@@ -182,7 +191,10 @@ class RatioPlannerPolicy:
             max_step_fraction=self.max_step_fraction,
         )
         cur = CurrentReplicas(fleet.prefill, fleet.decode, fleet.prefill_pods, fleet.decode_pods)
-        dec = next_replicas(cur, rec, self.state, now, cfg)
+        # Capacity is rushed to decode only when it is the bottleneck (KV full with requests
+        # waiting) and prefill is healthy; both failing is overload, not a misallocation.
+        urgent = decode_saturated(observed) and not failing[0]
+        dec = next_replicas(cur, rec, self.state, now, cfg, decode_failing=urgent)
         self.state = dec.state
         return dec.prefill, dec.decode
 
