@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from cas_operator.api import constants as c
@@ -107,10 +108,24 @@ def _apply_one(
             f"need the LeaderWorkerSet controller ({key[1]} not created)",
         ), None
     except Exception as exc:
+        where = f"{key[0]} {manifest['metadata']['namespace']}/{key[1]}"
+        if _namespace_terminating(exc):  # the resource goes with its namespace: not a fault
+            log.debug("not applying %s: its namespace is being deleted", where)
+            return None, None
+        log.warning("apply of %s failed: %s", where, exc)
         return Problem(c.REASON_APPLY_FAILED, f"{key[0]} {key[1]}: {exc}"), None
     if key[0] not in WORKLOAD_KINDS or not isinstance(answer, dict):
         return None, None
     return None, ObservedWorkload.from_object({**answer, "kind": key[0]})
+
+
+def _namespace_terminating(exc: Exception) -> bool:
+    """The API server's refusal to create anything in a namespace being deleted."""
+    return (
+        isinstance(exc, ApiException)
+        and exc.status == 403
+        and "being terminated" in str(exc.body or "")
+    )
 
 
 @dataclass

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from typing import Any
 
 import pytest
+from kubernetes.client.exceptions import ApiException
 
 from cas_operator.api import constants as c
 from cas_operator.kube import KindNotInstalled
@@ -166,3 +168,22 @@ def test_a_workload_the_watch_has_not_delivered_yet_is_not_reapplied() -> None:
     kube.applies.clear()
     watched(kube, full=False, observed=drifted, apply_missing=False)
     assert [name for _, name in kube.applies] == [partial[0].name]  # drift is always repaired
+
+
+def test_a_namespace_being_deleted_is_not_reported_as_a_failed_apply() -> None:
+    """Seen at bench-operator N=200: resources of a namespace being deleted were resumed and
+    every apply answered 403 'being terminated'; that is not a fault to show as Degraded."""
+
+    class Terminating(MemoryKube):
+        def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
+            raise ApiException(status=403, reason="Forbidden", body=json.dumps({
+                "message": 'unable to create new content in namespace ns because it is being '
+                           'terminated'}))  # fmt: skip
+
+    class Refused(MemoryKube):
+        def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
+            raise ApiException(status=403, reason="Forbidden", body="RBAC says no")
+
+    assert run(Terminating(), SPEC).status["conditions"][2]["status"] == "False"
+    degraded = run(Refused(), SPEC).status["conditions"][2]
+    assert degraded["status"] == "True" and degraded["reason"] == c.REASON_APPLY_FAILED
