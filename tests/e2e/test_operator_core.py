@@ -242,6 +242,30 @@ def test_delete_garbage_collects_children(
     wait_until("children garbage-collected", gone, timeout=60)
 
 
+def test_a_deleted_pool_is_recreated_from_its_delete_event(
+    operator: OperatorProcess, kubectl: Kubectl, namespace: str
+) -> None:
+    """Guards the DELETED-event path: refreshes no longer create workloads merely missing from
+    the watch-fed index (it lags our own applies), so a pool someone deletes must come back
+    from its DELETED event, well before the 30 s timer and the index-settle window."""
+    manifest = small("minimal.yaml", prefill={"tensorParallel": 1}, decode={"tensorParallel": 1})
+    apply(kubectl, namespace, manifest)
+    wait_ready(kubectl, namespace, "minimal")
+    (decode,) = [d for d in children(kubectl, namespace, "deploy", "minimal")
+                 if d["metadata"]["labels"]["cas.dev/role"] == "decode"]  # fmt: skip
+    name, uid = decode["metadata"]["name"], decode["metadata"]["uid"]
+    kubectl("delete", "deploy", name, "-n", namespace, "--wait=true", "--timeout=60s")
+    deleted = time.monotonic()
+
+    def recreated() -> bool:
+        found = get_json(kubectl, "deploy", name, "-n", namespace)
+        return bool(found) and found["metadata"]["uid"] != uid
+
+    wait_until("the decode Deployment re-created", recreated, timeout=15)
+    assert time.monotonic() - deleted < 15  # the timer path would take 23 s or more
+    wait_ready(kubectl, namespace, "minimal")
+
+
 SCHEMA_REJECTIONS = [
     ({"prefill": {"tensorParallel": 8, "contextParallel": 3}}, "contextParallel must divide"),
     ({"prefill": {"layerSplit": True}}, "layerSplit requires contextParallel > 1"),
