@@ -390,6 +390,8 @@ def _refresh_owner(
     index, *workload_indexes = indexes
     try:
         for owner in index.get(key, []):
+            if not _alive_if_children_deleted(key, owner):
+                continue
             outcome = _pass(
                 owner["metadata"], owner.get("spec", {}), owner.get("status"),
                 full=full, trigger="timer" if full else "child",
@@ -402,6 +404,22 @@ def _refresh_owner(
                 _post(owner, outcome.events)
     except Exception:  # the timer retries; a refresh must never kill the pool
         logging.getLogger(__name__).exception("status refresh of %s/%s failed", namespace, name)
+
+
+def _alive_if_children_deleted(key: tuple[str, str], owner: dict[str, Any]) -> bool:
+    """A child's DELETED event lets the next pass re-create it; but the garbage collector
+    deletes children because their owner is gone, and the index may still hold the owner: one
+    GET says whether it (this incarnation) still exists and is not being deleted."""
+    with _lock:
+        if key not in _child_deleted:
+            return True
+    found = kube().get(c.KIND, *key)
+    meta = (found or {}).get("metadata", {})
+    if meta.get("uid") == owner["metadata"].get("uid") and not meta.get("deletionTimestamp"):
+        return True
+    with _lock:
+        _child_deleted.discard(key)
+    return False
 
 
 @kopf.on.startup()

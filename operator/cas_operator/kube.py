@@ -160,6 +160,16 @@ class Kube:
         items: list[Manifest] = result.get("items", [])
         return items
 
+    def get(self, kind: str, namespace: str, name: str) -> Manifest | None:
+        """One object; None when it does not exist."""
+        try:
+            found: Manifest = self._call("GET", f"{KINDS[kind].base_path(namespace)}/{name}")
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return found
+
     def delete(self, kind: str, namespace: str, name: str) -> None:
         """Delete with background propagation; a missing object is not an error."""
         body = {"propagationPolicy": "Background"}

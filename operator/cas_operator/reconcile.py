@@ -145,24 +145,24 @@ def apply_children(
     apply_missing: bool = True,
 ) -> Applied:
     """Step 3: apply tier by tier, each tier's children concurrently (a tier waits for the one
-    before). Without `full`, only workloads whose spec-hash differs from the observed one, and
-    (with `apply_missing`) those not observed at all."""
-    current_hashes = {(w.kind, w.name): w.spec_hash for w in observed}
+    before). Without `full`, only workloads whose spec-hash or replicas differ from the
+    observed ones (someone edited or scaled them), and (with `apply_missing`) those not
+    observed at all."""
+    current = {(w.kind, w.name): w for w in observed}
 
     def stale(m: dict[str, Any]) -> bool:
-        key = (m["kind"], m["metadata"]["name"])
-        if key not in current_hashes:
+        seen = current.get((m["kind"], m["metadata"]["name"]))
+        if seen is None:
             return apply_missing
         want: str = m["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH]
-        return current_hashes[key] != want
+        return seen.spec_hash != want or seen.replicas != m["spec"].get("replicas", seen.replicas)
 
     todo = [m for m in manifests if full or (m["kind"] in WORKLOAD_KINDS and stale(m))]
     if not full:
         for m in todo:
-            key = (m["kind"], m["metadata"]["name"])
-            log.info("re-applying %s %s (spec-hash %s, want %s)", *key,
-                     current_hashes.get(key, "missing"),
-                     m["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH])  # fmt: skip
+            seen = current.get((m["kind"], m["metadata"]["name"]))
+            log.info("re-applying %s %s: %s", m["kind"], m["metadata"]["name"],
+                     "missing" if seen is None else "edited or scaled by someone else")  # fmt: skip
     problems: list[Problem] = []
     workloads: list[ObservedWorkload] = []
     for tier in sorted({apply_tier(m) for m in todo}):

@@ -197,3 +197,33 @@ def test_the_timer_leaves_a_pending_create_to_its_handler(monkeypatch: pytest.Mo
     handlers._last_full_apply["u1"] -= handlers.FULL_APPLY_SECONDS + 1
     asyncio.run(handlers.on_timer(meta=META))  # type: ignore[arg-type]
     assert [full for _, full in queued] == [False, False, True]
+
+
+@pytest.mark.parametrize(
+    ("server_copy", "passes"),
+    [
+        (None, 0),  # the owner is gone: its children were garbage-collected
+        ({"metadata": {"uid": "u1", "deletionTimestamp": "2026-01-01T00:00:00Z"}}, 0),
+        ({"metadata": {"uid": "other"}}, 0),  # a new object with the same name
+        ({"metadata": {"uid": "u1"}}, 1),  # someone deleted a child: re-create it
+    ],
+)
+def test_children_deleted_with_their_owner_are_not_recreated(
+    monkeypatch: pytest.MonkeyPatch, server_copy: Any, passes: int
+) -> None:
+    """Guards the DELETED-event path against resurrecting the children of a deleted owner
+    that the index still holds (its watch lags the garbage collector's deletes)."""
+    ran: list[bool] = []
+
+    class Server:
+        def get(self, kind: str, namespace: str, name: str) -> Any:
+            return server_copy
+
+    monkeypatch.setattr(handlers, "_pass", lambda *_, **__: ran.append(True))
+    monkeypatch.setattr(handlers, "_kube", Server())
+    monkeypatch.setattr(handlers, "_child_deleted", {("ns", "demo")})
+    monkeypatch.setattr(handlers, "_full_due", set())
+    owner = {"metadata": META, "spec": {}, "status": {}}
+    indexes = ({("ns", "demo"): [owner]}, {}, {})
+    handlers._refresh_owner(("ns", "demo"), indexes, time.monotonic())  # type: ignore[arg-type]
+    assert len(ran) == passes

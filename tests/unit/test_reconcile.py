@@ -88,6 +88,17 @@ def test_timer_pass_reapplies_a_drifted_workload() -> None:
     assert kube.applies == [key]
 
 
+def test_a_pool_scaled_by_hand_is_scaled_back_by_the_next_refresh() -> None:
+    """`kubectl scale` leaves our spec-hash annotation alone; the replicas tell."""
+    kube = MemoryKube()
+    run(kube, SPEC)
+    key = next(k for k in kube.objects if k[0] == "Deployment")
+    kube.objects[key]["spec"]["replicas"] = 5
+    kube.applies.clear()
+    run(kube, SPEC, full=False)
+    assert kube.applies == [key] and kube.objects[key]["spec"]["replicas"] != 5
+
+
 def test_invalid_spec_reports_field_and_applies_nothing() -> None:
     kube = MemoryKube()
     outcome = run(kube, {"model": {"name": "glm-5"}, "prefill": {"tensorParallel": 0}})
