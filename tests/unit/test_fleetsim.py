@@ -300,7 +300,9 @@ def test_prefill_pressure_does_not_rush_a_cut_of_decode_at_the_cap() -> None:
 def test_planner_policy_rushes_capacity_to_decode_only_when_decode_is_saturated() -> None:
     """Guards the urgent rebalance's trigger. Budget-capped rebalance: decode KV full with
     requests waiting and a healthy prefill -> the prefill step of 21P:7D -> 15P:13D is taken
-    on the first tick. Long tool pauses (regression: 96% -> 92% of exhaustive): in the cold
+    on the first tick, but only when the plan itself asks for more decode (the fast loop's
+    one-instance nudge for a queue at the right split keeps the wait). Long tool pauses
+    (regression: 96% -> 92% of exhaustive): in the cold
     start TTFT was over with one request waiting for decode at 85% KV, which also reads as
     'decode failing'; rushing a 25P:7D -> 23P:9D move on that cost the run 1 req/s, so there
     the lower prefill target still waits ``rebalance_stable_s``."""
@@ -315,5 +317,8 @@ def test_planner_policy_rushes_capacity_to_decode_only_when_decode_is_saturated(
 
     saturated = _metrics(ttft_p90_s=12.9, decode_kv_usage=0.99, decode_waiting=174)
     assert first_prefill((15, 13), (21, 7), saturated) == 15
+    # the plan itself asks for no more decode (a queue at the right split): no rush
+    assert first_prefill((14, 14), (13, 15), saturated) == 13
+    assert first_prefill((13, 13), (15, 13), saturated) == 15
     cold = _metrics(ttft_p90_s=23.6, prefill_backlog_s=1.2, decode_kv_usage=0.85, decode_waiting=1)
     assert first_prefill((23, 9), (25, 7), cold) == 25

@@ -360,6 +360,21 @@ def test_fast_adjust_never_cuts_decode_kv_that_is_in_use() -> None:
     assert fast_adjust((4, 12), (6, 8), ObservedSignals(decode_kv_usage=0.9), slo) == (4, 12)
 
 
+def test_fast_adjust_at_the_cap_does_not_take_from_a_side_the_plan_wants_to_grow() -> None:
+    """Regression (simulator, 1-hour budget-capped rebalance): after the move to 13P:15D the
+    queued sessions kept decode KV full, the slow loop asked for 14P:14D, and the fast loop
+    still took one prefill instance for decode every time: the fleet walked to 11P:17D, away
+    from the plan. At the cap the healthy side gives up an instance only when the plan does
+    not want it to grow; the failing side is still raised."""
+    slo = SloInputs(ttft_s=3.0, itl_ms=50.0)
+    full = ObservedSignals(ttft_p90_s=8.0, decode_kv_usage=0.98, decode_queue_depth=150.0)
+    assert fast_adjust((14, 14), (13, 15), full, slo, at_budget=True) == (14, 16)
+    assert fast_adjust((13, 15), (13, 15), full, slo, at_budget=True) == (12, 16)
+    hot = ObservedSignals(ttft_p90_s=8.0, prefill_queue_depth=2.0, decode_kv_usage=0.3)
+    assert fast_adjust((24, 9), (24, 8), hot, slo, at_budget=True) == (25, 9)
+    assert fast_adjust((24, 7), (24, 8), hot, slo, at_budget=True) == (25, 7)
+
+
 def test_observed_decode_kv_use_recalibrates_decode() -> None:
     """Guards the decode calibration path: a fleet whose decode KV is measured fuller than the
     model predicts (long-tail fragmentation, retractions) gets more decode instances."""

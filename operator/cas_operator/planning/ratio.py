@@ -891,7 +891,8 @@ def fast_adjust(
     decode evidence: in PD most are prefill time-budget aborts, which the anomaly loop's
     pressure hint turns into prefill growth. Off the budget cap it never lowers anything; at
     the cap (``at_budget``) the side that is not failing gives up one instance so the other can
-    grow after it drained. ``next_replicas`` then bounds the steps and orders them.
+    grow after it drained, unless the slow loop's target wants that side to grow.
+    ``next_replicas`` then bounds the steps and orders them.
 
     Decode is never lowered below the size its observed KV use needs (used fraction x current
     size / ``decode_kv_keep``): a plan for a lower decode count made on other signals (a session
@@ -904,9 +905,13 @@ def fast_adjust(
     if decode_bad:
         want_d = max(want_d, current[1] + 1)
     if at_budget and prefill_bad != decode_bad:
-        if prefill_bad:
+        # Only from a side the slow loop does not itself want to grow: the fast loop corrects
+        # what the model misses, it does not overrule the model's own call that a side is short
+        # (a closed-loop backlog keeps decode KV full at the right split; taking prefill for it
+        # anyway walked a capped fleet from 13P:15D to 11P:17D, away from the plan's 14P:14D).
+        if prefill_bad and target[1] <= current[1]:
             want_d = min(want_d, current[1] - 1)
-        else:
+        elif decode_bad and target[0] <= current[0]:
             want_p = min(want_p, current[0] - 1)
     if observed.decode_kv_usage is not None and want_d < current[1]:
         in_use = math.ceil(current[1] * observed.decode_kv_usage / decode_kv_keep - 1e-9)

@@ -192,8 +192,10 @@ class RatioPlannerPolicy:
         )
         cur = CurrentReplicas(fleet.prefill, fleet.decode, fleet.prefill_pods, fleet.decode_pods)
         # Capacity is rushed to decode only when it is the bottleneck (KV full with requests
-        # waiting) and prefill is healthy; both failing is overload, not a misallocation.
-        urgent = decode_saturated(observed) and not failing[0]
+        # waiting), prefill is healthy (both failing is overload, not a misallocation) and the
+        # slow loop's plan itself asks for more decode (the fast loop's one-instance nudge
+        # keeps the stability wait).
+        urgent = decode_saturated(observed) and not failing[0] and self.target[1] > fleet.decode
         dec = next_replicas(cur, rec, self.state, now, cfg, decode_failing=urgent)
         self.state = dec.state
         return dec.prefill, dec.decode
