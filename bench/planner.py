@@ -106,15 +106,17 @@ def scenarios(quick: bool) -> list[Scenario]:
         ),
         # At the cap before the shift (prefill-heavy splits serve it within SLO); at 15 minutes
         # the agents turn from reading (large tool results, short answers) to writing (small
-        # tool results, long answers): the same 224 GPUs still serve it, but only decode-heavy
-        # (the best split moves from ~21P:7D to ~13P:15D, and no split is good on both sides;
-        # see docs/planner.md). The 5 minutes before the shift are measured too.
+        # tool results, long answers, fewer new sessions): the same 224 GPUs still serve it,
+        # with room to drain what queued during the move, but only decode-heavy (the best split
+        # moves from ~21P:7D to ~12P:16D-13P:15D, and no split is good on both sides; see
+        # docs/planner.md). The 5 minutes before the shift are measured too.
         Scenario(
             "budget-capped-rebalance",
             replace(base, session_rate=1.25),
             (
                 Modifier("new_tokens_per_turn", 0.25, 900.0),
                 Modifier("output_tokens", 4.0, 900.0),
+                Modifier("session_rate", 0.85, 900.0),
             ),
             budget=224,
             duration_s=dur,
