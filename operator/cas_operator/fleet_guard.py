@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,11 +31,19 @@ from pydantic import ValidationError
 
 from cas_operator.api import constants as c
 from cas_operator.api.models import CodingAgentServingSpec, RatioMode, parse_spec
-from cas_operator.drain import Event, LoopState, TickResult, guard_tick, parse_time
+from cas_operator.drain import (
+    Event,
+    LoopState,
+    TickResult,
+    engine_pods,
+    guard_tick,
+    parse_time,
+    target_of,
+)
 from cas_operator.kube import Kube
-from cas_operator.observe.types import MetricsSource
+from cas_operator.observe.types import MetricsSource, Observation, PodTarget
 from cas_operator.planning import autoscale
-from cas_operator.planning.anomaly import PoolCounts, ScaleBounds
+from cas_operator.planning.anomaly import PodSignals, PoolCounts, ScaleBounds
 from cas_operator.planning.autoscale import AutoState
 from cas_operator.planning.plan import InvalidSpec, build_plan
 from cas_operator.planning.ratio import ControlState, ObservedSignals, SloInputs
@@ -79,6 +87,41 @@ class PodSnapshot:
         self.kube.delete(kind, namespace, name)
 
 
+@dataclass
+class Prefetched:
+    """A `MetricsSource` answering from one batched observation per window (taken once per
+    tick for every resource's engine pods): the source is asked once per tick and window, not
+    once per resource (at N=200 with Prometheus that was ~2,400 queries per tick; now 12 per
+    namespace). Pods outside the batch, or a batch that failed, read as unavailable."""
+
+    batches: dict[float, Observation]
+
+    def observe(self, targets: Sequence[PodTarget], window_seconds: float) -> Observation:
+        batch = self.batches.get(window_seconds)
+        if batch is None:
+            return Observation.outage(targets, "not measured this tick")
+        if batch.error is not None:
+            return Observation.outage(targets, batch.error)
+        missing = PodSignals(error="not measured this tick")
+        return Observation({t.name: batch.signals.get(t.name, missing) for t in targets})
+
+
+def prefetch(
+    source: MetricsSource,
+    snapshot: PodSnapshot,
+    specs: list[tuple[Manifest, CodingAgentServingSpec]],
+) -> Prefetched:
+    """Observe every resource's engine pods in one call per window (see `Prefetched`)."""
+    by_window: dict[float, dict[tuple[str, str], PodTarget]] = {}
+    for resource, spec in specs:
+        meta = resource["metadata"]
+        pods = engine_pods(snapshot, str(meta["namespace"]), str(meta["name"]))
+        window = by_window.setdefault(float(spec.anomaly_guard.window_seconds), {})
+        for target in map(target_of, pods):
+            window[(target.namespace, target.name)] = target
+    return Prefetched({w: source.observe(list(t.values()), w) for w, t in by_window.items()})
+
+
 POD_METADATA_KEPT = ("name", "namespace", "uid", "labels", "annotations",
                      "creationTimestamp", "deletionTimestamp")  # fmt: skip
 POD_STATUS_KEPT = ("podIP", "phase", "conditions")
@@ -92,6 +135,14 @@ def slim_pod(pod: Manifest) -> Manifest:
         "metadata": {k: meta[k] for k in POD_METADATA_KEPT if k in meta},
         "status": {k: status[k] for k in POD_STATUS_KEPT if k in status},
     }
+
+
+def _parsed(resource: Manifest) -> CodingAgentServingSpec | None:
+    """The resource's spec, or None when invalid (the spec handlers report it)."""
+    try:
+        return parse_spec(dict(resource.get("spec", {})))
+    except ValidationError:
+        return None
 
 
 def pool_counts(status: Status) -> PoolCounts | None:
@@ -179,8 +230,12 @@ class FleetGuard:
         now = time.time() if now is None else now
         namespaces = {str(r["metadata"]["namespace"]) for r in resources}
         snapshot = PodSnapshot.take(self.kube, sorted(namespaces))
+        specs = [(r, spec) for r in resources if (spec := _parsed(r)) is not None]
+        source = prefetch(self.source(), snapshot, specs)
         with ThreadPoolExecutor(self.guard_workers, thread_name_prefix="guard") as pool:
-            written = sum(pool.map(lambda r: self._guard_one(snapshot, r, now), resources))
+            written = sum(
+                pool.map(lambda rs: self._guard_one(snapshot, source, rs[0], rs[1], now), specs)
+            )
         live = {str(r["metadata"]["uid"]) for r in resources}
         for uid in set(self.states) - live:  # deleted resources
             del self.states[uid]
@@ -193,17 +248,20 @@ class FleetGuard:
         self.last_tick_seconds = time.monotonic() - started
         return written
 
-    def _guard_one(self, snapshot: PodSnapshot, resource: Manifest, now: float) -> int:
+    def _guard_one(
+        self,
+        snapshot: PodSnapshot,
+        source: MetricsSource,
+        resource: Manifest,
+        parsed: CodingAgentServingSpec,
+        now: float,
+    ) -> int:
         meta = resource["metadata"]
-        try:
-            parsed = parse_spec(dict(resource.get("spec", {})))
-        except ValidationError:
-            return 0  # the spec handlers report it
         current = dict(resource.get("status") or {})
         try:
             result = guard_tick(
                 snapshot,
-                self.source(),
+                source,
                 name=str(meta["name"]),
                 namespace=str(meta["namespace"]),
                 spec=parsed.anomaly_guard,

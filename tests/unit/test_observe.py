@@ -34,18 +34,29 @@ class Server:
     host: str = "127.0.0.1"
     seen: list[str] = field(default_factory=list)
     port: int = 0
+    max_url: int = 8192
 
     def handler(self) -> type[BaseHTTPRequestHandler]:
         server = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
+                if len(self.path) > server.max_url:  # a proxy's request-line limit
+                    self.send_error(414)
+                    return
                 url = urlparse(self.path)
-                query = parse_qs(url.query)
-                server.seen.extend(query.get("query", [url.path]))
+                self.answer(url.path, parse_qs(url.query))
+
+            def do_POST(self) -> None:  # Prometheus queries are form-encoded POSTs
+                length = int(self.headers.get("Content-Length", "0"))
+                form = parse_qs(self.rfile.read(length).decode())
+                self.answer(urlparse(self.path).path, form)
+
+            def answer(self, path: str, query: dict[str, list[str]]) -> None:
+                server.seen.extend(query.get("query", [path]))
                 if server.delay:
                     time.sleep(server.delay)
-                code, body = server.respond(url.path, query)
+                code, body = server.respond(path, query)
                 try:
                     self.send_response(code)
                     self.send_header("Content-Length", str(len(body)))
@@ -152,6 +163,20 @@ def test_prometheus_joins_signals_per_pod(serve: Callable[[Server], Server]) -> 
     windowed = [q for q in srv.seen if "increase(" in q]
     assert windowed and all("[300s]" in q and 'namespace="ns"' in q for q in windowed)
     assert all('pod=~"d0|d1|p0"' in q for q in srv.seen)
+
+
+def test_a_fleet_wide_batch_fits_behind_a_proxy(serve: Callable[[Server], Server]) -> None:
+    """The anomaly loop asks once per tick for every engine pod of a namespace: 600 pod names
+    make a query far longer than the 8 KiB request line proxies allow; queries are POSTed."""
+    names = [f"fleet-{i:04d}-decode-2b92302f-7d9c8b6f5-x{i:04d}" for i in range(600)]
+    up = {n: 1.0 for n in names}
+    srv = serve(Server(prom_answers(up, {n: 1.0 for n in names})))
+    obs = PrometheusSource(f"http://127.0.0.1:{srv.port}").observe(
+        [PodTarget(n, "decode", "ns") for n in names], 300
+    )
+    assert obs.error is None and len(obs.signals) == 600
+    assert all(s.error is None for s in obs.signals.values())
+    assert max(len(q) for q in srv.seen) > srv.max_url
 
 
 def test_prometheus_target_health_is_explicit(serve: Callable[[Server], Server]) -> None:

@@ -1,4 +1,4 @@
-"""One small HTTP GET with a hard timeout (urllib; the operator's timer runs in a thread)."""
+"""Small HTTP requests with a hard timeout (urllib; the anomaly loop runs in a thread)."""
 
 from __future__ import annotations
 
@@ -15,16 +15,31 @@ def get(url: str, params: dict[str, str] | None, timeout: float, max_bytes: int)
     """GET `url?params`; raises FetchError for every failure (`timeout` bounds each socket wait)."""
     if params:
         url = f"{url}?{urllib.parse.urlencode(params)}"
+    return _fetch(urllib.request.Request(url), timeout, max_bytes)
+
+
+def post_form(url: str, params: dict[str, str], timeout: float, max_bytes: int) -> bytes:
+    """POST `params` form-encoded (for queries too long for a URL: proxies in front of
+    Prometheus often cap request lines at 8 KiB); errors as `get`."""
+    body = urllib.parse.urlencode(params).encode()
+    request = urllib.request.Request(
+        url, data=body, headers={"Content-Type": "application/x-www-form-urlencoded"}
+    )
+    return _fetch(request, timeout, max_bytes)
+
+
+def _fetch(request: urllib.request.Request, timeout: float, max_bytes: int) -> bytes:
+    where = request.full_url.split("?")[0]
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
             body: bytes = resp.read(max_bytes + 1)
     except urllib.error.HTTPError as exc:
         detail = exc.read(300).decode("utf-8", errors="replace").strip()
-        raise FetchError(f"HTTP {exc.code} from {url.split('?')[0]}: {detail}") from exc
+        raise FetchError(f"HTTP {exc.code} from {where}: {detail}") from exc
     except urllib.error.URLError as exc:
-        raise FetchError(f"{url.split('?')[0]}: {exc.reason}") from exc
+        raise FetchError(f"{where}: {exc.reason}") from exc
     except (TimeoutError, OSError) as exc:
-        raise FetchError(f"{url.split('?')[0]}: {exc or type(exc).__name__}") from exc
+        raise FetchError(f"{where}: {exc or type(exc).__name__}") from exc
     if len(body) > max_bytes:
-        raise FetchError(f"{url.split('?')[0]}: answer larger than {max_bytes} bytes")
+        raise FetchError(f"{where}: answer larger than {max_bytes} bytes")
     return body

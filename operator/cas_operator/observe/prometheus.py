@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cas_operator.observe import types as m
-from cas_operator.observe.http import FetchError, get
+from cas_operator.observe.http import FetchError, post_form
 from cas_operator.observe.types import Observation, PodTarget
 from cas_operator.planning.anomaly import PodSignals
 
@@ -119,7 +119,7 @@ class PrometheusSource:
     def _query(self, purpose: str, promql: str, extra: str | None = None) -> Vector:
         """One instant query -> {(namespace, pod): {extra label value or "": value}}."""
         try:
-            raw = get(
+            raw = post_form(  # one batch names every engine pod of a namespace: long
                 f"{self.url.rstrip('/')}/api/v1/query",
                 {"query": promql},
                 self.timeout_seconds,
