@@ -120,6 +120,21 @@ def test_constant_load_does_not_oscillate() -> None:
     assert all(seen[i][0] >= seen[i - 1][0] and seen[i][1] >= seen[i - 1][1] for i in changes)
 
 
+def test_a_saturated_decode_at_the_cap_takes_prefill_at_once() -> None:
+    """Auto passes the simulator-proven rush (docs/planner.md, budget-capped rebalance): at
+    the budget cap, with decode KV full AND requests waiting for it, and the planner asking for
+    more decode, prefill's lower target is taken now; KV full alone, or a starving prefill,
+    keeps the rebalance wait (a storm's prefill pressure passes; a cut decode collapsed)."""
+    cap = inputs(6, 2, gpu_budget=64)
+    saturated = ObservedSignals(decode_kv_usage=0.97, decode_queue_depth=3.0)
+    assert auto_step(cap, (4, 4), saturated, None, T0).prefill < 6
+    full_only = ObservedSignals(decode_kv_usage=0.97, decode_queue_depth=0.0)
+    assert auto_step(cap, (4, 4), full_only, None, T0).prefill == 6
+    starving = ScaleHint(prefill=7, decode=2, reason="prefill queue")
+    assert auto_step(cap, (4, 4), saturated, starving, T0).prefill == 6
+    assert auto_step(cap, (6, 2), saturated, None, T0).prefill == 6  # the planner is content
+
+
 def test_budget_is_never_exceeded_counting_pods_still_terminating() -> None:
     """At the cap growth waits for terminating pods: 8 decode pods still exist though the
     spec says 6, so prefill (4 -> 6 wanted) may not grow onto their GPUs yet."""

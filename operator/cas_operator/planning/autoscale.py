@@ -7,7 +7,8 @@ rate, prefill queue, decode KV use, aborts) -> the caller's planner recommendati
 load (slow loop) -> `auto_step`: the anomaly loop's sustained-pressure hint and
 `ratio.fast_adjust` (one more instance on a side failing now) -> `ratio.next_replicas` (bounded
 step, deadband, scale-down only after the lower target held, cooldown >= pod start time, GPU
-budget counting pods not gone yet, at the cap shrink-then-grow) -> ratio bounds -> a new
+budget counting pods not gone yet, at the cap shrink-then-grow, at once when decode is saturated
+and the planner wants more of it) -> ratio bounds -> a new
 `AutoState`. The caller keeps it in `status.autoscaler` (a restarted operator continues from
 it) and the reconcile uses its counts as the pools' replicas.
 """
@@ -29,6 +30,8 @@ from cas_operator.planning.ratio import (
     ObservedSignals,
     RatioRecommendation,
     SloInputs,
+    decode_saturated,
+    failing_sides,
     fast_adjust,
     next_replicas,
 )
@@ -253,7 +256,14 @@ def auto_step(
         pod_start_s=inputs.pod_start_s,
     )
     existing = CurrentReplicas(cur.prefill, cur.decode, inputs.prefill_pods, inputs.decode_pods)
-    decision = next_replicas(existing, _target(want), cur.control, now, config)
+    # Rush capacity to decode (at the cap: take prefill's lower target now, not after the
+    # rebalance wait) only when decode is the bottleneck, prefill is not failing too (that is
+    # overload, not a misallocation) and the planner itself wants more decode.
+    prefill_failing = failing_sides(observed, inputs.slo)[0] or (
+        pressure is not None and pressure.prefill > cur.prefill
+    )
+    urgent = decode_saturated(observed) and not prefill_failing and planned[1] > cur.decode
+    decision = next_replicas(existing, _target(want), cur.control, now, config, urgent)
     p, d = _within_ratio(
         cur.replicas, (decision.prefill, decision.decode), inputs.ratio_min, inputs.ratio_max
     )
