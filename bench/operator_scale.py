@@ -315,7 +315,7 @@ class Round:
                     / (metrics.get(f"cas_operator_reconcile_seconds_count:{t}") or 1.0),
                     1,
                 )
-                for t in ("spec", "child", "timer")
+                for t in ("spec", "resume", "refresh", "timer")
             },
             "guard_tick_mean_ms": round(
                 1000

@@ -394,7 +394,7 @@ def _refresh_owner(
                 continue
             outcome = _pass(
                 owner["metadata"], owner.get("spec", {}), owner.get("status"),
-                full=full, trigger="timer" if full else "child",
+                full=full, trigger="timer" if full else "refresh",
                 observe=lambda: indexed_workloads(key, *workload_indexes), wait=False,
             )  # fmt: skip
             if outcome is None and full:  # the running pass re-queues; keep the full apply due

@@ -15,7 +15,8 @@ API_REQUESTS = Counter(
 )
 RECONCILE_SECONDS = Histogram(
     "cas_operator_reconcile_seconds",
-    "Duration of one reconcile pass",
+    "Duration of one reconcile pass; trigger: spec (create/update), resume, refresh (a child "
+    "changed, the anomaly loop found something, or the timer), timer (the periodic full apply)",
     ["trigger"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )
