@@ -4,8 +4,9 @@
 Data flow (every `interval` seconds, started by handlers.py at operator start-up):
 the latest copy of every CodingAgentServing (kopf's watch-fed `serving_index`)
 -> one LIST of the pods of any CodingAgentServing, per namespace (`PodSnapshot`)
--> per resource, `guard_workers` at a time: `guard_tick` (observe its pods' metrics, decide,
-   act: drain label/annotations, router deregistration, deletes go straight to the API)
+-> one metrics observation of every resource's engine pods per window (`prefetch`)
+-> per resource, `guard_workers` at a time: `guard_tick` (its pods' share of that observation,
+   decide, act: drain label/annotations, router deregistration, deletes go straight to the API)
 -> for `ratio.mode` Recommend/Auto: the measured load (`autoscale.observed_signals`) and, in
    Auto, one damped replica step (`autoscale.auto_step`), kept in memory (`measured`) for the
    reconcile passes, which are asked to run (`on_change`) when the answer changed
