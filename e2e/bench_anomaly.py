@@ -147,11 +147,7 @@ async def live_direct(args: argparse.Namespace, kubeconfig: Path, run: Path) -> 
             false_drains_per_hour=false * 3600 / args.noisy_seconds,
         )
     finally:
-        stop.set()
-        if traffic is not None:
-            await traffic
-        out.update(requests_ok=load.ok, requests_failed=len(load.failures),
-                   failures_sample=load.failures[:3])  # fmt: skip
+        await _stop_load(stop, traffic, load, out)
         await stack.close()
         prom.stop()
         kubectl("delete", "namespace", namespace, "--wait=false", check=False)
@@ -185,6 +181,17 @@ async def _inject_once(stack: AnomalyStack, args: argparse.Namespace, out: dict[
 
 SIM_ARGS = ["--sim-speedup", "40", "--log-level", "warning"]
 COOLDOWN_S = Policy().cooldown_seconds  # the pool's drain cooldown in the operator
+
+
+async def _stop_load(
+    stop: asyncio.Event, traffic: asyncio.Task[Any] | None, load: LoadStats, out: dict[str, Any]
+) -> None:
+    """End the load generator and record its request counts in `out`."""
+    stop.set()
+    if traffic is not None:
+        await traffic
+    out.update(requests_ok=load.ok, requests_failed=len(load.failures),
+               failures_sample=load.failures[:3])  # fmt: skip
 
 
 def create_namespace(kubectl: Kubectl, name: str) -> None:
@@ -256,11 +263,7 @@ async def live_operator(
         out["error"] = str(exc)
         print(f"[bench] stopped: {exc}", flush=True)
     finally:
-        stop.set()
-        if traffic is not None:
-            await traffic
-        out.update(requests_ok=load.ok, requests_failed=len(load.failures),
-                   failures_sample=load.failures[:3])  # fmt: skip
+        await _stop_load(stop, traffic, load, out)
         watch_stop.set()
         await watcher
         out["load_average_1m"] = watch.summary()
