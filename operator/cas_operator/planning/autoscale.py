@@ -30,10 +30,9 @@ from cas_operator.planning.ratio import (
     ObservedSignals,
     RatioRecommendation,
     SloInputs,
-    decode_saturated,
-    failing_sides,
     fast_adjust,
     next_replicas,
+    rush_to_decode,
 )
 
 STATUS_KEY = "autoscaler"
@@ -256,13 +255,8 @@ def auto_step(
         pod_start_s=inputs.pod_start_s,
     )
     existing = CurrentReplicas(cur.prefill, cur.decode, inputs.prefill_pods, inputs.decode_pods)
-    # Rush capacity to decode (at the cap: take prefill's lower target now, not after the
-    # rebalance wait) only when decode is the bottleneck, prefill is not failing too (that is
-    # overload, not a misallocation) and the planner itself wants more decode.
-    prefill_failing = failing_sides(observed, inputs.slo)[0] or (
-        pressure is not None and pressure.prefill > cur.prefill
-    )
-    urgent = decode_saturated(observed) and not prefill_failing and planned[1] > cur.decode
+    starving = pressure is not None and pressure.prefill > cur.prefill
+    urgent = rush_to_decode(observed, inputs.slo, planned[1], cur.decode, starving)
     decision = next_replicas(existing, _target(want), cur.control, now, config, urgent)
     p, d = _within_ratio(
         cur.replicas, (decision.prefill, decision.decode), inputs.ratio_min, inputs.ratio_max

@@ -64,6 +64,7 @@ __all__ = [
     "hit_probabilities",
     "next_replicas",
     "recommend",
+    "rush_to_decode",
     "scale_down_ok",
 ]
 
@@ -874,6 +875,22 @@ def decode_saturated(observed: ObservedSignals, kv_full: float = 0.95) -> bool:
     return (observed.decode_kv_usage or 0.0) > kv_full and (
         observed.decode_queue_depth or 0.0
     ) > 0.0
+
+
+def rush_to_decode(
+    observed: ObservedSignals,
+    slo: SloInputs,
+    planned_decode: int,
+    current_decode: int,
+    prefill_pressed: bool = False,
+) -> bool:
+    """Whether ``next_replicas`` should rush capacity to decode (its ``decode_failing``):
+    decode is the bottleneck (:func:`decode_saturated`), prefill is not failing too (by TTFT,
+    or ``prefill_pressed``: another signal such as the operator's starvation hint; both
+    failing is overload, not a misallocation), and the slow loop's plan itself asks for more
+    decode (the fast loop's one-instance nudge keeps the stability wait)."""
+    prefill_failing = failing_sides(observed, slo)[0] or prefill_pressed
+    return decode_saturated(observed) and not prefill_failing and planned_decode > current_decode
 
 
 def fast_adjust(

@@ -35,11 +35,11 @@ from cas_operator.planning.ratio import (
     RatioRecommendation,
     SloInputs,
     WorkloadInputs,
-    decode_saturated,
     failing_sides,
     fast_adjust,
     next_replicas,
     recommend,
+    rush_to_decode,
 )
 
 from .engine import FleetView, Metrics
@@ -191,11 +191,7 @@ class RatioPlannerPolicy:
             max_step_fraction=self.max_step_fraction,
         )
         cur = CurrentReplicas(fleet.prefill, fleet.decode, fleet.prefill_pods, fleet.decode_pods)
-        # Capacity is rushed to decode only when it is the bottleneck (KV full with requests
-        # waiting), prefill is healthy (both failing is overload, not a misallocation) and the
-        # slow loop's plan itself asks for more decode (the fast loop's one-instance nudge
-        # keeps the stability wait).
-        urgent = decode_saturated(observed) and not failing[0] and self.target[1] > fleet.decode
+        urgent = rush_to_decode(observed, self.slo, self.target[1], fleet.decode)
         dec = next_replicas(cur, rec, self.state, now, cfg, decode_failing=urgent)
         self.state = dec.state
         return dec.prefill, dec.decode
