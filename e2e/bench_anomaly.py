@@ -64,7 +64,7 @@ from e2e.fleetview import (
     serving_decodes,
     speculative_sample,
 )
-from e2e.livestack import LiveStack, http_ok, router_url
+from e2e.livestack import LiveStack, http_ok, probed_by_runner, router_url
 from e2e.manifests import NodeShape
 from e2e.prometheus import file_sd_scrape_config, prometheus_binary, start_prometheus
 from e2e.simload import LoadStats, set_fault, steady_traffic
@@ -244,8 +244,8 @@ async def live_operator(
         stack.start(log=lambda line: print(f"[live] {line}", flush=True))
         if stack.prometheus is None:
             raise RuntimeError("prometheus missing: the operator mode measures the PromQL path")
-        kubectl("apply", "-n", namespace, "-f", "-",
-                stdin=yaml.safe_dump(speculative_sample(args.pods, args.window)))  # fmt: skip
+        manifest = probed_by_runner(speculative_sample(args.pods, args.window))
+        kubectl("apply", "-n", namespace, "-f", "-", stdin=yaml.safe_dump(manifest))
         router = await asyncio.to_thread(_wait_fleet, kubectl, namespace, args.pods)
         print(f"[bench] router {router} routes to {args.pods} decodes", flush=True)
         traffic = asyncio.create_task(

@@ -12,6 +12,10 @@ Used by `make run` (:mod:`e2e.run_local`) and the operator-process anomaly tests
    anomaly loop deregisters draining pods from ``http://<router pod IP>:8000``, which is where
    the runner put the router.
 
+The runner also plays the kubelet's readiness prober for engine pods that opt in (see
+:func:`probed_by_runner`): KWOK leaves them not Ready until their sim answers its readinessProbe,
+so a replacement pod joins the router and the pools' ready counts only once it serves.
+
 Ownership: the stack owns the runner thread and the processes the runner started, Prometheus and
 the operator; :meth:`LiveStack.close` stops them in reverse order. The namespace, the custom
 resources and the cluster belong to the caller.
@@ -20,6 +24,7 @@ resources and the cluster belong to the caller.
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
 import time
 import urllib.request
@@ -31,8 +36,9 @@ from typing import Any
 import yaml
 
 from cas_operator.api import constants as c
+from e2e.manifests import PROBED_READINESS, READINESS_TOLERATION_KEY
 from e2e.operator_process import OperatorProcess
-from e2e.podrunner import ROUTER_SHIM, PodRunner, kube_pod_lister
+from e2e.podrunner import ROUTER_SHIM, PodRunner, kube_pod_lister, kube_status_patcher
 from e2e.prometheus import (
     PrometheusHandle,
     file_sd_scrape_config,
@@ -42,6 +48,22 @@ from e2e.prometheus import (
 )
 
 Pod = dict[str, Any]
+
+
+def probed_by_runner(manifest: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a CodingAgentServing whose prefill and decode pods tolerate
+    READINESS_TOLERATION_KEY=PROBED_READINESS: the local stack's KWOK then leaves them not Ready
+    and the pod runner sets Ready from their readinessProbe (pure; a taint no node carries, so
+    scheduling is unchanged)."""
+    out = copy.deepcopy(manifest)
+    marker = {"key": READINESS_TOLERATION_KEY, "operator": "Equal", "value": PROBED_READINESS,
+              "effect": "NoSchedule"}  # fmt: skip
+    for role in ("prefill", "decode"):
+        pool = out["spec"].setdefault(role, {})
+        tolerations = pool.setdefault("tolerations", [])
+        if marker not in tolerations:
+            tolerations.append(marker)
+    return out
 
 
 def _stamp(line: str) -> str:
@@ -76,6 +98,7 @@ class LiveStack:
             kube_pod_lister(self.kubeconfig, self.namespace), self.run_dir / "pods", sd_file,
             extra_args=self.sim_args, restart_backoff_s=2.0,
             kubeconfig=self.kubeconfig.resolve(),
+            patch_status=kube_status_patcher(self.kubeconfig),
         )  # fmt: skip
         self._thread = threading.Thread(target=self._run_pods, name="podrunner", daemon=True)
         self._thread.start()
@@ -164,7 +187,8 @@ def resource_live(
     manifest: dict[str, Any],
     log: Callable[[str], None] = print,
 ) -> Iterator[str]:
-    """Start `stack`, apply `manifest` (one CodingAgentServing) in its namespace and yield the
+    """Start `stack`, apply `manifest` (one CodingAgentServing, its pools' readiness left to the
+    runner: :func:`probed_by_runner`) in its namespace and yield the
     URL of the resource's router pod once it has an IP; the stack is closed (operator log tail
     printed) however the block ends. Waiting for the pools to serve is the caller's part."""
     from e2e.anomaly_stack import wait_for
@@ -173,7 +197,8 @@ def resource_live(
     name, namespace = manifest["metadata"]["name"], stack.namespace
     try:
         stack.start(log=log)
-        kubectl("apply", "-n", namespace, "-f", "-", stdin=yaml.safe_dump(manifest))
+        kubectl("apply", "-n", namespace, "-f", "-",
+                stdin=yaml.safe_dump(probed_by_runner(manifest)))  # fmt: skip
         yield wait_for(
             "router pod",
             lambda: router_url(role_pods(kubectl, namespace, c.ROLE_ROUTER, name), name),

@@ -3,7 +3,8 @@ the manifests shipped next to the LWS binary).
 
 - :func:`gpu_nodes`: the fake GPU nodes KWOK manages (capacity, pool label, a pod CIDR inside
   127.0.0.0/8 so a later process runner can bind a pod's IP on loopback).
-- :func:`kwok_config`: KWOK's default node and pod stages as one multi-document file.
+- :func:`kwok_config`: KWOK's default node and pod stages as one multi-document file, plus a
+  stage that leaves pods opting in (a toleration) Running but not Ready for the pod runner.
 - :func:`lws_config`: the LWS controller's configuration (webhook server on loopback with our
   certificate, no leader election, no internal cert rotation).
 - :func:`lws_webhooks`: LWS's webhook configurations with its kustomize patches applied and the
@@ -98,12 +99,68 @@ def gpu_nodes(shape: NodeShape, kubelet_version: str) -> list[dict[str, Any]]:
     return nodes
 
 
+# Pods that tolerate this (value PROBED_READINESS) are Running but not Ready under KWOK until
+# whoever runs them (e2e.podrunner) finds their readinessProbe answering and says so: the
+# kubelet's part, which KWOK's default stage skips by marking every pod Ready at once.
+READINESS_TOLERATION_KEY = "kwok.cas.dev/readiness"
+PROBED_READINESS = "probed"
+_PROBED = f'(.spec.tolerations // []) | .[] | select(.key == "{READINESS_TOLERATION_KEY}") | .value'
+_POD_RUNNING_UNREADY = """\
+{{ $now := Now }}
+conditions:
+- {lastTransitionTime: {{ $now | Quote }}, status: "True", type: Initialized}
+- {lastTransitionTime: {{ $now | Quote }}, status: "False", type: Ready, reason: ReadinessProbe}
+- {lastTransitionTime: {{ $now | Quote }}, status: "False", type: ContainersReady}
+containerStatuses:
+{{ range .spec.containers }}
+- image: {{ .image | Quote }}
+  name: {{ .name | Quote }}
+  ready: false
+  started: true
+  restartCount: 0
+  state:
+    running:
+      startedAt: {{ $now | Quote }}
+{{ end }}
+{{ with NodeIPsWith .spec.nodeName }}
+hostIP: {{ index . 0 | Quote }}
+hostIPs:
+{{ range . }}
+- ip: {{ . | Quote }}
+{{ end }}
+{{ end }}
+{{ $podIPs := PodIPsWith .spec.nodeName ( or .spec.hostNetwork false ) ( or .metadata.uid "" ) \
+( or .metadata.name "" ) ( or .metadata.namespace "" ) }}
+{{ with $podIPs }}
+podIP: {{ index . 0 | Quote }}
+podIPs:
+{{ range . }}
+- ip: {{ . | Quote }}
+{{ end }}
+{{ end }}
+phase: Running
+startTime: {{ $now | Quote }}
+"""
+
+
 def kwok_config(stages_dir: Path) -> str:
-    """KWOK's default stages (copied from its module by build-bins.sh) as one YAML stream."""
+    """KWOK's default stages (copied from its module by build-bins.sh) as one YAML stream, with
+    pods that tolerate READINESS_TOLERATION_KEY=PROBED_READINESS split off ``pod-ready`` into
+    ``pod-running-unready`` (Running, IPs assigned, not Ready; see READINESS_TOLERATION_KEY)."""
     files = sorted(stages_dir.glob("*.yaml"))
     if not files:
         raise FileNotFoundError(f"no KWOK stages in {stages_dir} (run e2e/build-bins.sh)")
-    return "\n---\n".join(f.read_text().strip() for f in files) + "\n"
+    stages = [yaml.safe_load(f.read_text()) for f in files]
+    ready = next((s for s in stages if s["metadata"]["name"] == "pod-ready"), None)
+    if ready is None:
+        raise ValueError(f"KWOK's pod-ready stage is missing from {stages_dir}")
+    unready = copy.deepcopy(ready)
+    unready["metadata"]["name"] = "pod-running-unready"
+    unready["spec"]["next"] = {"statusTemplate": _POD_RUNNING_UNREADY}
+    probed = {"key": _PROBED, "values": [PROBED_READINESS]}
+    ready["spec"]["selector"]["matchExpressions"].append({**probed, "operator": "NotIn"})
+    unready["spec"]["selector"]["matchExpressions"].append({**probed, "operator": "In"})
+    return yaml.safe_dump_all([*stages, unready], sort_keys=False)
 
 
 def lws_config(*, webhook_port: int, cert_dir: Path, health_port: int) -> str:

@@ -16,7 +16,13 @@ KWOK only pretends to run containers; this runner makes engine pods real process
 3. stops (SIGTERM, by recorded pid) the processes of pods that went away or were replaced
    (a new pod UID under the same name);
 4. rewrites the Prometheus file_sd targets (:func:`e2e.prometheus.write_file_sd`) for pods
-   annotated ``prometheus.io/scrape: "true"``, labelled namespace/pod/role.
+   annotated ``prometheus.io/scrape: "true"``, labelled namespace/pod/role;
+5. with ``patch_status`` set, plays the kubelet's readiness prober for pods that opt in (the
+   toleration :data:`e2e.manifests.READINESS_TOLERATION_KEY`, which KWOK leaves not Ready): it
+   GETs the engine container's readinessProbe at the pod IP and patches the pod's Ready and
+   ContainersReady conditions to match (Ready on the first success, not Ready after the probe's
+   failureThreshold failures in a row or at once when the process is gone), so the router's
+   Kubernetes discovery and the pool controllers only count a pod that answers, as in a cluster.
 Ownership: the runner owns the processes it started (records in memory) and the sd file.
 
 ``python -m e2e.podrunner --kubeconfig PATH [--routers] [--sd-file F] [--sim-arg=--sim-speedup=20]``
@@ -31,12 +37,14 @@ import signal
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from e2e import procs
+from e2e.manifests import PROBED_READINESS, READINESS_TOLERATION_KEY
 from e2e.prometheus import write_file_sd
 
 Pod = dict[str, Any]
@@ -165,6 +173,58 @@ def router_launch_for(
     )
 
 
+def leaves_readiness_to_runner(pod: Pod) -> bool:
+    """True when the pod tolerates READINESS_TOLERATION_KEY=PROBED_READINESS (pure): the local
+    stack's KWOK then leaves it not Ready and the runner decides."""
+    tolerations = pod.get("spec", {}).get("tolerations") or []
+    return any(t.get("key") == READINESS_TOLERATION_KEY and t.get("value") == PROBED_READINESS
+               for t in tolerations)  # fmt: skip
+
+
+def readiness_url(launch: Launch, pod: Pod) -> str | None:
+    """The URL a kubelet would probe for the pod's readiness (its engine container's
+    readinessProbe httpGet, port by name or number, at the pod IP), or None when the container
+    has no HTTP readiness probe (then running is ready, as for a kubelet) (pure)."""
+    container = _engine_container(pod) or {}
+    http = (container.get("readinessProbe") or {}).get("httpGet")
+    if not http:
+        return None
+    port = http.get("port", launch.port)
+    if isinstance(port, str) and not port.isdigit():
+        named = {p.get("name"): p.get("containerPort") for p in container.get("ports", [])}
+        port = named.get(port, launch.port)
+    path = "/" + str(http.get("path", "/")).lstrip("/")
+    return f"http://{launch.ip}:{port}{path}"
+
+
+def failure_threshold(pod: Pod) -> int:
+    """The engine container's readinessProbe failureThreshold (Kubernetes' default 3)."""
+    probe = (_engine_container(pod) or {}).get("readinessProbe") or {}
+    return max(1, int(probe.get("failureThreshold", 3)))
+
+
+def readiness_patch(pod: Pod, ready: bool, now: str) -> dict[str, Any] | None:
+    """A merge patch of the pod's status that sets Ready, ContainersReady and every container
+    status' ``ready`` to `ready` (transition time `now` where a condition changes), or None when
+    the pod already says so (pure). Lists are sent whole: a merge patch replaces lists."""
+    status = pod.get("status") or {}
+    want = "True" if ready else "False"
+    conditions, changed = [], False
+    for cond in status.get("conditions") or []:
+        if cond.get("type") in ("Ready", "ContainersReady") and cond.get("status") != want:
+            cond = {**cond, "status": want, "lastTransitionTime": now,
+                    "reason": None if ready else "ReadinessProbeFailed"}  # fmt: skip
+            changed = True
+        conditions.append({k: v for k, v in cond.items() if v is not None})
+    containers = []
+    for cs in status.get("containerStatuses") or []:
+        changed |= bool(cs.get("ready")) != ready
+        containers.append({**cs, "ready": ready})
+    if not changed:
+        return None
+    return {"status": {"conditions": conditions, "containerStatuses": containers}}
+
+
 @dataclass
 class _Running:
     launch: Launch
@@ -185,7 +245,11 @@ class PodRunner:
     restart_backoff_s: float = 5.0
     networks: tuple[ipaddress.IPv4Network, ...] = (LOOPBACK,)
     kubeconfig: Path | None = None  # set: router pods run as real SGLang routers too
+    # set: probe the readiness of pods that opt in and write it (namespace, name, merge patch)
+    patch_status: Callable[[str, str, dict[str, Any]], None] | None = None
+    probe: Callable[[str], bool] = field(default_factory=lambda: http_probe)
     running: dict[tuple[str, str], _Running] = field(default_factory=dict)
+    _probe_failures: dict[tuple[str, str], int] = field(default_factory=dict)
 
     def sync(self) -> list[str]:
         """One pass; returns what it did (for logs and tests)."""
@@ -202,6 +266,8 @@ class PodRunner:
             actions.append(self._stop(key))
         for key, launch in wanted.items():
             actions += self._ensure(key, launch)
+        if self.patch_status is not None:
+            actions += self._probe_readiness(pods, wanted)
         if self.sd_file is not None:
             write_file_sd(self.sd_file, self._scrape_targets(pods, wanted))
         return [a for a in actions if a]
@@ -219,6 +285,43 @@ class PodRunner:
         self.running[key] = _Running(launch, record, now, restarts)
         verb = "restarted" if current is not None else "started"
         return [f"{verb} {name} at {launch.ip}:{launch.port} (pid {record.pid})"]
+
+    def _probe_readiness(self, pods: list[Pod], wanted: dict[tuple[str, str], Launch]) -> list[str]:
+        """Step 5 of the module docstring; returns what it changed."""
+        assert self.patch_status is not None
+        actions, seen = [], set()
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        for pod in pods:
+            meta = pod.get("metadata", {})
+            if meta.get("deletionTimestamp") or not leaves_readiness_to_runner(pod):
+                continue
+            key = (meta.get("namespace", ""), meta.get("name", ""))
+            seen.add(key)
+            ready = self._ready(key, pod, wanted.get(key))
+            patch = None if ready is None else readiness_patch(pod, ready, now)
+            if patch is not None:
+                self.patch_status(key[0], key[1], patch)
+                actions.append(f"{key[0]}.{key[1]} {'Ready' if ready else 'not Ready'}")
+        for key in set(self._probe_failures) - seen:
+            del self._probe_failures[key]
+        return actions
+
+    def _ready(self, key: tuple[str, str], pod: Pod, launch: Launch | None) -> bool | None:
+        """The readiness a kubelet would report now, or None while failures stay under the
+        probe's failureThreshold. A pod this runner does not run (no engine or router
+        container, or not bound yet) has no process to wait for: ready once it has an IP."""
+        if launch is None:
+            return bool((pod.get("status") or {}).get("podIP"))
+        run = self.running.get(key)
+        if run is None or not procs.is_running(run.record):
+            self._probe_failures[key] = 0
+            return False  # the container is gone: not ready at once
+        url = readiness_url(launch, pod)
+        if url is None or self.probe(url):
+            self._probe_failures[key] = 0
+            return True
+        self._probe_failures[key] = self._probe_failures.get(key, 0) + 1
+        return False if self._probe_failures[key] >= failure_threshold(pod) else None
 
     def _stop(self, key: tuple[str, str]) -> str:
         run = self.running.pop(key)
@@ -276,6 +379,29 @@ def kube_pod_lister(kubeconfig: Path, namespace: str | None = None) -> Callable[
     return list_pods
 
 
+def kube_status_patcher(kubeconfig: Path) -> Callable[[str, str, dict[str, Any]], None]:
+    """A function that merge-patches one pod's status (the runner's readiness writes)."""
+    from kubernetes import client, config
+
+    load = config.new_client_from_config
+    core = client.CoreV1Api(load(config_file=str(kubeconfig)))  # type: ignore[no-untyped-call]
+
+    def patch(namespace: str, name: str, body: dict[str, Any]) -> None:
+        core.patch_namespaced_pod_status(name, namespace, body, _request_timeout=10,
+                                         _content_type="application/merge-patch+json")  # fmt: skip
+
+    return patch
+
+
+def http_probe(url: str, timeout: float = 1.0) -> bool:
+    """True when GET `url` answers 2xx/3xx within `timeout` (a kubelet's HTTP probe)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return 200 <= int(resp.status) < 400
+    except (OSError, ValueError):
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m e2e.podrunner")
     parser.add_argument("--kubeconfig", type=Path, required=True)
@@ -288,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     lister = kube_pod_lister(args.kubeconfig, args.namespace)
     runner = PodRunner(lister, args.log_dir, args.sd_file, extra_args=args.sim_arg,
-                       kubeconfig=args.kubeconfig.resolve() if args.routers else None)  # fmt: skip
+                       kubeconfig=args.kubeconfig.resolve() if args.routers else None,
+                       patch_status=kube_status_patcher(args.kubeconfig))  # fmt: skip
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # stop the sims before exiting
     try:

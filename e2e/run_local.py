@@ -42,7 +42,7 @@ from e2e.cluster import (
 )
 from e2e.fleetview import requests_served
 from e2e.liveload import LiveLoad, format_summary
-from e2e.livestack import LiveStack, http_ok, router_url
+from e2e.livestack import LiveStack, http_ok, probed_by_runner, router_url
 from e2e.podrunner import kube_pod_lister
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -61,12 +61,13 @@ def say(msg: str) -> None:
 
 
 def demo_manifests() -> list[dict[str, Any]]:
-    """The samples, adapted to the fake nodes: no weights volume exists on a local cluster."""
+    """The samples, adapted to the fake nodes: no weights volume exists on a local cluster, and
+    the pod runner decides engine pods' readiness from their probes (as a kubelet would)."""
     out = []
     for name in SAMPLES:
         manifest = yaml.safe_load((REPO_ROOT / "config" / "samples" / name).read_text())
         manifest["spec"]["model"].pop("pvcName", None)
-        out.append(manifest)
+        out.append(probed_by_runner(manifest))
     return out
 
 

@@ -2,8 +2,9 @@
 
 No cluster needed: the pod list is a plain function here (the cluster test feeds it from the API
 server). Guards: engine pods not started at their own loopback IP, $(VAR) args not expanded,
-processes leaking after their pod is gone or replaced, crashes not restarted, and Prometheus
-targets that do not follow the running pods.
+processes leaking after their pod is gone or replaced, crashes not restarted, Prometheus
+targets that do not follow the running pods, and readiness set before the sim answers (a pod
+the router would send requests to while nothing listens) or left set after the sim is gone.
 """
 
 from __future__ import annotations
@@ -20,9 +21,18 @@ from typing import Any
 import pytest
 
 from cas_engine.sim.fleet import free_port
-from e2e.podrunner import PodRunner, launch_for
+from e2e.manifests import PROBED_READINESS, READINESS_TOLERATION_KEY
+from e2e.podrunner import (
+    PodRunner,
+    launch_for,
+    leaves_readiness_to_runner,
+    readiness_patch,
+    readiness_url,
+)
 
 IP = "127.10.7.9"
+PROBED = {"key": READINESS_TOLERATION_KEY, "operator": "Equal", "value": PROBED_READINESS,
+          "effect": "NoSchedule"}  # fmt: skip
 
 
 def engine_pod(name: str, uid: str, ip: str | None, port: int, **extra: Any) -> dict[str, Any]:
@@ -122,3 +132,66 @@ def test_runner_follows_pods(runner: tuple[PodRunner, list[dict[str, Any]]]) -> 
     assert any("stopped" in a for a in r.sync())
     assert r.running == {} and not healthy(IP, port, timeout=1.0)
     assert r.sd_file is not None and json.loads(r.sd_file.read_text()) == []
+
+
+def probed_pod(name: str, uid: str, port: int) -> dict[str, Any]:
+    """An engine pod that leaves its readiness to the runner, as KWOK leaves it: not Ready."""
+    pod = engine_pod(name, uid, IP, port)
+    pod["spec"]["tolerations"] = [PROBED]
+    pod["spec"]["containers"][0]["readinessProbe"] = {
+        "httpGet": {"path": "/health", "port": "http"}, "failureThreshold": 3}  # fmt: skip
+    pod["status"]["conditions"] = [{"type": "Ready", "status": "False"},
+                                   {"type": "ContainersReady", "status": "False"}]  # fmt: skip
+    pod["status"]["containerStatuses"] = [{"name": "engine", "ready": False, "image": "x"}]
+    return pod
+
+
+def test_readiness_probe_target_and_patch_are_pure() -> None:
+    """Regression: only pods that opt in are probed, at their readinessProbe (named port
+    resolved) on the pod IP; the patch flips Ready, ContainersReady and container readiness
+    together and is None when the pod already says so (no write per pass)."""
+    port = 31001
+    plain = engine_pod("a", "u1", IP, port)
+    launch = launch_for(plain, "py", [])
+    assert launch is not None and not leaves_readiness_to_runner(plain)
+    assert readiness_url(launch, plain) is None  # no probe: running is ready, as in a kubelet
+    pod = probed_pod("a", "u1", port)
+    assert leaves_readiness_to_runner(pod)
+    assert readiness_url(launch, pod) == f"http://{IP}:{port}/health"
+    patch = readiness_patch(pod, True, "2026-11-30T00:00:00Z")
+    assert patch is not None
+    conds = {c["type"]: c["status"] for c in patch["status"]["conditions"]}
+    assert conds == {"Ready": "True", "ContainersReady": "True"}
+    assert patch["status"]["containerStatuses"] == [{"name": "engine", "ready": True, "image": "x"}]
+    assert readiness_patch(pod, False, "2026-11-30T00:00:00Z") is None
+
+
+def test_runner_sets_readiness_only_while_the_sim_answers(tmp_path: Path) -> None:
+    """Regression: a replacement pod was Ready (KWOK) before its sim listened, the router sent it
+    a request and the client got a 502. Ready must be written only after the probe answers, and
+    taken back at once when the process is gone; pods that do not opt in are never written."""
+    port = free_port(IP)
+    pod, plain = probed_pod("d0", "uid-1", port), engine_pod("p0", "uid-2", "127.10.7.10", port)
+    writes: list[tuple[str, bool, bool]] = []  # (pod, ready, did the sim answer at that moment)
+
+    def patch_status(namespace: str, name: str, body: dict[str, Any]) -> None:
+        ready = body["status"]["containerStatuses"][0]["ready"]
+        writes.append((name, ready, healthy(IP, port, timeout=0.2)))
+        pod["status"].update(body["status"])  # what the API server would now list
+
+    r = PodRunner(lambda: [pod, plain], tmp_path / "logs", patch_status=patch_status,
+                  restart_backoff_s=30.0)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not writes:
+            r.sync()
+            time.sleep(0.2)
+        assert writes == [("d0", True, True)]
+        r.sync()
+        assert len(writes) == 1  # level-based: nothing to write while it stays Ready
+        os.kill(r.running[("ns", "d0")].record.pid, signal.SIGKILL)
+        time.sleep(0.3)
+        r.sync()  # the process is gone (no restart within the backoff): not Ready at once
+        assert writes[1:] == [("d0", False, False)]
+    finally:
+        r.stop_all()

@@ -1,8 +1,9 @@
 """End-to-end checks of the local stack itself (the harness every operator e2e test relies on).
 
 Each test guards one promise of ``e2e/cluster.py``: the pinned apiserver version, KWOK GPU
-nodes, pods of workloads going Running on them, LWS groups reconciled (with its webhooks), and
-the garbage collector honouring owner references.
+nodes, pods of workloads going Running on them, LWS groups reconciled (with its webhooks), the
+garbage collector honouring owner references, and readiness left to the pod runner's probe for
+pods that opt in.
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,6 +22,7 @@ import yaml
 
 import e2e.manifests as manifests
 from e2e.bins import read_versions
+from e2e.podrunner import PodRunner, kube_pod_lister, kube_status_patcher
 
 pytestmark = pytest.mark.e2e
 
@@ -181,3 +185,64 @@ def test_garbage_collector_deletes_dependents(kubectl: Kubectl, namespace: str) 
             )
         ),
     )
+
+
+def pod_ready(kubectl: Kubectl, namespace: str, selector: str) -> tuple[str, str] | None:
+    """(name, Ready status) of the first Running pod matching ``selector`` that has an IP."""
+    pods = get_json(kubectl, "pods", "-n", namespace, "-l", selector)["items"]
+    for pod in pods:
+        if pod["status"].get("phase") == "Running" and pod["status"].get("podIP"):
+            conds = {c["type"]: c["status"] for c in pod["status"].get("conditions", [])}
+            return pod["metadata"]["name"], conds.get("Ready", "")
+    return None
+
+
+@pytest.mark.skipif(bool(os.environ.get("CAS_KUBECONFIG")), reason="a user-provided cluster")
+def test_probed_pods_are_ready_only_while_their_process_answers(
+    kubectl: Kubectl, namespace: str, kubeconfig: Path, tmp_path: Path
+) -> None:
+    """Regression: KWOK marked every pod Ready at once, so a replacement engine pod joined the
+    router before its sim listened and a client got a 502. A pod that tolerates the readiness
+    marker must stay Running and not Ready (IP assigned) until the pod runner's probe of its
+    readinessProbe answers, and lose Ready when its process dies; other pods keep KWOK's."""
+    engine = {
+        "name": "engine", "image": "cas.local/sim:none",
+        "command": ["python3", "-m", "cas_engine.launch_server"],
+        "args": ["--disaggregation-mode", "null", "--served-model-name", "probe-sim",
+                 "--host", "0.0.0.0", "--port", "30000"],
+        "ports": [{"name": "http", "containerPort": 30000}],
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}},
+    }  # fmt: skip
+    marker = {"key": manifests.READINESS_TOLERATION_KEY, "operator": "Equal",
+              "value": manifests.PROBED_READINESS, "effect": "NoSchedule"}  # fmt: skip
+
+    def deployment(name: str, tolerations: list[dict[str, str]]) -> dict[str, Any]:
+        labels = {"app": name}
+        spec = {"containers": [engine if tolerations else container("engine")],
+                "tolerations": tolerations}  # fmt: skip
+        return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name},
+                "spec": {"replicas": 1, "selector": {"matchLabels": labels},
+                         "template": {"metadata": {"labels": labels}, "spec": spec}}}  # fmt: skip
+
+    apply(kubectl, namespace, deployment("probed", [marker]), deployment("plain", []))
+    wait_until("the plain pod Ready", lambda: (pod_ready(kubectl, namespace, "app=plain")
+                                               or ("", ""))[1] == "True")  # fmt: skip
+    name, ready = wait_until("the probed pod Running with an IP",
+                             lambda: pod_ready(kubectl, namespace, "app=probed"))  # fmt: skip
+    assert ready == "False", "KWOK marked a probed pod Ready before anything answered"
+    runner = PodRunner(kube_pod_lister(kubeconfig, namespace), tmp_path / "logs",
+                       patch_status=kube_status_patcher(kubeconfig),
+                       restart_backoff_s=60.0)  # fmt: skip
+    try:
+
+        def synced_ready() -> bool:
+            runner.sync()
+            return (pod_ready(kubectl, namespace, "app=probed") or ("", ""))[1] == "True"
+
+        wait_until("the probed pod Ready once its sim answers", synced_ready, 30)
+        status = get_json(kubectl, "deployment", "probed", "-n", namespace)["status"]
+        assert status.get("readyReplicas") == 1
+        os.kill(runner.running[(namespace, name)].record.pid, signal.SIGKILL)
+        wait_until("the probed pod not Ready after its process died", lambda: not synced_ready())
+    finally:
+        runner.stop_all()
