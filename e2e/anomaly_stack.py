@@ -36,7 +36,8 @@ from cas_operator.drain import DrainPolicy, HttpRouters, LoopState, Routers, Tic
 from cas_operator.kube import Kube
 from cas_operator.observe import MetricsSource, ScrapeSource
 from cas_operator.planning.anomaly import Policy
-from e2e.podrunner import PodRunner, kube_pod_lister
+from e2e.manifests import READINESS_TOLERATION
+from e2e.podrunner import PodRunner, kube_pod_lister, kube_status_patcher
 from e2e.simload import REPETITION_MARK
 
 NAME = "anomaly-demo"
@@ -46,7 +47,8 @@ Event = tuple[str, str, str]
 
 
 def deployment(replicas: int) -> dict[str, Any]:
-    """Decode engine pods in null (non-PD) mode, labelled and annotated like the operator's."""
+    """Decode engine pods in null (non-PD) mode, labelled, annotated and probed like the
+    operator's; Ready only once their sim answers (the runner probes: READINESS_TOLERATION)."""
     labels = {**SELECTOR, c.LABEL_ROLE: c.ROLE_DECODE}
     return {
         "apiVersion": "apps/v1",
@@ -61,13 +63,15 @@ def deployment(replicas: int) -> dict[str, Any]:
                     "annotations": {"prometheus.io/scrape": "true",
                                     "prometheus.io/port": str(c.ENGINE_PORT)},
                 },
-                "spec": {"containers": [{
+                "spec": {"tolerations": [READINESS_TOLERATION], "containers": [{
                     "name": "engine",
                     "image": "cas.local/sim:none",
                     "command": ["python3", "-m", "cas_engine.launch_server"],
                     "args": ["--disaggregation-mode", "null", "--served-model-name", "sim",
                              "--host", "0.0.0.0", "--port", str(c.ENGINE_PORT)],
                     "ports": [{"name": "http", "containerPort": c.ENGINE_PORT}],
+                    "readinessProbe": {"httpGet": {"path": "/health", "port": "http"},
+                                       "periodSeconds": 5, "failureThreshold": 3},
                 }]},
             },
         },
@@ -195,7 +199,8 @@ class AnomalyStack:
         kube = Kube(api_client)
         runner = PodRunner(kube_pod_lister(kubeconfig, namespace), log_dir, sd_file,
                            extra_args=["--sim-speedup", f"{speedup:g}"],
-                           restart_backoff_s=2.0)  # fmt: skip
+                           restart_backoff_s=2.0,
+                           patch_status=kube_status_patcher(kubeconfig))  # fmt: skip
         stack = cls(kube=kube, namespace=namespace, runner=runner)
         stack._thread = threading.Thread(
             target=runner.run, args=(stack._stop_runner, 0.5), daemon=True

@@ -36,7 +36,7 @@ from typing import Any
 import yaml
 
 from cas_operator.api import constants as c
-from e2e.manifests import PROBED_READINESS, READINESS_TOLERATION_KEY
+from e2e.manifests import READINESS_TOLERATION
 from e2e.operator_process import OperatorProcess
 from e2e.podrunner import ROUTER_SHIM, PodRunner, kube_pod_lister, kube_status_patcher
 from e2e.prometheus import (
@@ -51,18 +51,15 @@ Pod = dict[str, Any]
 
 
 def probed_by_runner(manifest: dict[str, Any]) -> dict[str, Any]:
-    """A copy of a CodingAgentServing whose prefill and decode pods tolerate
-    READINESS_TOLERATION_KEY=PROBED_READINESS: the local stack's KWOK then leaves them not Ready
+    """A copy of a CodingAgentServing whose prefill and decode pods carry READINESS_TOLERATION
+    (:mod:`e2e.manifests`): the local stack's KWOK then leaves them not Ready
     and the pod runner sets Ready from their readinessProbe (pure; a taint no node carries, so
     scheduling is unchanged)."""
     out = copy.deepcopy(manifest)
-    marker = {"key": READINESS_TOLERATION_KEY, "operator": "Equal", "value": PROBED_READINESS,
-              "effect": "NoSchedule"}  # fmt: skip
     for role in ("prefill", "decode"):
-        pool = out["spec"].setdefault(role, {})
-        tolerations = pool.setdefault("tolerations", [])
-        if marker not in tolerations:
-            tolerations.append(marker)
+        tolerations = out["spec"].setdefault(role, {}).setdefault("tolerations", [])
+        if READINESS_TOLERATION not in tolerations:
+            tolerations.append(dict(READINESS_TOLERATION))
     return out
 
 

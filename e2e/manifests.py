@@ -104,6 +104,8 @@ def gpu_nodes(shape: NodeShape, kubelet_version: str) -> list[dict[str, Any]]:
 # kubelet's part, which KWOK's default stage skips by marking every pod Ready at once.
 READINESS_TOLERATION_KEY = "kwok.cas.dev/readiness"
 PROBED_READINESS = "probed"
+READINESS_TOLERATION = {"key": READINESS_TOLERATION_KEY, "operator": "Equal",
+                        "value": PROBED_READINESS, "effect": "NoSchedule"}  # fmt: skip
 _PROBED = f'(.spec.tolerations // []) | .[] | select(.key == "{READINESS_TOLERATION_KEY}") | .value'
 _POD_RUNNING_UNREADY = """\
 {{ $now := Now }}

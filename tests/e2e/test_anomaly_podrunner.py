@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from cas_engine.sim.fleet import free_port
-from e2e.manifests import PROBED_READINESS, READINESS_TOLERATION_KEY
+from e2e.manifests import READINESS_TOLERATION
 from e2e.podrunner import (
     PodRunner,
     launch_for,
@@ -31,8 +31,6 @@ from e2e.podrunner import (
 )
 
 IP = "127.10.7.9"
-PROBED = {"key": READINESS_TOLERATION_KEY, "operator": "Equal", "value": PROBED_READINESS,
-          "effect": "NoSchedule"}  # fmt: skip
 
 
 def engine_pod(name: str, uid: str, ip: str | None, port: int, **extra: Any) -> dict[str, Any]:
@@ -137,7 +135,7 @@ def test_runner_follows_pods(runner: tuple[PodRunner, list[dict[str, Any]]]) -> 
 def probed_pod(name: str, uid: str, port: int) -> dict[str, Any]:
     """An engine pod that leaves its readiness to the runner, as KWOK leaves it: not Ready."""
     pod = engine_pod(name, uid, IP, port)
-    pod["spec"]["tolerations"] = [PROBED]
+    pod["spec"]["tolerations"] = [READINESS_TOLERATION]
     pod["spec"]["containers"][0]["readinessProbe"] = {
         "httpGet": {"path": "/health", "port": "http"}, "failureThreshold": 3}  # fmt: skip
     pod["status"]["conditions"] = [{"type": "Ready", "status": "False"},

@@ -213,8 +213,6 @@ def test_probed_pods_are_ready_only_while_their_process_answers(
         "ports": [{"name": "http", "containerPort": 30000}],
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}},
     }  # fmt: skip
-    marker = {"key": manifests.READINESS_TOLERATION_KEY, "operator": "Equal",
-              "value": manifests.PROBED_READINESS, "effect": "NoSchedule"}  # fmt: skip
 
     def deployment(name: str, tolerations: list[dict[str, str]]) -> dict[str, Any]:
         labels = {"app": name}
@@ -224,7 +222,12 @@ def test_probed_pods_are_ready_only_while_their_process_answers(
                 "spec": {"replicas": 1, "selector": {"matchLabels": labels},
                          "template": {"metadata": {"labels": labels}, "spec": spec}}}  # fmt: skip
 
-    apply(kubectl, namespace, deployment("probed", [marker]), deployment("plain", []))
+    apply(
+        kubectl,
+        namespace,
+        deployment("probed", [manifests.READINESS_TOLERATION]),
+        deployment("plain", []),
+    )
     wait_until("the plain pod Ready", lambda: (pod_ready(kubectl, namespace, "app=plain")
                                                or ("", ""))[1] == "True")  # fmt: skip
     name, ready = wait_until("the probed pod Running with an IP",
