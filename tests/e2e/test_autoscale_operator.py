@@ -1,4 +1,5 @@
-"""Auto mode through the OPERATOR PROCESS on the local stack: a starved prefill pool is grown.
+"""Auto mode through the OPERATOR PROCESS on the local stack: a starved prefill pool is grown,
+and a decode pool whose KV is full is grown.
 
 The minimal sample in `ratio.mode: Auto` (its model has no planner profile, so the operator
 acts on measured pressure alone): 1 prefill : 2 decode sims behind the real SGLang router pod
@@ -6,7 +7,9 @@ acts on measured pressure alone): 1 prefill : 2 decode sims behind the real SGLa
 - the skewed P:D ratio the production report reproduced its anomalies with. Only the
 operator's anomaly loop may act. Guards: it must raise the prefill pool's replicas by one
 step (status.autoscaler, the Deployment, a second prefill pod serving), keep P/D inside
-ratio.min/max, never touch the decode pool, and report who owns the replicas.
+ratio.min/max, never touch the decode pool, and report who owns the replicas. The reverse: a
+1:1 fleet whose sims hold only DECODE_KV_TOKENS of KV, under long answers, must get a second
+decode and keep its prefill pool.
 """
 
 from __future__ import annotations
@@ -119,3 +122,68 @@ async def test_auto_mode_grows_a_starved_prefill_pool(
     assert final["ratio"]["current"] == "2:2"
     print(f"\nAuto: prefill +1 decided {decided:.1f}s and ready {applied:.1f}s after the "
           f"slowdown; {stats.ok} ok, {len(stats.failures)} failed of {stats.sent}")  # fmt: skip
+
+
+DECODE_KV_TOKENS = 6_000  # four ~1.2K-token prompts fit; their outputs then overfill it
+
+
+@pytest.fixture
+def kv_bound_fleet(
+    kubeconfig: Path, namespace: str, kubectl: Kubectl, tmp_path: Path, crds: None
+) -> Iterator[tuple[LiveStack, str]]:
+    """1 prefill : 1 decode in Auto, every sim with a KV pool of DECODE_KV_TOKENS."""
+    stack = LiveStack(kubeconfig, namespace, tmp_path / "live",
+                      sim_args=[*SIM_ARGS, "--sim-kv-capacity", str(DECODE_KV_TOKENS)],
+                      scrape_interval_s=2.0, operator_args=("-n", namespace))  # fmt: skip
+    cas = manifest()
+    cas["spec"]["ratio"].update({"prefill": 1, "decode": 1})
+    with resource_live(stack, kubectl, cas, log=lambda line: print(f"[live] {line}")) as router:
+        counts = lambda: (len(ready_ips(kubectl, namespace, "prefill")),  # noqa: E731
+                          len(ready_ips(kubectl, namespace, "decode")))  # fmt: skip
+        wait_for("1 prefill + 1 decode ready", lambda: counts() == (1, 1), 60)
+        wait_for("router ready", lambda: http_ok(f"{router}/readiness"), 60)
+        yield stack, router
+
+
+async def test_auto_mode_grows_a_kv_bound_decode_pool(
+    kv_bound_fleet: tuple[LiveStack, str], kubectl: Kubectl, namespace: str
+) -> None:
+    """Regression guard for the decode direction of Auto (unit-tested in test_autoscale.py
+    only until now): when the decode's KV fills and requests wait for decode admission (KV over
+    95%, or TTFT over the SLO with that queue), the operator must add one decode, leave the
+    prefill pool alone and keep P/D in bounds."""
+    _, router = kv_bound_fleet
+    assert pool_replicas(kubectl, namespace) == {"prefill": 1, "decode": 1, "router": 1}
+    stop, stats = asyncio.Event(), LoadStats()
+    prompt = "def handler(request):\n    return route(request)\n" * 100  # ~1.2K tokens each
+    load = asyncio.create_task(steady_traffic(router, stop, stats, concurrency=12, max_tokens=400,
+                                              max_requests=5_000, prompt_body=prompt))  # fmt: skip
+    onset = time.monotonic()
+    seen = {"decodeKvUsage": 0.0, "decodeQueue": 0.0}  # the highest values the status showed
+    try:
+
+        def grown() -> dict[str, Any] | None:
+            s = get(kubectl, namespace, "cas", NAME).get("status", {})
+            auto = s.get("autoscaler") or {}
+            for key in seen:
+                seen[key] = max(seen[key], (auto.get("observed") or {}).get(key) or 0.0)
+            return s if auto.get("decode", 1) >= 2 else None
+
+        status = await asyncio.to_thread(wait_for, "Auto to add a decode", grown, 150)
+        decided = time.monotonic() - onset
+        auto = status["autoscaler"]
+        assert (auto["prefill"], auto["decode"]) == (1, 2), auto
+        # decode evidence, not a prefill problem: KV nearly full, requests waiting for admission
+        assert seen["decodeKvUsage"] > 0.8 and seen["decodeQueue"] > 0, seen
+        await asyncio.to_thread(
+            wait_for, "a second decode pod ready",
+            lambda: len(ready_ips(kubectl, namespace, "decode")) == 2, 60,
+        )  # fmt: skip
+        applied = time.monotonic() - onset
+    finally:
+        stop.set()
+        await load
+    assert pool_replicas(kubectl, namespace)["prefill"] == 1
+    print(f"\nAuto: decode +1 decided {decided:.1f}s and ready {applied:.1f}s after load onset "
+          f"(highest observed {seen}); {stats.ok} ok, {len(stats.failures)} failed of "
+          f"{stats.sent}")  # fmt: skip
