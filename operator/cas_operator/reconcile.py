@@ -137,6 +137,20 @@ class Applied:
     workloads: list[ObservedWorkload]
 
 
+def drift(seen: ObservedWorkload, manifest: dict[str, Any]) -> str:
+    """How an observed workload differs from its manifest ("" when it does not): its template
+    (spec-hash) or its replicas. Either side may have moved: someone edited or scaled the
+    workload, or our own desired state changed (a spec edit, an Auto step) and the watch-fed
+    copy has not caught up with the apply yet; so the text states the facts, not a culprit."""
+    want: str = manifest["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH]
+    if seen.spec_hash != want:
+        return f"template differs (spec-hash {seen.spec_hash} observed, {want} desired)"
+    replicas = manifest["spec"].get("replicas", seen.replicas)
+    if seen.replicas != replicas:
+        return f"replicas differ ({seen.replicas} observed, {replicas} desired)"
+    return ""
+
+
 def apply_children(
     kube: Kube,
     manifests: list[dict[str, Any]],
@@ -152,17 +166,14 @@ def apply_children(
 
     def stale(m: dict[str, Any]) -> bool:
         seen = current.get((m["kind"], m["metadata"]["name"]))
-        if seen is None:
-            return apply_missing
-        want: str = m["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH]
-        return seen.spec_hash != want or seen.replicas != m["spec"].get("replicas", seen.replicas)
+        return apply_missing if seen is None else bool(drift(seen, m))
 
     todo = [m for m in manifests if full or (m["kind"] in WORKLOAD_KINDS and stale(m))]
     if not full:
         for m in todo:
             seen = current.get((m["kind"], m["metadata"]["name"]))
             log.info("re-applying %s %s: %s", m["kind"], m["metadata"]["name"],
-                     "missing" if seen is None else "edited or scaled by someone else")  # fmt: skip
+                     "missing" if seen is None else drift(seen, m))  # fmt: skip
     problems: list[Problem] = []
     workloads: list[ObservedWorkload] = []
     for tier in sorted({apply_tier(m) for m in todo}):
