@@ -374,6 +374,8 @@ class FleetGuard:
             ratio_max=spec.ratio.max,
             gpu_budget=spec.ratio.gpu_budget,
             pod_start_s=pod_start_seconds(pods),
+            down_stable_s=spec.ratio.scale_down_stabilization_seconds,
+            rebalance_stable_s=spec.ratio.rebalance_stabilization_seconds,
         )
         hint = result.scale.hint if result.scale is not None else None
         state = autoscale.auto_step(inputs, planned or current.replicas, observed, hint, now)

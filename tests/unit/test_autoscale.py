@@ -108,6 +108,27 @@ def test_scale_down_waits_for_the_lower_target_to_hold() -> None:
     assert s.replicas == (8, 6)
 
 
+def test_stabilization_windows_come_from_the_resource() -> None:
+    """ratio.scaleDownStabilizationSeconds / rebalanceStabilizationSeconds reach the step: a
+    shorter scale-down window shrinks sooner; at the budget cap a prefill-starved fleet gives
+    up a decode after the rebalance window, and the prefill grows only once that decode pod is
+    gone (drain-confirm-then-grow)."""
+    quick = dict(down_stable_s=60.0)
+    s = auto_step(inputs(8, 8, **quick), (8, 4), QUIET, None, T0)
+    s = auto_step(inputs(8, 8, current=s, **quick), (8, 4), QUIET, None, T0 + 61)
+    assert s.replicas == (8, 6)
+    cap = dict(gpu_budget=24, ratio_max=2.0, rebalance_stable_s=20.0)
+    starved = ObservedSignals(ttft_p90_s=9.0, prefill_queue_depth=4.0)
+    s = auto_step(inputs(1, 2, **cap), (1, 2), starved, None, T0)
+    assert s.replicas == (1, 2)  # the decode's lower target starts its rebalance window
+    s = auto_step(inputs(1, 2, current=s, **cap), (1, 2), starved, None, T0 + 21)
+    assert s.replicas == (1, 1)
+    s = auto_step(inputs(1, 1, current=s, decode_pods=2, **cap), (1, 1), starved, None, T0 + 81)
+    assert s.replicas == (1, 1)  # the removed decode pod still holds its GPUs
+    s = auto_step(inputs(1, 1, current=s, **cap), (1, 1), starved, None, T0 + 82)
+    assert s.replicas == (2, 1)
+
+
 def test_constant_load_does_not_oscillate() -> None:
     """Safety: on a constant target the counts converge and then never change."""
     state, seen = AutoState(2, 2), []

@@ -179,6 +179,8 @@ class AutoInputs:
     ratio_max: float | None = None
     gpu_budget: int | None = None
     pod_start_s: float = DEFAULT_POD_START_SECONDS
+    down_stable_s: float = ControlConfig.down_stable_s  # ratio.scaleDownStabilizationSeconds
+    rebalance_stable_s: float = ControlConfig.rebalance_stable_s  # ratio.rebalance...Seconds
 
 
 def _target(counts: tuple[int, int]) -> RatioRecommendation:
@@ -253,6 +255,8 @@ def auto_step(
         decode_gpus=inputs.decode_gpus,
         bounds=Bounds(gpu_budget=inputs.gpu_budget),
         pod_start_s=inputs.pod_start_s,
+        down_stable_s=inputs.down_stable_s,
+        rebalance_stable_s=inputs.rebalance_stable_s,
     )
     existing = CurrentReplicas(cur.prefill, cur.decode, inputs.prefill_pods, inputs.decode_pods)
     starving = pressure is not None and pressure.prefill > cur.prefill
