@@ -187,3 +187,61 @@ async def test_auto_mode_grows_a_kv_bound_decode_pool(
     print(f"\nAuto: decode +1 decided {decided:.1f}s and ready {applied:.1f}s after load onset "
           f"(highest observed {seen}); {stats.ok} ok, {len(stats.failures)} failed of "
           f"{stats.sent}")  # fmt: skip
+
+
+@pytest.fixture
+def capped_fleet(
+    kubeconfig: Path, namespace: str, kubectl: Kubectl, tmp_path: Path, crds: None
+) -> Iterator[tuple[LiveStack, str]]:
+    """1 prefill : 2 decode in Auto at a 24-GPU budget (three 8-GPU instances: the cap)."""
+    stack = LiveStack(kubeconfig, namespace, tmp_path / "live", sim_args=SIM_ARGS,
+                      scrape_interval_s=2.0, operator_args=("-n", namespace))  # fmt: skip
+    cas = manifest()
+    cas["spec"]["ratio"].update({"max": 2.0, "gpuBudget": 24, "rebalanceStabilizationSeconds": 10})
+    with resource_live(stack, kubectl, cas, log=lambda line: print(f"[live] {line}")) as router:
+        counts = lambda: (len(ready_ips(kubectl, namespace, "prefill")),  # noqa: E731
+                          len(ready_ips(kubectl, namespace, "decode")))  # fmt: skip
+        wait_for("1 prefill + 2 decodes ready", lambda: counts() == (1, 2), 60)
+        wait_for("router ready", lambda: http_ok(f"{router}/readiness"), 60)
+        yield stack, router
+
+
+async def test_auto_mode_at_the_budget_gives_up_a_decode_before_growing_prefill(
+    capped_fleet: tuple[LiveStack, str], kubectl: Kubectl, namespace: str
+) -> None:
+    """Regression guard for drain-confirm-then-grow at the GPU budget (unit-tested only until
+    now): a starved prefill at the cap must get its second instance by taking one from the
+    idle decode pool, and never while the removed decode pod still exists: engine pods
+    (terminating ones included) never hold more than the 24-GPU budget."""
+    _, router = capped_fleet
+    (prefill_ip,) = ready_ips(kubectl, namespace, "prefill")
+    stop, stats = asyncio.Event(), LoadStats()
+    prompt = "def handler(request):\n    return route(request)\n" * 400  # ~4.8K tokens each
+    load = asyncio.create_task(steady_traffic(router, stop, stats, concurrency=12, max_tokens=20,
+                                              max_requests=5_000, prompt_body=prompt))  # fmt: skip
+    most_pods = [0]  # the most engine pods (any state) seen at once: 8 GPUs each
+
+    def rebalanced() -> bool:
+        pods = get(kubectl, namespace, "pods", "-l", f"cas.dev/name={NAME}")["items"]
+        engines = [p for p in pods if p["metadata"]["labels"]["cas.dev/role"] != "router"]
+        most_pods[0] = max(most_pods[0], len(engines))
+        return pool_replicas(kubectl, namespace) == {"prefill": 2, "decode": 1, "router": 1}
+
+    try:
+        await set_fault(f"http://{prefill_ip}:30000", {"slow_prefill": 40})
+        onset = time.monotonic()
+        await asyncio.to_thread(wait_for, "Auto to move an instance to prefill", rebalanced, 180)
+        moved = time.monotonic() - onset
+        await asyncio.to_thread(
+            wait_for, "a second prefill pod ready",
+            lambda: rebalanced() and len(ready_ips(kubectl, namespace, "prefill")) == 2, 60,
+        )  # fmt: skip
+    finally:
+        stop.set()
+        await load
+    assert most_pods[0] <= 3, f"{most_pods[0]} engine pods of 8 GPUs at a 24-GPU budget"
+    auto = get(kubectl, namespace, "cas", NAME)["status"]["autoscaler"]
+    assert (auto["prefill"], auto["decode"]) == (2, 1), auto
+    print(f"\nAuto at the cap: 1:2 -> 2:1 in {moved:.1f}s after the slowdown, at most "
+          f"{most_pods[0]} engine pods; {stats.ok} ok, {len(stats.failures)} failed of "
+          f"{stats.sent}")  # fmt: skip

@@ -59,12 +59,21 @@ def test_decode_pressure_adds_decode() -> None:
 
 
 def test_ratio_bound_and_budget_stop_growth() -> None:
-    """Regression: hints must respect ratio.max and the GPU budget (no surge allowed)."""
+    """Regression: hints must respect ratio.max and the GPU budget (no surge allowed). At the
+    budget the idle side gives up an instance instead (a shift within the budget: Auto was
+    stuck at 1:2 with a starved prefill on the local stack); where even that breaks a bound, or
+    the freed GPUs are too few for the starved side's instance, there is no hint."""
     starving = pods(prefill_queue=8, decode_queue=0)
     capped = run(starving, READY, ScaleBounds(ratio_max=0.5), 3)[-1]
     assert capped.hint is None and "ratio bounds" in capped.note
-    spent = run(starving, READY, ScaleBounds(gpu_budget=6), 3)[-1]
-    assert spent.hint is None and "budget" in spent.note
+    shifted = run(starving, READY, ScaleBounds(gpu_budget=6), 3)[-1].hint
+    assert shifted is not None and (shifted.prefill, shifted.decode) == (3, 3)
+    assert "GPU budget" in shifted.reason
+    narrow = run(starving, READY, ScaleBounds(gpu_budget=6, ratio_max=0.8), 3)[-1]
+    assert narrow.hint is None and "budget" in narrow.note  # 3:3 would break ratio.max
+    wide = PoolCounts(prefill=2, decode=4, prefill_ready=2, decode_ready=4, prefill_gpus=2)
+    spent = run(starving, wide, ScaleBounds(gpu_budget=8), 3)[-1]
+    assert spent.hint is None and "budget" in spent.note  # one decode GPU frees too little
 
 
 def test_no_hint_while_a_scale_up_is_not_ready() -> None:

@@ -553,9 +553,23 @@ def _grow(counts: PoolCounts, bounds: ScaleBounds, side: str, why: str) -> Scale
         return f"{side} pressure ({why}) but P:D {p}:{d} is outside the ratio bounds"
     limit = None if bounds.gpu_budget is None else bounds.gpu_budget + bounds.surge_gpus
     if limit is not None and _gpus(p, d, counts) > limit:
-        return f"{side} pressure ({why}) but the GPU budget is spent"
+        return _shift(counts, bounds, side, why)
     return ScaleOutcome(ScaleHint(p, d, f"{side} up by one: {why}"), f"scale {side} up",
                         PressureState())  # fmt: skip
+
+
+def _shift(counts: PoolCounts, bounds: ScaleBounds, side: str, why: str) -> ScaleOutcome | str:
+    """At the GPU budget (no surge left): one instance moves to `side` from the other pool,
+    which is idle (the pressure is one-sided). Published as a suggestion; Auto's step takes it
+    by shrinking the other pool first and growing `side` only once the removed pods are gone
+    (drain-confirm-then-grow), so the budget holds throughout. Else a note."""
+    p = counts.prefill + (1 if side == "prefill" else -1)
+    d = counts.decode + (1 if side == "decode" else -1)
+    if not _ratio_ok(p, d, bounds) or _gpus(p, d, counts) > (bounds.gpu_budget or 0):
+        return f"{side} pressure ({why}) but the GPU budget is spent"
+    other = "decode" if side == "prefill" else "prefill"
+    hint = ScaleHint(p, d, f"{side} up by one, {other} down by one at the GPU budget: {why}")
+    return ScaleOutcome(hint, f"shift one instance to {side}", PressureState())
 
 
 def suggest_scale(
