@@ -6,7 +6,8 @@ acts on measured pressure alone): 1 prefill : 2 decode sims behind the real SGLa
 (e2e/livestack.py). Long prompts flow; then the prefill sim is slowed 40x (`slow_prefill`)
 - the skewed P:D ratio the production report reproduced its anomalies with. Only the
 operator's anomaly loop may act. Guards: it must raise the prefill pool's replicas by one
-step (status.autoscaler, the Deployment, a second prefill pod serving), keep P/D inside
+step (status.autoscaler, the Deployment, a second prefill pod serving; the measured TTFT p90
+up from milliseconds to seconds), keep P/D inside
 ratio.min/max, never touch the decode pool, and report who owns the replicas. The reverse: a
 1:1 fleet whose sims hold only DECODE_KV_TOKENS of KV, under long answers, must get a second
 decode and keep its prefill pool.
@@ -94,17 +95,22 @@ async def test_auto_mode_grows_a_starved_prefill_pool(
                                               max_requests=5_000, prompt_body=prompt))  # fmt: skip
     try:
         await set_fault(f"http://{prefill_ip}:30000", {"slow_prefill": 40})
-        onset = time.monotonic()
+        onset, ttft_seen = time.monotonic(), [0.0]  # the highest TTFT p90 the status showed
 
         def grown() -> dict[str, Any] | None:
             s = get(kubectl, namespace, "cas", NAME).get("status", {})
             auto = s.get("autoscaler") or {}
+            observed = auto.get("observed") or {}
+            ttft_seen[0] = max(ttft_seen[0], observed.get("ttftP90Seconds") or 0.0)
             return s if auto.get("prefill", 1) >= 2 else None
 
         status = await asyncio.to_thread(wait_for, "Auto to add a prefill", grown, 150)
         decided = time.monotonic() - onset
         auto = status["autoscaler"]
         assert (auto["prefill"], auto["decode"]) == (2, 2), auto
+        # TTFT p90 measured from the decode pods' histograms through Prometheus: a healthy sim
+        # fleet answers in tens of milliseconds; the starved prefill pushes it past a second
+        assert ttft_seen[0] > 1.0, ttft_seen
         assert 0.25 <= auto["prefill"] / auto["decode"] <= 1.0
         assert (
             "queue" in json.dumps(status.get("anomaly", {}).get("pressure", {})) or auto["reason"]

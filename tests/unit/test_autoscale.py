@@ -18,6 +18,7 @@ from cas_operator.planning.autoscale import (
     AutoInputs,
     AutoState,
     auto_step,
+    histogram_quantile,
     observed_signals,
     quantized,
 )
@@ -65,6 +66,23 @@ def test_observed_load_from_pod_counters() -> None:
     assert o.decode_queue_depth == pytest.approx(0.5)
     assert o.aborts_per_s == pytest.approx(0.1)
     assert (o.prefill_replicas, o.decode_replicas) == (2, 2)
+
+
+def test_ttft_p90_from_the_decode_pods_histograms() -> None:
+    """Regression: Auto's TTFT rules (prefill failing = TTFT over SLO with a prefill queue)
+    had no input in the operator. p90 interpolates inside the bucket like PromQL's
+    histogram_quantile, over the decode pods' merged buckets (prefill pods' only as fallback)."""
+    inf = math.inf
+    d0 = ((1.0, 8.0), (4.0, 8.0), (8.0, 10.0), (inf, 10.0))
+    d1 = ((1.0, 2.0), (4.0, 2.0), (8.0, 10.0), (inf, 10.0))
+    pre = ((0.5, 5.0), (inf, 5.0))
+    pods = [view("d0", c.ROLE_DECODE, ttft_buckets=d0), view("d1", c.ROLE_DECODE, ttft_buckets=d1),
+            view("p0", c.ROLE_PREFILL, ttft_buckets=pre)]  # fmt: skip
+    # merged: 10 of 20 under 1 s, all 20 under 8 s; rank 18 falls in (4, 8]: 4 + 4 * 8/10
+    assert observed_signals(pods, 60.0).ttft_p90_s == pytest.approx(7.2)
+    assert observed_signals(pods[2:], 60.0).ttft_p90_s == pytest.approx(0.45)
+    assert histogram_quantile(0.9, [(1.0, 0.0), (inf, 0.0)]) is None  # no requests: unknown
+    assert histogram_quantile(0.9, [(1.0, 1.0), (inf, 10.0)]) == 1.0  # in +Inf: top bound
 
 
 def test_no_counters_means_unknown_not_zero() -> None:

@@ -7,6 +7,7 @@ engine pod would, and can be made slow, broken or absent to exercise the failure
 from __future__ import annotations
 
 import json
+import math
 import re
 import socket
 import threading
@@ -366,3 +367,51 @@ def test_pod_names_are_escaped_for_promql_strings() -> None:
     valid escape in a PromQL string); regex escapes must be doubled inside the literal."""
     assert promql_string(re.escape("decode-0.x")) == "decode\\\\-0\\\\.x"
     assert promql_string('a"b') == 'a\\"b'
+
+
+# --- TTFT histogram (the autoscaler's latency signal) --------------------------------------
+
+
+def ttft_exposition(fast: float, slow: float) -> str:
+    """A TTFT histogram: `fast` requests under 1 s, `slow` between 4 s and 8 s."""
+    total = fast + slow
+    return f"""# TYPE sglang:time_to_first_token_seconds histogram
+sglang:time_to_first_token_seconds_bucket{{le="1.0",model_name="m"}} {fast}
+sglang:time_to_first_token_seconds_bucket{{le="4.0",model_name="m"}} {fast}
+sglang:time_to_first_token_seconds_bucket{{le="8.0",model_name="m"}} {total}
+sglang:time_to_first_token_seconds_bucket{{le="+Inf",model_name="m"}} {total}
+sglang:time_to_first_token_seconds_count{{model_name="m"}} {total}
+sglang:time_to_first_token_seconds_sum{{model_name="m"}} {fast * 0.5 + slow * 6}
+"""
+
+
+def test_scrape_ttft_buckets_are_windowed_per_bound(serve: Callable[[Server], Server]) -> None:
+    """Regression: the operator measured no latency at all, so Auto's TTFT rules never fired
+    outside the simulator. Buckets keep their bound and count as windowed increases."""
+    text = [ttft_exposition(10, 0)]
+    srv = metrics_server(serve, text)
+    clock = Clock()
+    source = ScrapeSource(clock=clock)
+    target = [PodTarget("d0", "decode", "ns", "127.0.0.1", srv.port)]
+    assert source.observe(target, 60).signals["d0"].ttft_buckets is None  # one scrape: no rate
+    clock.t, text[0] = 1060.0, ttft_exposition(19, 1)
+    signals = source.observe(target, 60).signals["d0"]
+    assert signals.ttft_buckets == ((1.0, 9.0), (4.0, 9.0), (8.0, 10.0), (math.inf, 10.0))
+
+
+def test_prometheus_ttft_buckets_join_per_pod(serve: Callable[[Server], Server]) -> None:
+    """Regression: the PromQL path asks for TTFT bucket increases by pod and `le`."""
+    answers = prom_answers({"d0": 1.0, "d1": 1.0, "p0": 1.0}, {"d0": 1.0, "d1": 1.0, "p0": 1.0})
+
+    def respond(path: str, query: dict[str, list[str]]) -> tuple[int, bytes]:
+        if "time_to_first_token_seconds_bucket" in query["query"][0]:
+            rows = [(pod("d0", le=le), v) for le, v in (("1.0", 3.0), ("+Inf", 4.0))]
+            return 200, vector(rows)
+        return answers(path, query)
+
+    srv = serve(Server(respond))
+    obs = PrometheusSource(f"http://127.0.0.1:{srv.port}").observe(TARGETS, 60)
+    assert obs.signals["d0"].ttft_buckets == ((1.0, 3.0), (math.inf, 4.0))
+    assert obs.signals["d1"].ttft_buckets is None  # no series: unknown, not zero
+    (q,) = [q for q in srv.seen if "time_to_first_token" in q]
+    assert "le)" in q and "[60s]" in q

@@ -75,6 +75,12 @@ class PrometheusSource:
                 for name in m.LOAD_COUNTERS
             },
         }
+        ttft = self._query(
+            "ttft",
+            f"sum by ({self.namespace_label}, {self.pod_label}, le) "
+            f"(increase({m.TTFT_BUCKET}{sel}{w}))",
+            extra="le",
+        )
         trips = self._query(
             "trips",
             f"sum by ({self.namespace_label}, {self.pod_label}, reason) "
@@ -96,6 +102,7 @@ class PrometheusSource:
                 continue
             pod_counters = {k: v[key][""] for k, v in counters.items() if key in v}
             pod_counters.update(trips.get(key, {}))
+            pod_counters.update({m.bucket_key(le): v for le, v in ttft.get(key, {}).items()})
             pod_gauges = {k: v[key][""] for k, v in gauges.items() if key in v}
             result[target.name] = m.signals_from(
                 pod_counters, pod_gauges, has_guard=m.CHECKED in pod_counters

@@ -41,7 +41,8 @@ class Scrape:
 
 
 def parse_exposition(text: str, at: float) -> Scrape:
-    """Counters summed across their labels (model_name etc.), trips split by `reason`; gauges
+    """Counters summed across their labels (model_name etc.), trips split by `reason`, TTFT
+    histogram buckets split by `le` (types.bucket_key); gauges
     combined across series (quarantine flag: max, KV usage: mean, queues: sum).
     Raises ValueError on malformed text."""
     counters: dict[str, float] = {}
@@ -56,6 +57,9 @@ def parse_exposition(text: str, at: float) -> Scrape:
                 counters[key] = counters.get(key, 0.0) + value
             elif sample.name in (m.CHECKED, m.ABORTED, *m.LOAD_COUNTERS):
                 counters[sample.name] = counters.get(sample.name, 0.0) + value
+            elif sample.name == m.TTFT_BUCKET:
+                key = m.bucket_key(sample.labels.get("le", ""))
+                counters[key] = counters.get(key, 0.0) + value
             elif sample.name in m.GAUGES:
                 gauge_values.setdefault(sample.name, []).append(value)
     gauges = {}
@@ -142,7 +146,8 @@ class ScrapeSource:
         while hist.samples and hist.samples[0].at < result.at - 2 * window:
             hist.samples.popleft()
         counters = {}
-        for key in COUNTER_KEYS:
+        buckets = [k for k in result.counters if k.startswith(m.TTFT_BUCKET)]
+        for key in (*COUNTER_KEYS, *buckets):
             inc = windowed_increase(hist.samples, key, window)
             if inc is not None:
                 counters[key] = inc

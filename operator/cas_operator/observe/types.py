@@ -20,6 +20,7 @@ REQUESTS: Final = "sglang:num_requests_total"
 PROMPT_TOKENS: Final = "sglang:prompt_tokens_total"
 CACHED_TOKENS: Final = "sglang:cached_tokens_total"
 LOAD_COUNTERS: Final = (REQUESTS, PROMPT_TOKENS, CACHED_TOKENS)  # feed the ratio autoscaler
+TTFT_BUCKET: Final = "sglang:time_to_first_token_seconds_bucket"  # cumulative, label `le`
 REASON_LOW: Final = "low_accept_length"
 REASON_HIGH: Final = "high_accept_rate"
 GAUGES: Final = (UNHEALTHY, RUNNING, QUEUED, TOKEN_USAGE)
@@ -55,13 +56,25 @@ class MetricsSource(Protocol):
     def observe(self, targets: Sequence[PodTarget], window_seconds: float) -> Observation: ...
 
 
+def bucket_key(le: str) -> str:
+    """The counters key of one TTFT histogram bucket (its `le` label as exposed)."""
+    return f"{TTFT_BUCKET}{{le={le}}}"
+
+
+def _buckets(counters: dict[str, float]) -> tuple[tuple[float, float], ...] | None:
+    """(upper bound, windowed count) of every TTFT bucket in `counters`, by bound; None if none."""
+    prefix = bucket_key("")[:-1]
+    found = [(float(k[len(prefix) : -1]), v) for k, v in counters.items() if k.startswith(prefix)]
+    return tuple(sorted(found)) or None
+
+
 def signals_from(
     counters: dict[str, float], gauges: dict[str, float], *, has_guard: bool
 ) -> PodSignals:
     """Assemble PodSignals from windowed increases and latest gauges of one pod.
 
-    `counters` keys: CHECKED, REASON_LOW, REASON_HIGH, ABORTED, LOAD_COUNTERS (absent = series
-    missing).
+    `counters` keys: CHECKED, REASON_LOW, REASON_HIGH, ABORTED, LOAD_COUNTERS and
+    `bucket_key(le)` per TTFT bucket (absent = series missing).
     A pod without guard series (a prefill, or an engine without the guard) gets None trip fields,
     which the planner reads as "insufficient data", not as healthy.
     """
@@ -78,4 +91,5 @@ def signals_from(
         requests=counters.get(REQUESTS),
         prompt_tokens=counters.get(PROMPT_TOKENS),
         cached_tokens=counters.get(CACHED_TOKENS),
+        ttft_buckets=_buckets(counters),
     )

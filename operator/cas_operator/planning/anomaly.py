@@ -71,6 +71,8 @@ class PodSignals:
     requests: float | None = None  # finished requests in the window (load, for the autoscaler)
     prompt_tokens: float | None = None
     cached_tokens: float | None = None
+    # TTFT histogram over the window: (bucket upper bound s, cumulative count), by bound
+    ttft_buckets: tuple[tuple[float, float], ...] | None = None
     error: str | None = None
 
     @property

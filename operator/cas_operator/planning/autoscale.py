@@ -111,12 +111,44 @@ def _mean(values: Sequence[float | None]) -> float | None:
     return sum(present) / len(present) if present else None
 
 
+def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float | None:
+    """Prometheus' histogram_quantile over cumulative (upper bound, count) buckets sorted by
+    bound: linear inside the bucket the rank falls in; the highest finite bound when it falls
+    in +Inf; None without observations (pure)."""
+    total = buckets[-1][1] if buckets else 0.0
+    if total <= 0 or not math.isinf(buckets[-1][0]):
+        return None
+    rank, lower, below = q * total, 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if math.isinf(bound):
+                return lower
+            share = (rank - below) / (count - below) if count > below else 1.0
+            return lower + (bound - lower) * share
+        lower, below = bound, count
+    return lower
+
+
+def merged_buckets(signals: Sequence[PodSignals]) -> list[tuple[float, float]]:
+    """One histogram from the pods' TTFT buckets (counts summed per bound)."""
+    merged: dict[float, float] = {}
+    for s in signals:
+        for bound, count in s.ttft_buckets or ():
+            merged[bound] = merged.get(bound, 0.0) + count
+    return sorted(merged.items())
+
+
 def observed_signals(pods: Sequence[PodView], window_s: float) -> ObservedSignals:
     """The fleet's load over the window: arrivals from the decode pods' finished requests (each
     PD request ends on one decode; prefill pods count when there are no decode numbers), hit
     rate from the prefill pods' cached/prompt tokens, mean prefill and decode queues, decode KV
-    use and aborts on either side."""
+    use, aborts on either side, and TTFT p90 from the decode pods' TTFT histograms (the decode
+    streams the answer, so its TTFT includes prefill, transfer and admission; prefill pods'
+    when decodes have none)."""
     prefill, decode = _measured(pods, c.ROLE_PREFILL), _measured(pods, c.ROLE_DECODE)
+    ttft = histogram_quantile(0.9, merged_buckets(decode))
+    if ttft is None:
+        ttft = histogram_quantile(0.9, merged_buckets(prefill))
     window = max(window_s, 1.0)
     finished = _total([s.requests for s in decode]) or _total([s.requests for s in prefill])
     prompt = _total([s.prompt_tokens for s in prefill])
@@ -131,6 +163,7 @@ def observed_signals(pods: Sequence[PodView], window_s: float) -> ObservedSignal
         decode_replicas=len(decode) or None,
         decode_queue_depth=_mean([s.queued for s in decode]),
         aborts_per_s=None if aborted is None else aborted / window,
+        ttft_p90_s=ttft,
     )
 
 
@@ -156,7 +189,7 @@ def quantized(o: ObservedSignals) -> ObservedSignals:
         decode_replicas=o.decode_replicas,
         decode_queue_depth=_two_digits(o.decode_queue_depth),
         transfer_backlog_bytes=o.transfer_backlog_bytes,
-        ttft_p90_s=o.ttft_p90_s,
+        ttft_p90_s=_two_digits(o.ttft_p90_s),
         itl_ms=o.itl_ms,
         aborts_per_s=_two_digits(o.aborts_per_s),
     )
