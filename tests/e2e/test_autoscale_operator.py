@@ -16,6 +16,7 @@ decode and keep its prefill pool.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Iterator
@@ -65,20 +66,29 @@ def pool_replicas(kubectl: Kubectl, namespace: str) -> dict[str, int]:
     return {d["metadata"]["labels"]["cas.dev/role"]: d["spec"]["replicas"] for d in items}
 
 
+@contextlib.contextmanager
+def live_fleet(
+    kubeconfig: Path, namespace: str, kubectl: Kubectl, tmp_path: Path, cas: dict[str, Any],
+    pools: tuple[int, int], sim_args: list[str] = SIM_ARGS,
+) -> Iterator[tuple[LiveStack, str]]:  # fmt: skip
+    """The live stack serving `cas` once `pools` (prefill, decode) pods are ready and the
+    router pod answers; yields the stack and the router pod's URL."""
+    stack = LiveStack(kubeconfig, namespace, tmp_path / "live", sim_args=sim_args,
+                      scrape_interval_s=2.0, operator_args=("-n", namespace))  # fmt: skip
+    with resource_live(stack, kubectl, cas, log=lambda line: print(f"[live] {line}")) as router:
+        counts = lambda: (len(ready_ips(kubectl, namespace, "prefill")),  # noqa: E731
+                          len(ready_ips(kubectl, namespace, "decode")))  # fmt: skip
+        wait_for(f"{pools[0]} prefill + {pools[1]} decode ready", lambda: counts() == pools, 60)
+        wait_for("router ready", lambda: http_ok(f"{router}/readiness"), 60)
+        yield stack, router
+
+
 @pytest.fixture
 def fleet(
     kubeconfig: Path, namespace: str, kubectl: Kubectl, tmp_path: Path, crds: None
 ) -> Iterator[tuple[LiveStack, str]]:
-    stack = LiveStack(kubeconfig, namespace, tmp_path / "live", sim_args=SIM_ARGS,
-                      scrape_interval_s=2.0, operator_args=("-n", namespace))  # fmt: skip
-    with resource_live(
-        stack, kubectl, manifest(), log=lambda line: print(f"[live] {line}")
-    ) as router:
-        counts = lambda: (len(ready_ips(kubectl, namespace, "prefill")),  # noqa: E731
-                          len(ready_ips(kubectl, namespace, "decode")))  # fmt: skip
-        wait_for("1 prefill + 2 decodes ready", lambda: counts() == (1, 2), 60)
-        wait_for("router ready", lambda: http_ok(f"{router}/readiness"), 60)
-        yield stack, router
+    with live_fleet(kubeconfig, namespace, kubectl, tmp_path, manifest(), (1, 2)) as live:
+        yield live
 
 
 async def test_auto_mode_grows_a_starved_prefill_pool(
@@ -90,7 +100,7 @@ async def test_auto_mode_grows_a_starved_prefill_pool(
     assert status["ratio"]["replicasOwner"] == "operator (Auto)"
     assert pool_replicas(kubectl, namespace) == {"prefill": 1, "decode": 2, "router": 1}
     stop, stats = asyncio.Event(), LoadStats()
-    prompt = "def handler(request):\n    return route(request)\n" * 400  # ~8K tokens each
+    prompt = "def handler(request):\n    return route(request)\n" * 400  # ~4.8K tokens each
     load = asyncio.create_task(steady_traffic(router, stop, stats, concurrency=12, max_tokens=20,
                                               max_requests=5_000, prompt_body=prompt))  # fmt: skip
     try:
@@ -138,17 +148,11 @@ def kv_bound_fleet(
     kubeconfig: Path, namespace: str, kubectl: Kubectl, tmp_path: Path, crds: None
 ) -> Iterator[tuple[LiveStack, str]]:
     """1 prefill : 1 decode in Auto, every sim with a KV pool of DECODE_KV_TOKENS."""
-    stack = LiveStack(kubeconfig, namespace, tmp_path / "live",
-                      sim_args=[*SIM_ARGS, "--sim-kv-capacity", str(DECODE_KV_TOKENS)],
-                      scrape_interval_s=2.0, operator_args=("-n", namespace))  # fmt: skip
     cas = manifest()
     cas["spec"]["ratio"].update({"prefill": 1, "decode": 1})
-    with resource_live(stack, kubectl, cas, log=lambda line: print(f"[live] {line}")) as router:
-        counts = lambda: (len(ready_ips(kubectl, namespace, "prefill")),  # noqa: E731
-                          len(ready_ips(kubectl, namespace, "decode")))  # fmt: skip
-        wait_for("1 prefill + 1 decode ready", lambda: counts() == (1, 1), 60)
-        wait_for("router ready", lambda: http_ok(f"{router}/readiness"), 60)
-        yield stack, router
+    sims = [*SIM_ARGS, "--sim-kv-capacity", str(DECODE_KV_TOKENS)]
+    with live_fleet(kubeconfig, namespace, kubectl, tmp_path, cas, (1, 1), sims) as live:
+        yield live
 
 
 async def test_auto_mode_grows_a_kv_bound_decode_pool(
@@ -200,16 +204,10 @@ def capped_fleet(
     kubeconfig: Path, namespace: str, kubectl: Kubectl, tmp_path: Path, crds: None
 ) -> Iterator[tuple[LiveStack, str]]:
     """1 prefill : 2 decode in Auto at a 24-GPU budget (three 8-GPU instances: the cap)."""
-    stack = LiveStack(kubeconfig, namespace, tmp_path / "live", sim_args=SIM_ARGS,
-                      scrape_interval_s=2.0, operator_args=("-n", namespace))  # fmt: skip
     cas = manifest()
     cas["spec"]["ratio"].update({"max": 2.0, "gpuBudget": 24, "rebalanceStabilizationSeconds": 10})
-    with resource_live(stack, kubectl, cas, log=lambda line: print(f"[live] {line}")) as router:
-        counts = lambda: (len(ready_ips(kubectl, namespace, "prefill")),  # noqa: E731
-                          len(ready_ips(kubectl, namespace, "decode")))  # fmt: skip
-        wait_for("1 prefill + 2 decodes ready", lambda: counts() == (1, 2), 60)
-        wait_for("router ready", lambda: http_ok(f"{router}/readiness"), 60)
-        yield stack, router
+    with live_fleet(kubeconfig, namespace, kubectl, tmp_path, cas, (1, 2)) as live:
+        yield live
 
 
 async def test_auto_mode_at_the_budget_gives_up_a_decode_before_growing_prefill(
