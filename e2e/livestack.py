@@ -27,7 +27,6 @@ import contextlib
 import copy
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +37,13 @@ import yaml
 from cas_operator.api import constants as c
 from e2e.manifests import READINESS_TOLERATION
 from e2e.operator_process import OperatorProcess
-from e2e.podrunner import ROUTER_SHIM, PodRunner, kube_pod_lister, kube_status_patcher
+from e2e.podrunner import (
+    ROUTER_SHIM,
+    PodRunner,
+    http_probe,
+    kube_pod_lister,
+    kube_status_patcher,
+)
 from e2e.prometheus import (
     PrometheusHandle,
     file_sd_scrape_config,
@@ -157,6 +162,9 @@ class LiveStack:
             self.prometheus = None
 
 
+http_ok = http_probe  # "does GET `url` answer 2xx within the timeout", for the stack's users
+
+
 def router_url(pods: list[Pod], name: str) -> str | None:
     """``http://<router pod IP>:8000`` of the resource's first live router pod in `pods`."""
     for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
@@ -166,15 +174,6 @@ def router_url(pods: list[Pod], name: str) -> str | None:
                 and ip and not pod["metadata"].get("deletionTimestamp")):  # fmt: skip
             return f"http://{ip}:{c.ROUTER_PORT}"
     return None
-
-
-def http_ok(url: str, timeout: float = 1.0) -> bool:
-    """True when GET `url` answers 200."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return bool(resp.status == 200)
-    except OSError:
-        return False
 
 
 @contextlib.contextmanager

@@ -164,16 +164,21 @@ def apply_children(
     observed at all."""
     current = {(w.kind, w.name): w for w in observed}
 
-    def stale(m: dict[str, Any]) -> bool:
+    def why_stale(m: dict[str, Any]) -> str:
+        """Why a refresh re-applies `m` ("" = it does not)."""
+        if m["kind"] not in WORKLOAD_KINDS:
+            return ""
         seen = current.get((m["kind"], m["metadata"]["name"]))
-        return apply_missing if seen is None else bool(drift(seen, m))
+        return ("missing" if apply_missing else "") if seen is None else drift(seen, m)
 
-    todo = [m for m in manifests if full or (m["kind"] in WORKLOAD_KINDS and stale(m))]
-    if not full:
-        for m in todo:
-            seen = current.get((m["kind"], m["metadata"]["name"]))
-            log.info("re-applying %s %s: %s", m["kind"], m["metadata"]["name"],
-                     "missing" if seen is None else drift(seen, m))  # fmt: skip
+    if full:
+        todo = list(manifests)
+    else:
+        todo = []
+        for m in manifests:
+            if why := why_stale(m):
+                log.info("re-applying %s %s: %s", m["kind"], m["metadata"]["name"], why)
+                todo.append(m)
     problems: list[Problem] = []
     workloads: list[ObservedWorkload] = []
     for tier in sorted({apply_tier(m) for m in todo}):
