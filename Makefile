@@ -83,23 +83,23 @@ sim-demo: setup ## Router + 1 prefill + 2 decode sims on loopback, coding-agent 
 bench: bench-race bench-guard bench-sim bench-operator bench-anomaly bench-planner ## All benchmarks (never part of make test)
 
 bench-sim: setup ## Sim: 256-stream throughput; PD reclaim race Immediate/Upstream/Strict side by side
-	$(PY) bench/sim_throughput.py --streams 256 --tokens 400 --runs 3
-	$(PY) bench/sim_race.py --requests 600
+	$(PY) -m bench.sim_throughput --streams 256 --tokens 400 --runs 3
+	$(PY) -m bench.sim_race --requests 600
 
 bench-race: setup ## Race reproduction: bad requests per 10,000 by KV reclaim mode (~5 min)
-	$(PY) bench/race.py
+	$(PY) -m bench.race
 
 bench-anomaly: setup bins ## Anomaly reaction: onset -> out of rotation / replaced, false drains
 	$(PY) -m e2e.bench_anomaly --out bench/results/anomaly.json
 
 bench-planner: setup ## P:D planner vs 1:1, best fixed, mean-based and exhaustive on the fleet simulator
-	$(PY) bench/planner.py --quick --scale-tables --out bench/results/planner.json
+	$(PY) -m bench.planner --quick --scale-tables --out bench/results/planner.json
 
 bench-guard: setup ## Quality-gate overhead per verify step (batch 1/64/256)
-	$(PY) bench/guard_overhead.py
+	$(PY) -m bench.guard_overhead
 
 bench-operator: setup bins ## N = 10, 50, 200 resources at once -> Ready latency, CPU, memory
-	$(PY) bench/operator_scale.py
+	$(PY) -m bench.operator_scale
 
 .PHONY: run test help setup sysdeps cluster-status e2e crds verify lint lint-docker image typecheck unit bins cluster-up \
 	cluster-down bench bench-race bench-anomaly bench-planner bench-guard bench-operator bench-sim sim-demo

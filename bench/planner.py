@@ -26,20 +26,15 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
-from cas_operator.planning import profiles as pf
-from cas_operator.planning.fleetsim import FleetConfig, Modifier, SessionMix, SessionWorkload
-from cas_operator.planning.fleetsim.engine import Simulator
-from cas_operator.planning.fleetsim.policies import (
+from bench.fleetsim import FleetConfig, Modifier, SessionMix, SessionWorkload
+from bench.fleetsim.engine import Simulator
+from bench.fleetsim.policies import (
     MeanBasedPolicy,
     RatioPlannerPolicy,
 )
-from cas_operator.planning.ratio import (
-    Bounds,
-    InstanceProfile,
-    SloInputs,
-    WorkloadInputs,
-    recommend,
-)
+from cas_operator.autoscale import profiles as pf
+from cas_operator.autoscale.model import Bounds, InstanceProfile, SloInputs, WorkloadInputs
+from cas_operator.autoscale.search import recommend
 
 SLO = SloInputs(ttft_s=3.0, itl_ms=50.0)
 SPEC = pf.load_spec("glm5-fp8-h200")

@@ -11,17 +11,23 @@ import kopf
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="cas-operator", description=__doc__)
     parser.add_argument(
-        "-n", "--namespace", action="append", default=[],
+        "-n",
+        "--namespace",
+        action="append",
+        default=[],
         help="watch only this namespace (repeatable); default: all namespaces",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--liveness", default="http://0.0.0.0:8080/healthz",
+        "--liveness",
+        default="http://0.0.0.0:8080/healthz",
         help="liveness endpoint URL ('' to disable)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--metrics-port", type=int, default=8081,
+        "--metrics-port",
+        type=int,
+        default=8081,
         help="serve Prometheus metrics on this port (0 disables)",
-    )  # fmt: skip
+    )
     parser.add_argument("-v", "--verbose", action="store_true")
     return parser.parse_args(argv)
 

@@ -11,7 +11,6 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
 from kubernetes import client, config
@@ -19,9 +18,9 @@ from kubernetes.client.exceptions import ApiException
 
 from cas_operator.api import constants as c
 from cas_operator.metrics import API_REQUESTS
+from cas_operator.types import Manifest, rfc3339
 
 log = logging.getLogger(__name__)
-Manifest = dict[str, Any]
 CONNECTION_POOL_SIZE = 48
 
 
@@ -58,6 +57,10 @@ class KindNotInstalled(Exception):
     def __init__(self, kind: str) -> None:
         super().__init__(f"{kind} is not served by this cluster")
         self.kind = kind
+
+
+class NamespaceTerminating(Exception):
+    """The API server refuses to create anything in a namespace being deleted."""
 
 
 def load_api_client() -> client.ApiClient:
@@ -107,7 +110,8 @@ class Kube:
         return json.loads(raw) if raw else None
 
     def apply(self, manifest: Manifest) -> Manifest:
-        """Server-side apply; raises KindNotInstalled when the kind is not served."""
+        """Server-side apply; raises KindNotInstalled when the kind is not served and
+        NamespaceTerminating when its namespace is being deleted."""
         kind = manifest["kind"]
         meta = manifest["metadata"]
         path = f"{KINDS[kind].base_path(meta['namespace'])}/{meta['name']}"
@@ -122,6 +126,8 @@ class Kube:
         except ApiException as exc:
             if exc.status == 404 and _is_missing_kind(exc):
                 raise KindNotInstalled(kind) from exc
+            if exc.status == 403 and "being terminated" in str(exc.body or ""):
+                raise NamespaceTerminating(meta["namespace"]) from exc
             raise
         return result
 
@@ -188,10 +194,10 @@ class Kube:
         return result
 
     def post_event(self, obj: Manifest, event_type: str, reason: str, message: str) -> None:
-        """A core/v1 Event about `obj` (for code that runs outside kopf's handlers, which
-        have no kopf event queue); `kubectl describe` shows it like kopf's own."""
+        """A core/v1 Event about `obj`: the operator's one event path (handlers, passes and
+        the fleet tick alike); `kubectl describe` shows it like kopf's own."""
         meta = obj["metadata"]
-        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        now = rfc3339()
         event = {
             "apiVersion": "v1",
             "kind": "Event",

@@ -12,20 +12,19 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from cas_operator.api.models import AnomalyGuardSpec, GuardAction
-from cas_operator.planning.anomaly import (
+from cas_operator.anomaly.detect import (
     REASON_HIGH_ACCEPT,
     REASON_LOW_ACCEPT,
     REASON_QUARANTINE,
     GuardState,
-    PodSignals,
-    PodView,
     Policy,
     decide,
     drain_capacity,
     judge_pod,
     poisson_sf,
 )
+from cas_operator.api.models import AnomalyGuardSpec, GuardAction
+from cas_operator.observe.types import PodSignals, PodView
 
 TICK = 5.0
 WINDOW = 300.0
@@ -260,8 +259,9 @@ def test_single_hot_tick_does_not_drain_and_degraded_does_not_flap() -> None:
 
 def test_quarantine_unhealthy_pod_is_drained_without_trip_data() -> None:
     """Regression: the engine's own unhealthy-by-quarantine flag must be enough to drain."""
-    sick = PodSignals(checked=0, trips_low_accept=0, trips_high_accept=0,
-                      unhealthy_by_quarantine=True)  # fmt: skip
+    sick = PodSignals(
+        checked=0, trips_low_accept=0, trips_high_accept=0, unhealthy_by_quarantine=True
+    )
     ok = PodSignals(checked=500, trips_low_accept=0, trips_high_accept=0)
     pods = [PodView("d0", "decode", True, True, None, sick)] + [
         PodView(f"d{i}", "decode", True, True, None, ok) for i in (1, 2, 3)
@@ -278,10 +278,16 @@ def _hot_pods(n: int, bad: set[str], draining: set[str] = frozenset()) -> list[P
     hot = PodSignals(checked=2000, trips_low_accept=60, trips_high_accept=0)
     ok = PodSignals(checked=2000, trips_low_accept=0, trips_high_accept=1)
     return [
-        PodView(f"d{i}", "decode", True, f"d{i}" not in draining,
-                10.0 if f"d{i}" in draining else None, hot if f"d{i}" in bad else ok)
+        PodView(
+            f"d{i}",
+            "decode",
+            True,
+            f"d{i}" not in draining,
+            10.0 if f"d{i}" in draining else None,
+            hot if f"d{i}" in bad else ok,
+        )
         for i in range(n)
-    ]  # fmt: skip
+    ]
 
 
 def _run(
@@ -324,9 +330,10 @@ def test_cooldown_spaces_drains_in_a_pool() -> None:
         drains += [(o.name, t) for o in d.drains]
         pods = [
             PodView(p.name, p.role, p.ready, False, t * TICK, p.signals)
-            if any(o.name == p.name for o in d.drains) else p
+            if any(o.name == p.name for o in d.drains)
+            else p
             for p in pods
-        ]  # fmt: skip
+        ]
     assert [n for n, _ in drains] == ["d0", "d1"]
     assert (drains[1][1] - drains[0][1]) * TICK >= 60.0
 

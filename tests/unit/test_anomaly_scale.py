@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from cas_operator.planning.anomaly import (
-    PodSignals,
-    PodView,
+from cas_operator.autoscale.controller import (
     PoolCounts,
     PressureState,
     ScaleBounds,
     ScaleOutcome,
     suggest_scale,
 )
+from cas_operator.observe.types import PodSignals, PodView
 
 
 def pods(prefill_queue: float, decode_queue: float, decode_usage: float = 0.3) -> list[PodView]:

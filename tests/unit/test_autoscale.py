@@ -13,17 +13,17 @@ from typing import Any
 import pytest
 
 from cas_operator.api import constants as c
-from cas_operator.planning.anomaly import PodSignals, PodView, ScaleHint
-from cas_operator.planning.autoscale import (
+from cas_operator.autoscale.controller import (
     AutoInputs,
     AutoState,
+    ControlState,
+    ScaleHint,
     auto_step,
-    histogram_quantile,
-    observed_signals,
-    quantized,
 )
-from cas_operator.planning.ratio import ControlState, ObservedSignals, SloInputs
-from cas_operator.reconcile import Measured, reconcile
+from cas_operator.autoscale.model import ObservedSignals, SloInputs
+from cas_operator.autoscale.signals import histogram_quantile, observed_signals, quantized
+from cas_operator.observe.types import PodSignals, PodView
+from cas_operator.reconcile.core import Measured, reconcile
 
 SLO = SloInputs(ttft_s=2.0, itl_ms=50.0)
 QUIET = ObservedSignals()
@@ -36,9 +36,14 @@ def view(name: str, role: str, **signals: Any) -> PodView:
 
 def inputs(p: int, d: int, **kw: Any) -> AutoInputs:
     defaults: dict[str, Any] = dict(
-        current=AutoState(p, d), prefill_pods=p, decode_pods=d, prefill_gpus=8,
-        decode_gpus=8, slo=SLO, pod_start_s=60.0,
-    )  # fmt: skip
+        current=AutoState(p, d),
+        prefill_pods=p,
+        decode_pods=d,
+        prefill_gpus=8,
+        decode_gpus=8,
+        slo=SLO,
+        pod_start_s=60.0,
+    )
     defaults.update(kw)
     return AutoInputs(**defaults)
 
@@ -50,14 +55,26 @@ def test_observed_load_from_pod_counters() -> None:
     """Arrivals = decode pods' finished requests over the window; hit rate = prefill cached /
     prompt tokens; a pod whose signal is unavailable counts for nothing."""
     pods = [
-        view("p0", c.ROLE_PREFILL, prompt_tokens=1000.0, cached_tokens=900.0, queued=4.0,
-             requests=60.0),
-        view("p1", c.ROLE_PREFILL, prompt_tokens=3000.0, cached_tokens=2100.0, queued=0.0,
-             requests=60.0),
+        view(
+            "p0",
+            c.ROLE_PREFILL,
+            prompt_tokens=1000.0,
+            cached_tokens=900.0,
+            queued=4.0,
+            requests=60.0,
+        ),
+        view(
+            "p1",
+            c.ROLE_PREFILL,
+            prompt_tokens=3000.0,
+            cached_tokens=2100.0,
+            queued=0.0,
+            requests=60.0,
+        ),
         view("d0", c.ROLE_DECODE, requests=30.0, token_usage=0.5, aborted=0.0, queued=1.0),
         view("d1", c.ROLE_DECODE, requests=90.0, token_usage=0.7, aborted=6.0, queued=0.0),
         PodView("d2", c.ROLE_DECODE, True, True, None, PodSignals(error="scrape failed")),
-    ]  # fmt: skip
+    ]
     o = observed_signals(pods, window_s=60.0)
     assert o.arrival_rate == pytest.approx(2.0)  # (30 + 90) / 60, not counting prefill too
     assert o.hit_rate == pytest.approx(3000.0 / 4000.0)
@@ -76,8 +93,11 @@ def test_ttft_p90_from_the_decode_pods_histograms() -> None:
     d0 = ((1.0, 8.0), (4.0, 8.0), (8.0, 10.0), (inf, 10.0))
     d1 = ((1.0, 2.0), (4.0, 2.0), (8.0, 10.0), (inf, 10.0))
     pre = ((0.5, 5.0), (inf, 5.0))
-    pods = [view("d0", c.ROLE_DECODE, ttft_buckets=d0), view("d1", c.ROLE_DECODE, ttft_buckets=d1),
-            view("p0", c.ROLE_PREFILL, ttft_buckets=pre)]  # fmt: skip
+    pods = [
+        view("d0", c.ROLE_DECODE, ttft_buckets=d0),
+        view("d1", c.ROLE_DECODE, ttft_buckets=d1),
+        view("p0", c.ROLE_PREFILL, ttft_buckets=pre),
+    ]
     # merged: 10 of 20 under 1 s, all 20 under 8 s; rank 18 falls in (4, 8]: 4 + 4 * 8/10
     assert observed_signals(pods, 60.0).ttft_p90_s == pytest.approx(7.2)
     assert observed_signals(pods[2:], 60.0).ttft_p90_s == pytest.approx(0.45)
@@ -151,8 +171,9 @@ def test_constant_load_does_not_oscillate() -> None:
     """Safety: on a constant target the counts converge and then never change."""
     state, seen = AutoState(2, 2), []
     for tick in range(200):
-        state = auto_step(inputs(*state.replicas, current=state), (6, 3), QUIET, None,
-                          T0 + 61 * tick)  # fmt: skip
+        state = auto_step(
+            inputs(*state.replicas, current=state), (6, 3), QUIET, None, T0 + 61 * tick
+        )
         seen.append(state.replicas)
     assert seen[-1] == (6, 3)
     changes = [i for i in range(1, len(seen)) if seen[i] != seen[i - 1]]
@@ -228,15 +249,19 @@ class Applied:
 
     def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
         obj = {**manifest, "metadata": {**manifest["metadata"], "generation": 1}}
-        obj["status"] = {"observedGeneration": 1,
-                         "readyReplicas": manifest.get("spec", {}).get("replicas", 0)}  # fmt: skip
+        obj["status"] = {
+            "observedGeneration": 1,
+            "readyReplicas": manifest.get("spec", {}).get("replicas", 0),
+        }
         self.objects[(manifest["kind"], manifest["metadata"]["name"])] = obj
         return obj
 
     def list(self, kind: str, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
-        return [o for (k, _), o in self.objects.items()
-                if k == kind and all(o["metadata"]["labels"].get(a) == b
-                                     for a, b in selector.items())]  # fmt: skip
+        return [
+            o
+            for (k, _), o in self.objects.items()
+            if k == kind and all(o["metadata"]["labels"].get(a) == b for a, b in selector.items())
+        ]
 
     def delete(self, kind: str, namespace: str, name: str) -> None:
         self.objects.pop((kind, name), None)
@@ -251,17 +276,25 @@ AUTO_SPEC = {
 
 def pool_replicas(kube: Applied) -> dict[str, int]:
     pools = [o for (k, _), o in kube.objects.items() if k == "Deployment"]
-    return {o["metadata"]["labels"][c.LABEL_ROLE]: o["spec"]["replicas"] for o in pools
-            if o["metadata"]["labels"].get(c.LABEL_ROLE) != c.ROLE_ROUTER}  # fmt: skip
+    return {
+        o["metadata"]["labels"][c.LABEL_ROLE]: o["spec"]["replicas"]
+        for o in pools
+        if o["metadata"]["labels"].get(c.LABEL_ROLE) != c.ROLE_ROUTER
+    }
 
 
 def test_reconcile_applies_the_autoscalers_counts_and_says_who_owns_them() -> None:
     kube = Applied()
     out = reconcile(
         kube,  # type: ignore[arg-type]
-        name="demo", namespace="ns", uid="u", generation=1, raw_spec=AUTO_SPEC,
-        full_apply=True, measured=Measured(auto_replicas=(3, 2)),
-    )  # fmt: skip
+        name="demo",
+        namespace="ns",
+        uid="u",
+        generation=1,
+        raw_spec=AUTO_SPEC,
+        full_apply=True,
+        measured=Measured(auto_replicas=(3, 2)),
+    )
     assert pool_replicas(kube) == {c.ROLE_PREFILL: 3, c.ROLE_DECODE: 2}
     assert out.status["ratio"]["current"] == "3:2"
     assert out.status["ratio"]["replicasOwner"] == "operator (Auto)"
@@ -272,8 +305,13 @@ def test_autoscaler_counts_beyond_the_budget_fall_back_to_the_spec() -> None:
     kube = Applied()
     reconcile(
         kube,  # type: ignore[arg-type]
-        name="demo", namespace="ns", uid="u", generation=1, raw_spec=AUTO_SPEC,
-        full_apply=True, measured=Measured(auto_replicas=(6, 4)),
-    )  # fmt: skip
+        name="demo",
+        namespace="ns",
+        uid="u",
+        generation=1,
+        raw_spec=AUTO_SPEC,
+        full_apply=True,
+        measured=Measured(auto_replicas=(6, 4)),
+    )
     total = sum(pool_replicas(kube).values())
     assert total * 8 <= 64

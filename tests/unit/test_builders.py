@@ -10,11 +10,11 @@ import yaml
 
 from cas_operator.api import constants as c
 from cas_operator.api.models import parse_spec
-from cas_operator.planning.plan import Plan, build_plan
-from cas_operator.resources import build_all
-from cas_operator.resources.engine_args import engine_args, engine_env
-from cas_operator.resources.meta import Owner
-from cas_operator.resources.router import router_args
+from cas_operator.desired.plan import Plan, build_plan
+from cas_operator.desired.resources import build_all
+from cas_operator.desired.resources.engine_args import engine_args, engine_env
+from cas_operator.desired.resources.meta import Owner
+from cas_operator.desired.resources.router import router_args
 from tests.paths import ROOT, load_sample
 
 GOLDEN = ROOT / "tests" / "unit" / "golden"

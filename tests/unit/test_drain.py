@@ -10,20 +10,19 @@ import copy
 from collections.abc import Sequence
 from typing import Any
 
-from cas_operator.api import constants as c
-from cas_operator.api.models import AnomalyGuardSpec, GuardAction
-from cas_operator.drain import (
+from cas_operator.anomaly.act import LoopState, anomaly_tick
+from cas_operator.anomaly.drain import (
     ANNOTATION_DRAIN_REASON,
     ANNOTATION_DRAIN_STATE,
     ANNOTATION_DRAINING_SINCE,
     DrainPolicy,
-    LoopState,
-    guard_tick,
     next_step,
-    rfc3339,
 )
-from cas_operator.observe.types import Observation, PodTarget
-from cas_operator.planning.anomaly import PodSignals, PoolCounts, ScaleBounds
+from cas_operator.api import constants as c
+from cas_operator.api.models import AnomalyGuardSpec, GuardAction
+from cas_operator.autoscale.controller import PoolCounts, PressureState, ScaleBounds, suggest_scale
+from cas_operator.observe.types import Observation, PodSignals, PodTarget
+from cas_operator.types import rfc3339
 
 T0 = 1_800_000_000.0  # wall-clock epoch seconds
 
@@ -73,10 +72,14 @@ def engine_pod(name: str, role: str = "decode", **annotations: str) -> dict[str,
     if not annotations:
         labels[c.LABEL_SERVING] = "true"
     return {
-        "metadata": {"name": name, "namespace": "ns", "labels": labels,
-                     "annotations": dict(annotations)},
+        "metadata": {
+            "name": name,
+            "namespace": "ns",
+            "labels": labels,
+            "annotations": dict(annotations),
+        },
         "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]},
-    }  # fmt: skip
+    }
 
 
 class CannedSource:
@@ -102,12 +105,22 @@ def fleet(n: int = 6) -> MemoryPods:
     return MemoryPods([engine_pod(f"d{i}") for i in range(n)] + [engine_pod("p0", "prefill")])
 
 
-def tick(api: MemoryPods, source: CannedSource, state: LoopState, t: float,
-         spec: AnomalyGuardSpec | None = None) -> Any:  # fmt: skip
-    return guard_tick(
-        api, source, name="demo", namespace="ns", spec=spec or AnomalyGuardSpec(),
-        state=state, now=T0 + t,
-    )  # fmt: skip
+def tick(
+    api: MemoryPods,
+    source: CannedSource,
+    state: LoopState,
+    t: float,
+    spec: AnomalyGuardSpec | None = None,
+) -> Any:
+    return anomaly_tick(
+        api,
+        source,
+        name="demo",
+        namespace="ns",
+        spec=spec or AnomalyGuardSpec(),
+        state=state,
+        now=T0 + t,
+    )
 
 
 def test_corrupted_pod_is_taken_out_of_rotation_then_replaced() -> None:
@@ -172,8 +185,9 @@ def test_restarted_operator_resumes_drains_from_the_pods() -> None:
     the pod's annotations, counted against the breaker, and never started twice."""
     api = fleet(4)
     since = rfc3339(T0 - 60)
-    api.pods["d0"] = engine_pod("d0", **{ANNOTATION_DRAINING_SINCE: since,
-                                         ANNOTATION_DRAIN_REASON: "low_accept_length"})  # fmt: skip
+    api.pods["d0"] = engine_pod(
+        "d0", **{ANNOTATION_DRAINING_SINCE: since, ANNOTATION_DRAIN_REASON: "low_accept_length"}
+    )
     source = CannedSource()
     source.by_name["d0"] = PodSignals(checked=0, trips_low_accept=0, trips_high_accept=0, running=2)
     source.by_name["d1"] = CORRUPT
@@ -226,24 +240,36 @@ def test_terminating_pods_are_ignored() -> None:
     assert source.asked == [["d1", "p0"]]
 
 
-def test_tick_reports_a_prefill_scale_hint_under_sustained_prefill_queueing() -> None:
-    """Regression: the tick must carry pressure across ticks (LoopState) and hand the caller a
-    prefill scale-up hint once prefill queueing with idle decode is sustained."""
+def test_tick_views_feed_a_prefill_scale_hint_under_sustained_prefill_queueing() -> None:
+    """Regression: pressure must carry across ticks and the caller must get a prefill scale-up
+    hint once prefill queueing with idle decode is sustained. The anomaly tick hands over the
+    pods with their signals; the replica controller (autoscale) keeps the streaks."""
     api, source, state = fleet(4), CannedSource(), LoopState()
     source.by_name["p0"] = PodSignals(queued=9.0, aborted=0.0, running=8.0)
     for i in range(4):
-        source.by_name[f"d{i}"] = PodSignals(checked=500, trips_low_accept=0,
-                                             trips_high_accept=0, queued=0.0, running=1.0,
-                                             token_usage=0.2)  # fmt: skip
+        source.by_name[f"d{i}"] = PodSignals(
+            checked=500,
+            trips_low_accept=0,
+            trips_high_accept=0,
+            queued=0.0,
+            running=1.0,
+            token_usage=0.2,
+        )
     counts = PoolCounts(prefill=1, decode=4, prefill_ready=1, decode_ready=4)
-    hints = []
+    hints, pressure = [], PressureState()
     for t in range(3):
-        result = guard_tick(
-            api, source, name="demo", namespace="ns", spec=AnomalyGuardSpec(), state=state,
-            now=T0 + 5 * t, counts=counts, bounds=ScaleBounds(ratio_max=1.0),
-        )  # fmt: skip
-        assert result.scale is not None
-        hints.append(result.scale.hint)
+        result = anomaly_tick(
+            api,
+            source,
+            name="demo",
+            namespace="ns",
+            spec=AnomalyGuardSpec(),
+            state=state,
+            now=T0 + 5 * t,
+        )
+        scale = suggest_scale(result.views, counts, ScaleBounds(ratio_max=1.0), pressure)
+        pressure = scale.state
+        hints.append(scale.hint)
     assert hints[:2] == [None, None]
     assert hints[2] is not None and (hints[2].prefill, hints[2].decode) == (2, 4)
     assert api.calls == []
@@ -269,7 +295,7 @@ def test_draining_pods_are_deregistered_from_routers_until_gone() -> None:
     source.by_name["d2"] = CORRUPT
     api.pods["d2"]["status"]["podIP"] = "127.10.0.3"
     results = [
-        guard_tick(
+        anomaly_tick(
             api,
             source,
             name="demo",

@@ -9,8 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from cas_operator.planning import profiles as pf
-from cas_operator.planning.fleetsim import (
+from bench.fleetsim import (
     FleetConfig,
     Modifier,
     SessionMix,
@@ -19,20 +18,22 @@ from cas_operator.planning.fleetsim import (
     parse_trace,
     simulate,
 )
-from cas_operator.planning.fleetsim.engine import (
+from bench.fleetsim.engine import (
     FleetView,
     Metrics,
     Simulator,
     fifo_finish,
     spread,
 )
-from cas_operator.planning.fleetsim.policies import (
+from bench.fleetsim.policies import (
     FixedPolicy,
     MeanBasedPolicy,
     RatioPlannerPolicy,
 )
-from cas_operator.planning.fleetsim.workload import synth_trace_lines
-from cas_operator.planning.ratio import Bounds, SloInputs, recommend
+from bench.fleetsim.workload import synth_trace_lines
+from cas_operator.autoscale import profiles as pf
+from cas_operator.autoscale.model import Bounds, SloInputs
+from cas_operator.autoscale.search import recommend
 
 SPEC = pf.load_spec("glm5-fp8-h200")
 P = pf.prefill_profile(SPEC)

@@ -272,8 +272,11 @@ def metrics_server(
     serve: Callable[[Server], Server], text: list[str], host: str = "127.0.0.1"
 ) -> Server:
     """An engine pod's /metrics endpoint serving whatever text[0] holds now."""
-    return serve(Server(lambda path, q: (200, text[0].encode()) if path == "/metrics" else
-                        (404, b""), host=host))  # fmt: skip
+    return serve(
+        Server(
+            lambda path, q: (200, text[0].encode()) if path == "/metrics" else (404, b""), host=host
+        )
+    )
 
 
 def test_scrape_windowed_increase_across_scrapes(serve: Callable[[Server], Server]) -> None:

@@ -8,17 +8,17 @@ from typing import Any
 import pytest
 
 from cas_operator.api.models import CodingAgentServingSpec, parse_spec
-from cas_operator.planning.layersplit import (
+from cas_operator.desired.layersplit import (
     KNOWN_MODELS,
     kv_bytes_per_token_per_rank,
     layer_shards,
     lookup_model,
 )
-from cas_operator.planning.plan import InvalidSpec, build_plan
-from cas_operator.planning.replicas import fixed_replicas
-from cas_operator.planning.revision import revision_of
-from cas_operator.planning.shapes import instance_shape
-from cas_operator.planning.validate import validate
+from cas_operator.desired.plan import InvalidSpec, build_plan
+from cas_operator.desired.replicas import fixed_replicas
+from cas_operator.desired.revision import revision_of
+from cas_operator.desired.shapes import instance_shape
+from cas_operator.desired.validate import validate
 from tests.paths import load_sample
 
 

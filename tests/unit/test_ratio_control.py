@@ -8,14 +8,13 @@ from dataclasses import dataclass, field
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cas_operator.planning.ratio import (
-    Bounds,
+from cas_operator.autoscale.controller import (
     ControlConfig,
     ControlState,
     CurrentReplicas,
-    RatioRecommendation,
     next_replicas,
 )
+from cas_operator.autoscale.model import Bounds, RatioRecommendation
 
 TICK = 30.0
 

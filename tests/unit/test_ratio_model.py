@@ -7,27 +7,28 @@ from dataclasses import replace
 
 import pytest
 
-from cas_operator.planning import profiles as pf
-from cas_operator.planning.ratio import (
+from cas_operator.autoscale import profiles as pf
+from cas_operator.autoscale.controller import (
+    decode_saturated,
+    failing_sides,
+    fast_adjust,
+)
+from cas_operator.autoscale.model import (
     Bounds,
     InstanceProfile,
     ModelLimits,
     ObservedSignals,
     SloInputs,
     WorkloadInputs,
-    _decode_state,
     _kv_need,
     _prefill_waits,
     _water_level,
-    decode_saturated,
+    decode_state,
     erlang_c,
     evaluate,
-    failing_sides,
-    fast_adjust,
     hit_probabilities,
-    recommend,
-    scale_down_ok,
 )
+from cas_operator.autoscale.search import recommend, scale_down_ok
 
 SPEC = pf.load_spec("glm5-fp8-h200")
 PREFILL = pf.prefill_profile(SPEC, cp=1)
@@ -97,7 +98,7 @@ def test_decode_fixed_point_constant_step() -> None:
     per instance, ITL 20 ms."""
     toy = _toy()
     wl = WorkloadInputs(request_rate=10.0, avg_input_tokens=1000, avg_output_tokens=100)
-    active, step = _decode_state(wl, toy, n_decode=2)
+    active, step = decode_state(wl, toy, n_decode=2)
     assert active == pytest.approx(10.0)
     assert step == pytest.approx(0.02)
 
@@ -107,10 +108,10 @@ def test_decode_fixed_point_with_batch_dependent_step() -> None:
     c = 500*0.02/(1-0.05) = 10.526 and step = 0.02 + 1e-4*c."""
     toy = _toy(decode_step_per_seq_s=1e-4)
     wl = WorkloadInputs(request_rate=10.0, avg_input_tokens=1000, avg_output_tokens=100)
-    active, step = _decode_state(wl, toy, n_decode=2)
+    active, step = decode_state(wl, toy, n_decode=2)
     assert active == pytest.approx(10.0 / 0.95)
     assert step == pytest.approx(0.02 + 1e-4 * 10.0 / 0.95)
-    overloaded, _ = _decode_state(replace(wl, request_rate=1e6), toy, n_decode=2)
+    overloaded, _ = decode_state(replace(wl, request_rate=1e6), toy, n_decode=2)
     assert math.isinf(overloaded)
 
 
@@ -433,7 +434,7 @@ def test_kv_recalibration_uses_the_rate_it_was_observed_at() -> None:
     seen = replace(WL, request_rate=20.0)
     forecast = replace(WL, request_rate=30.0)
     n_d = 8
-    active, _ = _decode_state(seen.resolved(), DECODE, n_d)
+    active, _ = decode_state(seen.resolved(), DECODE, n_d)
     w = seen.resolved()
     usage = active * (w.avg_input_tokens + w.avg_output_tokens / 2.0) / DECODE.kv_capacity_tokens
     obs = ObservedSignals(arrival_rate=20.0, decode_kv_usage=usage, decode_replicas=n_d)

@@ -10,8 +10,9 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 
 from cas_operator.api import constants as c
-from cas_operator.kube import KindNotInstalled
-from cas_operator.reconcile import observe, reconcile
+from cas_operator.kube import KindNotInstalled, Kube, NamespaceTerminating
+from cas_operator.reconcile.core import Measured, observe, reconcile
+from cas_operator.reconcile.status import find_condition
 
 
 class MemoryKube:
@@ -49,16 +50,20 @@ class MemoryKube:
 def run(kube: MemoryKube, spec: dict[str, Any], *, full: bool = True, generation: int = 1) -> Any:
     return reconcile(
         kube,  # type: ignore[arg-type]
-        name="demo", namespace="ns", uid="uid-1", generation=generation,
-        raw_spec=spec, full_apply=full,
-    )  # fmt: skip
+        name="demo",
+        namespace="ns",
+        uid="uid-1",
+        generation=generation,
+        raw_spec=spec,
+        full_apply=full,
+    )
 
 
 SPEC = {"model": {"name": "glm-5"}}
 
 
 def ready_of(outcome: Any) -> str:
-    return str(outcome.status["conditions"][0]["status"])
+    return str(find_condition(outcome.status, c.COND_READY)["status"])
 
 
 def test_first_pass_applies_everything_and_reports_ready() -> None:
@@ -110,7 +115,7 @@ def test_invalid_spec_reports_field_and_applies_nothing() -> None:
     kube = MemoryKube()
     outcome = run(kube, {"model": {"name": "glm-5"}, "prefill": {"tensorParallel": 0}})
     assert outcome.invalid is not None and "prefill.tensorParallel" in str(outcome.invalid)
-    degraded = outcome.status["conditions"][2]
+    degraded = find_condition(outcome.status, c.COND_DEGRADED)
     assert degraded["reason"] == c.REASON_INVALID_SPEC and degraded["status"] == "True"
     assert kube.applies == []
 
@@ -119,7 +124,7 @@ def test_missing_lws_api_is_degraded_not_a_crash() -> None:
     """Regression: a multi-node pool on a cluster without LWS must say so in a condition."""
     kube = MemoryKube(lws=False)
     outcome = run(kube, {"model": {"name": "glm-5"}, "decode": {"tensorParallel": 16}})
-    degraded = outcome.status["conditions"][2]
+    degraded = find_condition(outcome.status, c.COND_DEGRADED)
     assert degraded["status"] == "True" and degraded["reason"] == c.REASON_LWS_MISSING
     assert ("Deployment", next(n for k, n in kube.applies if k == "Deployment")) in kube.applies
 
@@ -138,7 +143,7 @@ def test_old_revision_is_retired_only_once_the_new_one_is_ready(ready: bool) -> 
         assert {k for k in kube.deleted if k[0] == "Service"}  # pool Services went too
     else:
         assert old <= remaining and not kube.deleted
-        assert outcome.status["conditions"][1]["reason"] == c.REASON_ROLLING
+        assert find_condition(outcome.status, c.COND_PROGRESSING)["reason"] == c.REASON_ROLLING
 
 
 class CountingKube(MemoryKube):
@@ -154,9 +159,15 @@ class CountingKube(MemoryKube):
 def watched(kube: MemoryKube, *, full: bool, observed: list[Any], apply_missing: bool) -> Any:
     return reconcile(
         kube,  # type: ignore[arg-type]
-        name="demo", namespace="ns", uid="uid-1", generation=1, raw_spec=SPEC,
-        full_apply=full, observed=observed, apply_missing=apply_missing,
-    )  # fmt: skip
+        name="demo",
+        namespace="ns",
+        uid="uid-1",
+        generation=1,
+        raw_spec=SPEC,
+        full_apply=full,
+        observed=observed,
+        apply_missing=apply_missing,
+    )
 
 
 def test_a_watched_pass_takes_workloads_from_the_apply_answers_not_a_list() -> None:
@@ -194,14 +205,58 @@ def test_a_namespace_being_deleted_is_not_reported_as_a_failed_apply() -> None:
 
     class Terminating(MemoryKube):
         def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
-            raise ApiException(status=403, reason="Forbidden", body=json.dumps({
-                "message": 'unable to create new content in namespace ns because it is being '
-                           'terminated'}))  # fmt: skip
+            raise NamespaceTerminating("ns")
 
     class Refused(MemoryKube):
         def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
             raise ApiException(status=403, reason="Forbidden", body="RBAC says no")
 
-    assert run(Terminating(), SPEC).status["conditions"][2]["status"] == "False"
-    degraded = run(Refused(), SPEC).status["conditions"][2]
+    assert find_condition(run(Terminating(), SPEC).status, c.COND_DEGRADED)["status"] == "False"
+    degraded = find_condition(run(Refused(), SPEC).status, c.COND_DEGRADED)
     assert degraded["status"] == "True" and degraded["reason"] == c.REASON_APPLY_FAILED
+
+
+def test_kube_tells_a_terminating_namespace_from_other_refusals() -> None:
+    """The API client (the only module that knows HTTP statuses) turns the API server's 403
+    'being terminated' into NamespaceTerminating, and leaves any other 403 an ApiException."""
+    body = json.dumps(
+        {"message": "unable to create new content in namespace ns because it is being terminated"}
+    )
+    kube = Kube.__new__(Kube)
+    manifest = {"kind": "Service", "metadata": {"name": "x", "namespace": "ns"}}
+    for answer, expected in ((body, NamespaceTerminating), ("RBAC says no", ApiException)):
+
+        def refuse(*_: Any, answer: str = answer, **__: Any) -> Any:
+            raise ApiException(status=403, reason="Forbidden", body=answer)
+
+        kube._call = refuse  # type: ignore[method-assign]
+        with pytest.raises(expected):
+            kube.apply(manifest)
+
+
+def test_a_fleet_wide_finding_and_its_condition_come_in_one_status() -> None:
+    """Regression (make test on a fresh machine: `Degraded` said FleetWideAnomaly while
+    `status.anomaly` had no fleetWide, because the fleet tick and the passes wrote them in
+    separate patches). The pass now returns the fleet tick's sections with the conditions
+    derived from them, so one status write carries both, or neither."""
+    anomaly = {
+        "rate": "2.000%",
+        "pools": {},
+        "fleetWide": "most decode pods elevated",
+        "signalUnavailable": None,
+    }
+    measured = Measured(anomaly=anomaly, sections={"anomaly": anomaly, "draining": []})
+    outcome = reconcile(
+        MemoryKube(),
+        name="demo",
+        namespace="ns",
+        uid="u1",
+        generation=1,
+        raw_spec=SPEC,
+        full_apply=True,
+        measured=measured,
+    )
+    degraded = find_condition(outcome.status, c.COND_DEGRADED)
+    assert degraded is not None and degraded["reason"] == c.REASON_FLEET_ANOMALY
+    assert outcome.status["anomaly"]["fleetWide"] == "most decode pods elevated"
+    assert outcome.status["draining"] == []

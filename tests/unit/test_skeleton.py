@@ -24,8 +24,10 @@ def test_generated_crd_matches_models() -> None:
     check = ["--check", "crds/", "charts/cas-operator/crds/"]
     result = subprocess.run(
         [sys.executable, "-m", "cas_operator.api.crdgen", *check],
-        cwd=ROOT, capture_output=True, text=True,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
 
 

@@ -6,8 +6,8 @@ from typing import Any
 
 from cas_operator.api import constants as c
 from cas_operator.api.models import parse_spec
-from cas_operator.planning.plan import Plan, build_plan
-from cas_operator.status import (
+from cas_operator.desired.plan import Plan, build_plan
+from cas_operator.reconcile.status import (
     ObservedWorkload,
     Problem,
     compute_status,
@@ -26,9 +26,15 @@ def workload(
     plan: Plan, role: str, ready: int, replicas: int, revision: str | None = None
 ) -> ObservedWorkload:
     return ObservedWorkload(
-        kind="Deployment", name=f"{role}", role=role, revision=revision or plan.revision,
-        replicas=replicas, ready_replicas=ready, spec_hash=None, up_to_date=True,
-    )  # fmt: skip
+        kind="Deployment",
+        name=f"{role}",
+        role=role,
+        revision=revision or plan.revision,
+        replicas=replicas,
+        ready_replicas=ready,
+        spec_hash=None,
+        up_to_date=True,
+    )
 
 
 def all_ready(plan: Plan) -> list[ObservedWorkload]:

@@ -252,14 +252,18 @@ class RatioSpec(Spec):
     max: float | None = Field(default=None, gt=0.0, description="Highest prefill/decode ratio.")
     gpu_budget: int | None = Field(default=None, ge=1, description="Most GPUs of both pools.")
     scale_down_stabilization_seconds: int = Field(
-        default=900, ge=0, le=86400,
+        default=900,
+        ge=0,
+        le=86400,
         description="Auto: a pool shrinks only after its lower target held this long.",
-    )  # fmt: skip
+    )
     rebalance_stabilization_seconds: int = Field(
-        default=300, ge=0, le=86400,
+        default=300,
+        ge=0,
+        le=86400,
         description="Auto at gpuBudget: a pool gives up an instance for the other one only "
         "after its lower target held this long.",
-    )  # fmt: skip
+    )
 
 
 class HiCacheSpec(Spec):

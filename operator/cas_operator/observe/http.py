@@ -1,4 +1,5 @@
-"""Small HTTP requests with a hard timeout (urllib; the anomaly loop runs in a thread)."""
+"""The operator's one HTTP client: small requests with a hard timeout (urllib; the loops run
+in threads). Metrics sources and the router client (`routers.py`) use it."""
 
 from __future__ import annotations
 
@@ -26,6 +27,11 @@ def post_form(url: str, params: dict[str, str], timeout: float, max_bytes: int) 
         url, data=body, headers={"Content-Type": "application/x-www-form-urlencoded"}
     )
     return _fetch(request, timeout, max_bytes)
+
+
+def request(method: str, url: str, timeout: float, max_bytes: int) -> bytes:
+    """A body-less `method` request (GET, DELETE); errors as `get`."""
+    return _fetch(urllib.request.Request(url, method=method), timeout, max_bytes)
 
 
 def _fetch(request: urllib.request.Request, timeout: float, max_bytes: int) -> bytes:

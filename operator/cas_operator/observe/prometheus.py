@@ -19,8 +19,7 @@ from typing import Any
 
 from cas_operator.observe import types as m
 from cas_operator.observe.http import FetchError, post_form
-from cas_operator.observe.types import Observation, PodTarget
-from cas_operator.planning.anomaly import PodSignals
+from cas_operator.observe.types import Observation, PodSignals, PodTarget
 
 Vector = dict[tuple[str, str], dict[str, float]]  # (namespace, pod) -> {extra label: value}
 

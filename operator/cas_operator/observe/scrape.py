@@ -25,8 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cas_operator.observe import types as m
 from cas_operator.observe.http import FetchError, get
-from cas_operator.observe.types import Observation, PodTarget
-from cas_operator.planning.anomaly import PodSignals
+from cas_operator.observe.types import Observation, PodSignals, PodTarget
 
 COUNTER_KEYS = (m.CHECKED, m.REASON_LOW, m.REASON_HIGH, m.ABORTED, *m.LOAD_COUNTERS)
 

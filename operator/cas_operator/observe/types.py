@@ -1,12 +1,13 @@
-"""The observe layer's contract: targets in, per-pod signals (or explicit errors) out."""
+"""The observe layer's contract: targets in, per-pod signals (or explicit errors) out.
+
+`PodSignals` (one pod's metrics over a window) and `PodView` (a pod as the fleet tick saw it,
+joined with its signals) are the shared inputs of the anomaly and autoscale loops."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final, Protocol
-
-from cas_operator.planning.anomaly import PodSignals
 
 # Engine metric names (cas_engine.guard / kvfence / sim; SGLang's scheduler names).
 CHECKED: Final = "cas_guard_requests_checked_total"
@@ -24,6 +25,52 @@ TTFT_BUCKET: Final = "sglang:time_to_first_token_seconds_bucket"  # cumulative, 
 REASON_LOW: Final = "low_accept_length"
 REASON_HIGH: Final = "high_accept_rate"
 GAUGES: Final = (UNHEALTHY, RUNNING, QUEUED, TOKEN_USAGE)
+
+
+@dataclass(frozen=True)
+class PodSignals:
+    """One pod's metrics over the window (counts are increases; gauges are latest values).
+
+    `error` set means the source could not measure this pod (timeout, missing series, stale):
+    the pod is then "signal unavailable", whatever the other fields say.
+    """
+
+    checked: float | None = None
+    trips_low_accept: float | None = None
+    trips_high_accept: float | None = None
+    unhealthy_by_quarantine: bool | None = None
+    running: float | None = None
+    queued: float | None = None
+    aborted: float | None = None
+    token_usage: float | None = None
+    requests: float | None = None  # finished requests in the window (load, for the autoscaler)
+    prompt_tokens: float | None = None
+    cached_tokens: float | None = None
+    # TTFT histogram over the window: (bucket upper bound s, cumulative count), by bound
+    ttft_buckets: tuple[tuple[float, float], ...] | None = None
+    error: str | None = None
+
+    @property
+    def trips(self) -> float | None:
+        if self.trips_low_accept is None or self.trips_high_accept is None:
+            return None
+        return self.trips_low_accept + self.trips_high_accept
+
+
+@dataclass(frozen=True)
+class PodView:
+    """A pod as the caller observed it, joined with its signals (None = no data at all)."""
+
+    name: str
+    role: str
+    ready: bool
+    serving: bool
+    draining_since: float | None = None
+    signals: PodSignals | None = None
+
+    @property
+    def in_rotation(self) -> bool:
+        return self.serving and self.draining_since is None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,806 @@
+"""Vectorised fleet simulator for prefill/decode LLM fleets under coding-agent traffic.
+
+Time advances in fixed steps of ``dt`` seconds; within a step every event is handled as a batch
+with numpy, and event times inside a step are kept exact where they are determined at arrival:
+
+- Arrivals: sessions whose next turn falls in the step (closed loop), new sessions (Poisson), or
+  trace requests (open loop).
+- Routing (prefix-aware): a returning turn whose prefix is still cached on its home prefill
+  instance goes there; otherwise to the least-backlogged ready instance (only the shared system
+  prefix is cached there). Tiers: GPU and host (HiCache, loaded at the profile's load rate).
+- Prefill: each instance is a FIFO server (chunked prefill over cached context is in the
+  profile's time function); finish times come from the Lindley recursion, vectorised over all
+  instances with a segmented running maximum.
+- KV transfer: the whole context leaves through the prefill instance's NIC, FIFO per instance.
+- Decode: a request is admitted when its context fits in a decode instance's free KV (else it
+  waits: that time counts toward TTFT); each step every instance advances its batch by
+  ``dt / step_time(batch, total context) * accept_length`` tokens; KV overflow from growth
+  retracts the newest requests back to the wait queue.
+- Caches: per-instance LRU over sessions, recomputed every ``evict_every_s`` (GPU tier, then host
+  tier); finished sessions keep occupying space until evicted.
+- Control: every ``tick_s`` a policy sees metrics from ``metric_lag_s`` ago and returns target
+  replicas; new pods hold GPUs but serve nothing until ``pod_start_s``; removed pods stop taking
+  work at once and leave after ``drain_s`` (their cache is lost).
+
+Pure computation (no I/O, no clock). Outputs per-request records and a per-tick time series.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cas_operator.autoscale.model import InstanceProfile
+
+from .workload import SessionWorkload, Trace, lognormal
+
+OFF, STARTING, READY, DRAINING = 0, 1, 2, 3
+_BIG = 1e9
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """Fleet shape and simulation knobs."""
+
+    prefill: InstanceProfile
+    decode: InstanceProfile
+    n_prefill: int
+    n_decode: int
+    max_prefill: int
+    max_decode: int
+    duration_s: float = 3600.0
+    dt: float = 0.5
+    evict_every_s: float = 5.0
+    tick_s: float = 30.0
+    metric_lag_s: float = 30.0
+    metric_window_s: float = 60.0
+    accept_multiplier: float = 1.0
+    warmup_s: float = 0.0
+    prepopulate: bool = True  # start with steady-state sessions (cold caches)
+    route_balance_s: float = 30.0  # slack before a cache hit is sent elsewhere cold
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class FleetView:
+    """What a policy sees of the fleet: spec replicas and pods still holding GPUs."""
+
+    prefill: int
+    decode: int
+    prefill_pods: int
+    decode_pods: int
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """Window aggregates as a scraper would report them, ``metric_lag_s`` late."""
+
+    arrival_rate: float
+    hit_rate: float
+    ttft_p90_s: float
+    itl_ms: float
+    avg_input_tokens: float
+    p95_input_tokens: float
+    avg_output_tokens: float
+    first_turn_fraction: float
+    tool_pause_s: float
+    prefill_backlog_s: float
+    decode_kv_usage: float
+    decode_waiting: int  # requests whose KV has arrived but that wait for decode admission
+
+
+Policy = Callable[[float, Metrics, FleetView], tuple[int, int]]
+
+
+@dataclass
+class SimResult:
+    """Per-request records (completed requests) and per-tick series."""
+
+    arrival: np.ndarray
+    ttft: np.ndarray
+    itl: np.ndarray
+    input_tokens: np.ndarray
+    cached_tokens: np.ndarray
+    output_tokens: np.ndarray
+    series: list[dict[str, float]] = field(default_factory=list)
+    scale_actions: int = 0
+    gpu_seconds: float = 0.0
+    peak_gpus: int = 0
+    retractions: int = 0
+    steps: int = 0
+    duration_s: float = 0.0
+    warmup_s: float = 0.0
+
+    def goodput(self, ttft_s: float, itl_ms: float) -> dict[str, float]:
+        """Requests meeting both SLOs after warm-up: rate, attainment, per-GPU rate."""
+        m = self.arrival >= self.warmup_s
+        ok = (self.ttft[m] <= ttft_s) & (self.itl[m] * 1000.0 <= itl_ms)
+        span = max(self.duration_s - self.warmup_s, 1e-9)
+        gpus = self.gpu_seconds / max(self.duration_s, 1e-9)
+        good = float(ok.sum()) / span
+        done = int(m.sum())
+        return {
+            "requests": float(done),
+            "goodput_rps": good,
+            "attainment": float(ok.mean()) if done else 0.0,
+            "avg_gpus": gpus,
+            "goodput_per_gpu": good / gpus if gpus else 0.0,
+            "ttft_p90_s": float(np.quantile(self.ttft[m], 0.9)) if done else math.inf,
+            "itl_p50_ms": float(np.median(self.itl[m]) * 1000.0) if done else math.inf,
+            "hit_rate": float(self.cached_tokens[m].sum() / max(self.input_tokens[m].sum(), 1)),
+        }
+
+
+def fifo_finish(
+    inst: np.ndarray, arrival: np.ndarray, service: np.ndarray, busy_until: np.ndarray
+) -> np.ndarray:
+    """FIFO finish times for jobs on many servers at once (updates ``busy_until`` in place).
+
+    Lindley per server: ``f_k = max(f_{k-1}, a_k) + s_k`` with ``f_{-1} = busy_until``, unrolled
+    as ``f_k = S_k + max(B, max_{j<=k}(a_j - S_{j-1}))`` (S = inclusive service cumsum within the
+    server) and computed with one sort and a running maximum offset per server.
+    """
+    n = inst.size
+    if n == 0:
+        return np.empty(0)
+    order = np.lexsort((arrival, inst))
+    g, a, s = inst[order], arrival[order], service[order]
+    csum = np.cumsum(s)
+    first = np.ones(n, dtype=bool)
+    first[1:] = g[1:] != g[:-1]
+    seg_start = np.maximum.accumulate(np.where(first, np.arange(n), 0))
+    base = csum[seg_start] - s[seg_start]
+    incl = csum - base
+    excl = incl - s
+    v = a - excl + g * _BIG
+    m = np.maximum.accumulate(v) - g * _BIG
+    fin = incl + np.maximum(busy_until[g], m)
+    last = np.ones(n, dtype=bool)
+    last[:-1] = g[:-1] != g[1:]
+    busy_until[g[last]] = fin[last]
+    out = np.empty(n)
+    out[order] = fin
+    return out
+
+
+def spread(n: int, load: np.ndarray, eligible: np.ndarray) -> np.ndarray:
+    """Assign ``n`` jobs to eligible servers, least loaded first, round robin (-1 if none)."""
+    idx = np.flatnonzero(eligible)
+    if idx.size == 0 or n == 0:
+        return np.full(n, -1, dtype=np.int64)
+    ranked = idx[np.argsort(load[idx], kind="stable")]
+    return ranked[np.arange(n) % ranked.size]
+
+
+class _Records:
+    """Growable float32 columns for completed requests."""
+
+    names = ("arrival", "ttft", "itl", "input", "cached", "output")
+
+    def __init__(self, cap: int) -> None:
+        self.cols = {k: np.empty(cap, dtype=np.float64) for k in self.names}
+        self.n = 0
+
+    def add(self, **cols: np.ndarray) -> None:
+        k = cols["arrival"].size
+        if self.n + k > self.cols["arrival"].size:
+            new = max(2 * self.cols["arrival"].size, self.n + k)
+            for name in self.names:
+                grown = np.empty(new, dtype=np.float64)
+                grown[: self.n] = self.cols[name][: self.n]
+                self.cols[name] = grown
+        for name, v in cols.items():
+            self.cols[name][self.n : self.n + k] = v
+        self.n += k
+
+    def view(self, name: str) -> np.ndarray:
+        return self.cols[name][: self.n]
+
+
+class _Pool:
+    """Instance states of one role."""
+
+    def __init__(self, n: int, cap: int) -> None:
+        self.state = np.zeros(cap, dtype=np.int8)
+        self.state[:n] = READY
+        self.ready_at = np.zeros(cap)
+        self.remove_at = np.full(cap, np.inf)
+        self.busy = np.zeros(cap)
+        self.link = np.zeros(cap)
+
+    def spec(self) -> int:
+        return int(((self.state == READY) | (self.state == STARTING)).sum())
+
+    def pods(self) -> int:
+        return int((self.state != OFF).sum())
+
+    def scale(self, target: int, now: float, start_s: float, drain_s: float) -> int:
+        """Move the spec count to ``target``; returns instances changed."""
+        cur = self.spec()
+        if target > cur:
+            free = np.flatnonzero(self.state == OFF)[: target - cur]
+            self.state[free] = STARTING
+            self.ready_at[free] = now + start_s
+            self.busy[free] = now + start_s
+            self.link[free] = now + start_s
+            return int(free.size)
+        if target < cur:
+            live = np.flatnonzero((self.state == STARTING) | (self.state == READY))
+            # starting ones first, then least busy
+            key = np.where(self.state[live] == STARTING, -np.inf, self.busy[live])
+            pick = live[np.argsort(key, kind="stable")[: cur - target]]
+            starting = pick[self.state[pick] == STARTING]
+            self.state[starting] = OFF
+            ready = pick[self.state[pick] == READY]
+            self.state[ready] = DRAINING
+            self.remove_at[ready] = now + drain_s
+            return int(pick.size)
+        return 0
+
+    def advance(self, now: float) -> np.ndarray:
+        """Start pods whose time has come; return instances removed at ``now``."""
+        go = (self.state == STARTING) & (self.ready_at <= now)
+        self.state[go] = READY
+        gone = np.flatnonzero((self.state == DRAINING) & (self.remove_at <= now))
+        self.state[gone] = OFF
+        self.remove_at[gone] = np.inf
+        return gone
+
+
+class _Sessions:
+    """Session (or trace conversation) state: next turn, context, cache home and tier."""
+
+    def __init__(self, cap: int) -> None:
+        self.n = 0
+        self.live = np.zeros(cap, dtype=bool)
+        self.next = np.full(cap, np.inf)
+        self.ctx = np.zeros(cap)
+        self.cached = np.zeros(cap)
+        self.home = np.full(cap, -1, dtype=np.int64)
+        self.tier = np.zeros(cap, dtype=np.int8)
+        self.last = np.zeros(cap)
+        self.turns = np.zeros(cap, dtype=np.int64)
+        self.first = np.zeros(cap, dtype=bool)
+
+    def alloc(self, k: int) -> np.ndarray:
+        """Slots for ``k`` new sessions: reuse dead, uncached slots, else grow."""
+        free = np.flatnonzero(~self.live[: self.n] & (self.home[: self.n] < 0))[:k]
+        extra = k - free.size
+        if extra > 0:
+            if self.n + extra > self.live.size:
+                self._grow(max(2 * self.live.size, self.n + extra))
+            free = np.concatenate([free, np.arange(self.n, self.n + extra)])
+            self.n += extra
+        return free
+
+    def _grow(self, cap: int) -> None:
+        for name in ("live", "next", "ctx", "cached", "home", "tier", "last", "turns", "first"):
+            old = getattr(self, name)
+            fill = {"next": np.inf, "home": -1}.get(name, 0)
+            new = np.full(cap, fill, dtype=old.dtype)
+            new[: old.size] = old
+            setattr(self, name, new)
+
+
+_REQ_FIELDS = (
+    "sid",
+    "arr",
+    "ready",
+    "inp",
+    "inp0",
+    "cached",
+    "out",
+    "gen",
+    "first",
+    "inst",
+    "tried",
+)
+
+
+class _Requests:
+    """A set of in-flight requests as parallel arrays (waiting or active decode)."""
+
+    def __init__(self) -> None:
+        self.cols: dict[str, np.ndarray] = {}
+        for k in _REQ_FIELDS:
+            dtype = np.int64 if k in ("sid", "inst") else (bool if k == "tried" else np.float64)
+            self.cols[k] = np.empty(0, dtype=dtype)
+
+    def __len__(self) -> int:
+        return int(self.cols["sid"].size)
+
+    def __getitem__(self, k: str) -> np.ndarray:
+        return self.cols[k]
+
+    def __setitem__(self, k: str, v: np.ndarray) -> None:
+        self.cols[k] = v
+
+    def take(self, mask: np.ndarray) -> dict[str, np.ndarray]:
+        """Remove and return the rows in ``mask``."""
+        out = {k: v[mask] for k, v in self.cols.items()}
+        keep = ~mask
+        self.cols = {k: v[keep] for k, v in self.cols.items()}
+        return out
+
+    def put(self, rows: dict[str, np.ndarray]) -> None:
+        self.cols = {k: np.concatenate([v, rows[k]]) for k, v in self.cols.items()}
+
+
+class Simulator:
+    """One simulation run; see the module doc for the event model."""
+
+    def __init__(
+        self,
+        cfg: FleetConfig,
+        workload: SessionWorkload | None = None,
+        trace: Trace | None = None,
+        policy: Policy | None = None,
+    ) -> None:
+        if (workload is None) == (trace is None):
+            raise ValueError("give exactly one of workload or trace")
+        self.cfg, self.wl, self.trace, self.policy = cfg, workload, trace, policy
+        self.rng = np.random.default_rng(cfg.seed)
+        self.P = _Pool(cfg.n_prefill, cfg.max_prefill)
+        self.D = _Pool(cfg.n_decode, cfg.max_decode)
+        self.S = _Sessions(1024)
+        self.wait = _Requests()
+        self.act = _Requests()
+        self.rec = _Records(1 << 16)
+        self.done_t = np.empty(0)
+        n_steps = math.ceil(cfg.duration_s / cfg.dt)
+        self.n_steps = n_steps
+        self.bins = {
+            k: np.zeros(n_steps + 1) for k in ("arr", "inp", "cached", "first", "pause", "pauses")
+        }
+        self.done_time: list[np.ndarray] = []
+        self.series: list[dict[str, float]] = []
+        self.actions = 0
+        self.gpu_s = 0.0
+        self.peak = 0
+        self.retractions = 0
+        self.trace_pos = 0
+        self.conv_sid: dict[int, int] = {}
+        self.shared = workload.mix.shared_prefix_tokens if workload else 0.0
+
+    # ------------------------------------------------------------ arrivals
+
+    def _prepopulate(self) -> None:
+        """Start in steady state: the sessions Little's law says are live, at random turns
+        (contexts grown accordingly), next turns spread over one cycle; caches start cold."""
+        wl, S, rng = self.wl, self.S, self.rng
+        assert wl is not None
+        mix = wl.mix
+        cycle = wl.value("tool_pause_s", 0.0) + 8.0
+        live = wl.value("session_rate", 0.0) * mix.mean_turns * cycle
+        k = int(rng.poisson(live))
+        if k == 0:
+            return
+        sid = S.alloc(k)
+        done = rng.geometric(1.0 / max(mix.mean_turns, 1.0), k) - 1
+        first = lognormal(rng, mix.first_input_tokens, mix.first_input_sigma, k)
+        per_turn = wl.value("new_tokens_per_turn", 0.0) + wl.value("output_tokens", 0.0)
+        grow = done * per_turn
+        S.live[sid] = True
+        S.first[sid] = done == 0
+        S.ctx[sid] = np.minimum(first + grow, mix.max_context * 0.95)
+        S.turns[sid] = rng.geometric(1.0 / max(mix.mean_turns, 1.0), k)
+        S.next[sid] = rng.uniform(0.0, cycle, k)
+        # warm caches: each session homed on a ready prefill instance holding its last prefix
+        ready = np.flatnonzero(self.P.state == READY)
+        S.home[sid] = np.where(done > 0, ready[rng.integers(0, ready.size, k)], -1)
+        S.tier[sid] = np.where(done > 0, 1, 0)
+        S.cached[sid] = np.where(done > 0, np.maximum(S.ctx[sid] - per_turn, 0.0), 0.0)
+        S.last[sid] = -rng.uniform(0.0, cycle, k)
+        self._evict()
+
+    def _session_arrivals(self, t0: float, t1: float) -> tuple[np.ndarray, np.ndarray]:
+        wl, S = self.wl, self.S
+        assert wl is not None
+        k = int(self.rng.poisson(wl.value("session_rate", t0) * (t1 - t0)))
+        if k:
+            sid = self.S.alloc(k)
+            mix = wl.mix
+            S.live[sid] = True
+            S.first[sid] = True
+            S.next[sid] = t0 + self.rng.uniform(0.0, t1 - t0, k)
+            S.ctx[sid] = np.minimum(
+                lognormal(self.rng, mix.first_input_tokens, mix.first_input_sigma, k),
+                mix.max_context,
+            )
+            S.turns[sid] = self.rng.geometric(1.0 / max(mix.mean_turns, 1.0), k)
+            S.home[sid], S.tier[sid], S.cached[sid] = -1, 0, 0.0
+        due = np.flatnonzero(S.next[: S.n] < t1)
+        return due, S.next[due].copy()
+
+    def _trace_arrivals(self, t1: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        tr = self.trace
+        assert tr is not None
+        lo = self.trace_pos
+        hi = int(np.searchsorted(tr.arrival, t1, side="left"))
+        self.trace_pos = hi
+        sids = np.empty(hi - lo, dtype=np.int64)
+        for i, c in enumerate(tr.conversation[lo:hi].tolist()):
+            sid = self.conv_sid.get(c)
+            if sid is None:
+                sid = int(self.S.alloc(1)[0])
+                self.conv_sid[c] = sid
+                self.S.home[sid], self.S.tier[sid], self.S.cached[sid] = -1, 0, 0.0
+                self.S.live[sid] = True  # never recycled: the trace may come back to it
+            sids[i] = sid
+        S = self.S
+        S.ctx[sids] = tr.input_tokens[lo:hi]
+        # per-request copies: one conversation may send several requests in one step
+        self._trace_inp = tr.input_tokens[lo:hi].copy()
+        self._trace_cached = np.minimum(S.cached[sids], tr.cached_prefix[lo:hi])
+        S.first[sids] = tr.cached_prefix[lo:hi] <= 0
+        S.cached[sids] = np.minimum(S.cached[sids], tr.cached_prefix[lo:hi])
+        self._trace_out = tr.output_tokens[lo:hi]
+        return sids, tr.arrival[lo:hi].copy(), np.arange(lo, hi)
+
+    # ------------------------------------------------------------ prefill
+
+    def _admit_arrivals(self, step: int, t0: float, t1: float) -> None:
+        cfg, S, P = self.cfg, self.S, self.P
+        if self.trace is not None:
+            sid, ta, _ = self._trace_arrivals(t1)
+            out = self._trace_out
+        else:
+            sid, ta = self._session_arrivals(t0, t1)
+            mean_out = self.wl.value("output_tokens", t0) if self.wl else 1.0
+            out = np.maximum(
+                1.0,
+                np.round(
+                    lognormal(
+                        self.rng, mean_out, self.wl.mix.output_sigma if self.wl else 0.0, sid.size
+                    )
+                ),
+            )
+        if sid.size == 0:
+            return
+        ready_p = P.state == READY
+        if not ready_p.any():
+            S.next[sid] = t1  # nothing can take it: retry next step
+            return
+        inp = self._trace_inp if self.trace is not None else S.ctx[sid].copy()
+        prev = self._trace_cached if self.trace is not None else S.cached[sid]
+        home = S.home[sid]
+        safe_home = np.where(home >= 0, home, 0)
+        prof = cfg.prefill
+        backlog = np.maximum(P.busy - t0, 0.0)
+        b_min = backlog[ready_p].min()
+        shared = np.maximum(np.minimum(self.shared, inp - 1.0), 0.0)
+        warm = np.maximum(np.minimum(prev, inp - 1.0), 0.0)
+        t_hit = prof.prefill_time_array(inp - warm, warm)
+        t_miss = prof.prefill_time_array(inp - shared, shared)
+        # cost-aware prefix routing: stay home unless finishing elsewhere cold is sooner
+        near = backlog[safe_home] + t_hit <= b_min + t_miss + cfg.route_balance_s
+        hit = (~S.first[sid]) & (home >= 0) & (S.tier[sid] > 0) & ready_p[safe_home] & near
+        cached = np.where(hit, warm, shared)
+        host = np.where(hit & (S.tier[sid] == 2), cached, 0.0)
+        inst = np.where(hit, home, -1)
+        miss = ~hit
+        inst[miss] = spread(int(miss.sum()), P.busy, ready_p)
+        service = prof.prefill_time_array(inp - cached, cached, host)
+        pfin = fifo_finish(inst, ta, service, P.busy)
+        xfer = inp * prof.kv_bytes_per_token / min(prof.nic_bytes_per_s, cfg.decode.nic_bytes_per_s)
+        ready = fifo_finish(inst, pfin, xfer, P.link)
+        b = self.bins
+        b["arr"][step] += sid.size
+        b["inp"][step] += inp.sum()
+        b["cached"][step] += cached.sum()
+        b["first"][step] += S.first[sid].sum()
+        S.home[sid], S.tier[sid], S.last[sid], S.cached[sid] = inst, 1, ta, inp
+        S.next[sid] = np.inf
+        S.first[sid] = False
+        n = sid.size
+        self.wait.put(
+            {
+                "sid": sid,
+                "arr": ta,
+                "ready": ready,
+                "inp": inp,
+                "inp0": inp,
+                "cached": cached,
+                "out": out,
+                "gen": np.zeros(n),
+                "first": np.full(n, np.nan),
+                "inst": np.full(n, -1, dtype=np.int64),
+                "tried": np.zeros(n, dtype=bool),
+            }
+        )
+
+    # ------------------------------------------------------------ decode
+
+    def _step_times(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per decode instance: (step seconds, KV tokens used)."""
+        prof, D, A = self.cfg.decode, self.D, self.act
+        cap = D.state.size
+        batch = np.bincount(A["inst"], minlength=cap).astype(np.float64)
+        used = np.bincount(A["inst"], weights=A["inp"] + A["gen"], minlength=cap)
+        step = (
+            prof.decode_step_base_s
+            + prof.decode_step_per_seq_s * batch
+            + prof.decode_step_per_ctx_token_s * used
+        )
+        return step, used
+
+    def _admit_decode(self, t0: float, t1: float) -> None:
+        W, D, prof = self.wait, self.D, self.cfg.decode
+        cand = W["ready"] < t1
+        if not cand.any():
+            return
+        step, used = self._step_times()
+        ready_d = D.state == READY
+        free = np.where(ready_d, prof.kv_capacity_tokens - used, -np.inf)
+        rows = W.take(cand)
+        order = np.argsort(rows["ready"], kind="stable")
+        rows = {k: v[order] for k, v in rows.items()}
+        n = rows["sid"].size
+        inst = spread(n, -free, ready_d)
+        if inst.size and inst[0] < 0:
+            rows["tried"][:] = True
+            W.put(rows)
+            return
+        o = np.lexsort((rows["ready"], inst))
+        g = inst[o]
+        need = rows["inp"][o] + rows["gen"][o]
+        csum = np.cumsum(need)
+        first = np.ones(n, dtype=bool)
+        first[1:] = g[1:] != g[:-1]
+        seg_start = np.maximum.accumulate(np.where(first, np.arange(n), 0))
+        within = csum - (csum[seg_start] - need[seg_start])
+        ok_sorted = within <= free[g]
+        ok = np.empty(n, dtype=bool)
+        ok[o] = ok_sorted
+        rows["inst"] = inst
+        start = np.where(rows["tried"], t0, np.maximum(rows["ready"], t0))
+        new_first = start + step[inst] / 1.0
+        fresh = np.isnan(rows["first"])
+        rows["first"] = np.where(ok & fresh, new_first, rows["first"])
+        rows["gen"] = np.where(ok & fresh, 1.0, rows["gen"])
+        rows["ready"] = np.where(ok, start, rows["ready"])
+        admitted = {k: v[ok] for k, v in rows.items()}
+        waiting = {k: v[~ok] for k, v in rows.items()}
+        waiting["tried"] = np.ones(int((~ok).sum()), dtype=bool)
+        self.act.put(admitted)
+        W.put(waiting)
+
+    def _progress_decode(self, step_idx: int, t0: float, t1: float) -> None:
+        A, prof = self.act, self.cfg.decode
+        if len(A) == 0:
+            return
+        step, _used = self._step_times()
+        acc = prof.accept_length * self.cfg.accept_multiplier
+        rate = acc / step[A["inst"]]
+        begin = np.maximum(t0, np.maximum(A["first"], A["ready"]))
+        A["gen"] = A["gen"] + rate * np.maximum(t1 - begin, 0.0)
+        self._retract(t1)
+        fin = A["gen"] >= A["out"]
+        if fin.any():
+            rows = A.take(fin)
+            r = acc / step[rows["inst"]]
+            t_end = t1 - (rows["gen"] - rows["out"]) / r
+            t_end = np.maximum(t_end, rows["first"])
+            itl = (t_end - rows["first"]) / np.maximum(rows["out"] - 1.0, 1.0)
+            self._finish(step_idx, rows, t_end, itl)
+
+    def _retract(self, now: float) -> None:
+        """Requests that no longer fit (context growth) go back to wait, newest first."""
+        A, cap = self.act, self.cfg.decode.kv_capacity_tokens
+        use = A["inp"] + A["gen"]
+        tot = np.bincount(A["inst"], weights=use, minlength=self.D.state.size)
+        if not (tot > cap).any():
+            return
+        o = np.lexsort((A["first"], A["inst"]))
+        g = A["inst"][o]
+        csum = np.cumsum(use[o])
+        n = g.size
+        first = np.ones(n, dtype=bool)
+        first[1:] = g[1:] != g[:-1]
+        seg_start = np.maximum.accumulate(np.where(first, np.arange(n), 0))
+        within = csum - (csum[seg_start] - use[o][seg_start])
+        out_sorted = within > cap
+        out = np.empty(n, dtype=bool)
+        out[o] = out_sorted
+        rows = A.take(out)
+        self.retractions += int(out.sum())
+        rows["inp"] = rows["inp"] + rows["gen"]
+        rows["out"] = rows["out"] - rows["gen"]
+        rows["gen"] = np.zeros(rows["sid"].size)
+        rows["ready"] = np.full(rows["sid"].size, now)
+        rows["tried"] = np.ones(rows["sid"].size, dtype=bool)
+        self.wait.put(rows)
+
+    def _finish(
+        self, step_idx: int, rows: dict[str, np.ndarray], t_end: np.ndarray, itl: np.ndarray
+    ) -> None:
+        total_out = rows["out"] + (rows["inp"] - rows["inp0"])
+        self.rec.add(
+            arrival=rows["arr"],
+            ttft=rows["first"] - rows["arr"],
+            itl=itl,
+            input=rows["inp0"],
+            cached=rows["cached"],
+            output=total_out,
+        )
+        self.done_time.append(t_end)
+        if self.trace is not None or self.wl is None:
+            return
+        S, mix, sid = self.S, self.wl.mix, rows["sid"]
+        t = float(t_end.min()) if t_end.size else 0.0
+        grow = lognormal(
+            self.rng, self.wl.value("new_tokens_per_turn", t), mix.new_tokens_sigma, sid.size
+        )
+        pause = lognormal(
+            self.rng, self.wl.value("tool_pause_s", t), mix.tool_pause_sigma, sid.size
+        )
+        self.bins["pause"][step_idx] += pause.sum()
+        self.bins["pauses"][step_idx] += pause.size
+        S.turns[sid] -= 1
+        S.ctx[sid] = rows["inp0"] + total_out + grow
+        ends = (S.turns[sid] <= 0) | (S.ctx[sid] > mix.max_context)
+        S.next[sid] = np.where(ends, np.inf, t_end + pause)
+        S.live[sid[ends]] = False
+
+    # ------------------------------------------------------------ caches
+
+    def _evict(self) -> None:
+        """Per prefill instance LRU over sessions: GPU tier, then host tier, then gone."""
+        S, prof, P = self.S, self.cfg.prefill, self.P
+        idx = np.flatnonzero(S.home[: S.n] >= 0)
+        if idx.size == 0:
+            return
+        home = S.home[idx]
+        dead = P.state[home] == OFF
+        S.home[idx[dead]], S.tier[idx[dead]] = -1, 0
+        idx, home = idx[~dead], home[~dead]
+        o = np.lexsort((-S.last[idx], home))
+        idx, g = idx[o], home[o]
+        size = S.cached[idx]
+        csum = np.cumsum(size)
+        n = g.size
+        if n == 0:
+            return
+        first = np.ones(n, dtype=bool)
+        first[1:] = g[1:] != g[:-1]
+        seg_start = np.maximum.accumulate(np.where(first, np.arange(n), 0))
+        within = csum - (csum[seg_start] - size[seg_start])
+        tier = np.where(
+            within <= prof.kv_capacity_tokens,
+            1,
+            np.where(within <= prof.kv_capacity_tokens + prof.host_cache_tokens, 2, 0),
+        )
+        S.tier[idx] = tier
+        gone = idx[tier == 0]
+        S.home[gone] = -1
+
+    # ------------------------------------------------------------ control
+
+    def _on_removed(self, p_gone: np.ndarray, d_gone: np.ndarray, now: float) -> None:
+        if p_gone.size:
+            lost = np.isin(self.S.home[: self.S.n], p_gone)
+            self.S.home[: self.S.n][lost] = -1
+            self.S.tier[: self.S.n][lost] = 0
+        if d_gone.size and len(self.act):
+            moved = np.isin(self.act["inst"], d_gone)
+            if moved.any():
+                rows = self.act.take(moved)
+                rows["ready"] = np.full(rows["sid"].size, now)
+                rows["tried"] = np.ones(rows["sid"].size, dtype=bool)
+                self.retractions += rows["sid"].size
+                self.wait.put(rows)
+
+    def metrics(self, step: int, now: float) -> Metrics:
+        """Window aggregates ending ``metric_lag_s`` before ``now``."""
+        cfg, b = self.cfg, self.bins
+        hi = max(0, step - int(cfg.metric_lag_s / cfg.dt))
+        lo = max(0, hi - int(cfg.metric_window_s / cfg.dt))
+        span = max((hi - lo) * cfg.dt, cfg.dt)
+        arr = b["arr"][lo:hi].sum()
+        inp = b["inp"][lo:hi].sum()
+        t_hi, t_lo = hi * cfg.dt, lo * cfg.dt
+        done = np.concatenate(self.done_time) if self.done_time else np.empty(0)
+        self.done_time = [done]
+        sel = (done >= t_lo) & (done < t_hi)
+        ttft = self.rec.view("ttft")[sel] if done.size == self.rec.n else np.empty(0)
+        itl = self.rec.view("itl")[sel] if done.size == self.rec.n else np.empty(0)
+        inputs = self.rec.view("input")[sel] if done.size == self.rec.n else np.empty(0)
+        outs = self.rec.view("output")[sel] if done.size == self.rec.n else np.empty(0)
+        ready_p = self.P.state == READY
+        backlog = np.maximum(self.P.busy[ready_p] - now, 0.0)
+        _, used = self._step_times()
+        ready_d = self.D.state == READY
+        cap = max(ready_d.sum() * cfg.decode.kv_capacity_tokens, 1.0)
+        pauses = b["pauses"][lo:hi].sum()
+        return Metrics(
+            arrival_rate=arr / span,
+            hit_rate=float(b["cached"][lo:hi].sum() / inp) if inp else 0.0,
+            ttft_p90_s=float(np.quantile(ttft, 0.9)) if ttft.size else 0.0,
+            itl_ms=float(np.mean(itl) * 1000.0) if itl.size else 0.0,
+            avg_input_tokens=float(inp / arr) if arr else 0.0,
+            p95_input_tokens=float(np.quantile(inputs, 0.95)) if inputs.size else 0.0,
+            avg_output_tokens=float(outs.mean()) if outs.size else 0.0,
+            first_turn_fraction=float(b["first"][lo:hi].sum() / arr) if arr else 0.0,
+            tool_pause_s=float(b["pause"][lo:hi].sum() / pauses) if pauses else 0.0,
+            prefill_backlog_s=float(backlog.mean()) if backlog.size else 0.0,
+            decode_kv_usage=float(used[ready_d].sum() / cap),
+            decode_waiting=int((self.wait["ready"] <= now).sum()),
+        )
+
+    def _tick(self, step: int, now: float) -> None:
+        cfg = self.cfg
+        view = FleetView(self.P.spec(), self.D.spec(), self.P.pods(), self.D.pods())
+        m = self.metrics(step, now)
+        if self.policy is not None:
+            want_p, want_d = self.policy(now, m, view)
+            want_p = min(max(want_p, 1), cfg.max_prefill)
+            want_d = min(max(want_d, 1), cfg.max_decode)
+            pp, pd = cfg.prefill, cfg.decode
+            self.actions += self.P.scale(want_p, now, pp.pod_start_s, pp.drain_s) > 0
+            self.actions += self.D.scale(want_d, now, pd.pod_start_s, pd.drain_s) > 0
+        self.series.append(
+            {
+                "t": now,
+                "prefill": float(self.P.spec()),
+                "decode": float(self.D.spec()),
+                "arrival_rate": m.arrival_rate,
+                "hit_rate": m.hit_rate,
+                "ttft_p90_s": m.ttft_p90_s,
+                "itl_ms": m.itl_ms,
+                "decode_kv_usage": m.decode_kv_usage,
+            }
+        )
+
+    # ------------------------------------------------------------ main loop
+
+    def run(self) -> SimResult:
+        cfg = self.cfg
+        tick_every = max(1, round(cfg.tick_s / cfg.dt))
+        evict_every = max(1, round(cfg.evict_every_s / cfg.dt))
+        gp, gd = cfg.prefill.gpus, cfg.decode.gpus
+        if self.wl is not None and cfg.prepopulate:
+            self._prepopulate()
+        for step in range(self.n_steps):
+            t0 = step * cfg.dt
+            t1 = t0 + cfg.dt
+            self._on_removed(self.P.advance(t0), self.D.advance(t0), t0)
+            if step % tick_every == 0 and step > 0:
+                self._tick(step, t0)
+            self._admit_arrivals(step, t0, t1)
+            self._admit_decode(t0, t1)
+            self._progress_decode(step, t0, t1)
+            if step % evict_every == 0:
+                self._evict()
+            held = self.P.pods() * gp + self.D.pods() * gd
+            self.gpu_s += held * cfg.dt
+            self.peak = max(self.peak, held)
+        r = self.rec
+        return SimResult(
+            arrival=r.view("arrival").copy(),
+            ttft=r.view("ttft").copy(),
+            itl=r.view("itl").copy(),
+            input_tokens=r.view("input").copy(),
+            cached_tokens=r.view("cached").copy(),
+            output_tokens=r.view("output").copy(),
+            series=self.series,
+            scale_actions=int(self.actions),
+            peak_gpus=self.peak,
+            gpu_seconds=self.gpu_s,
+            retractions=self.retractions,
+            steps=self.n_steps,
+            duration_s=cfg.duration_s,
+            warmup_s=cfg.warmup_s,
+        )
+
+
+def simulate(
+    cfg: FleetConfig,
+    workload: SessionWorkload | None = None,
+    trace: Trace | None = None,
+    policy: Policy | None = None,
+) -> SimResult:
+    """Run one simulation (see :class:`Simulator`)."""
+    return Simulator(cfg, workload=workload, trace=trace, policy=policy).run()

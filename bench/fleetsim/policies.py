@@ -1,0 +1,253 @@
+"""Replica policies run inside the fleet simulator: ours, fixed, and a mean-based baseline.
+
+A policy is called every simulator tick with lagged :class:`Metrics` and the :class:`FleetView`
+and returns target (prefill, decode) replicas. State lives in the policy object.
+
+- :class:`FixedPolicy`: constant replicas (today's ``Fixed`` mode).
+- :class:`RatioPlannerPolicy`: ours. Slow loop: every ``slow_s`` the model in ``ratio.py`` is
+  run on a forecast (max of the recent and smoothed arrival rate, times a headroom) built from
+  the observed lengths, first-turn share and tool pauses; its recommendation passes through
+  ``next_replicas`` (bounded steps, hysteresis, cooldown >= pod start, budget incl. draining
+  pods, drain-confirm-then-grow). While a side is failing the slow loop re-plans after
+  ``replan_s`` (the load no longer matches the plan). Fast loop: every tick, when TTFT p90 or
+  decode KV is over its limit, one bounded step above the slow target on the side at fault;
+  at the cap, a saturated decode with a healthy prefill takes prefill's rebalance step at once.
+- :class:`MeanBasedPolicy`: a Dynamo-style throughput planner from its published equations:
+  ``N_P = ceil(rate * ISL / thpt_P)`` and ``N_D = ceil(rate * OSL / thpt_D)``, where the
+  per-instance throughputs come from the profile at mean lengths, a fixed prefix hit rate and
+  the ITL target, and the load prediction is the last interval's rate; no KV-capacity, tail,
+  transfer or plan-dependent hit-rate terms, scaled every interval without hysteresis.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from cas_operator.autoscale.controller import (
+    ControlConfig,
+    ControlState,
+    CurrentReplicas,
+    failing_sides,
+    fast_adjust,
+    next_replicas,
+    rush_to_decode,
+)
+from cas_operator.autoscale.model import (
+    Bounds,
+    InstanceProfile,
+    ModelLimits,
+    ObservedSignals,
+    RatioRecommendation,
+    SloInputs,
+    WorkloadInputs,
+)
+from cas_operator.autoscale.search import recommend
+
+from .engine import FleetView, Metrics
+
+
+@dataclass
+class FixedPolicy:
+    prefill: int
+    decode: int
+
+    def __call__(self, now: float, m: Metrics, fleet: FleetView) -> tuple[int, int]:
+        return self.prefill, self.decode
+
+
+@dataclass
+class RatioPlannerPolicy:
+    """Ours: model-based slow loop + bounded fast loop through ``next_replicas``."""
+
+    prefill: InstanceProfile
+    decode: InstanceProfile
+    slo: SloInputs
+    bounds: Bounds
+    slow_s: float = 300.0
+    replan_s: float = 120.0  # earliest re-plan while a side is failing (the load has changed)
+    start_s: float = 150.0  # first slow loop once the metric window holds real traffic
+    calibrate: bool = True  # rescale the decode KV model by the observed KV use
+    headroom: float = 1.1
+    smoothing: float = 0.3
+    down_stable_s: float = 600.0
+    max_step_fraction: float = 0.25
+    shared_prefix_tokens: float = 2000.0
+    limits: ModelLimits = field(default_factory=ModelLimits)
+    state: ControlState = field(default_factory=ControlState)
+    target: tuple[int, int] | None = None
+    last_slow: float = -math.inf
+    ewma_rate: float | None = None
+    last_rec: RatioRecommendation | None = None
+    recommendations: int = 0
+    healthy: Metrics | None = None  # last window in which the fleet kept up (TTFT near SLO)
+    overload_factor: float = 2.0
+
+    def _workload(self, m: Metrics, rate: float) -> WorkloadInputs:
+        return WorkloadInputs(
+            request_rate=rate,
+            avg_input_tokens=max(m.avg_input_tokens, 1.0),
+            avg_output_tokens=max(m.avg_output_tokens, 1.0),
+            p95_input_tokens=max(m.p95_input_tokens, m.avg_input_tokens, 1.0),
+            first_turn_fraction=min(max(m.first_turn_fraction, 0.01), 1.0),
+            tool_pause_s=max(m.tool_pause_s, 0.1),
+            shared_prefix_tokens=self.shared_prefix_tokens,
+        )
+
+    def _observed(self, m: Metrics, fleet: FleetView) -> ObservedSignals | None:
+        """Decode KV in use plus what waits for it, as a share of ready capacity."""
+        if not self.calibrate or fleet.decode <= 0:
+            return None
+        cap = fleet.decode * self.decode.kv_capacity_tokens
+        usage = m.decode_kv_usage + m.decode_waiting * m.avg_input_tokens / cap
+        return ObservedSignals(
+            arrival_rate=m.arrival_rate, decode_kv_usage=usage, decode_replicas=fleet.decode
+        )
+
+    def _slow(self, m: Metrics, fleet: FleetView) -> tuple[int, int] | None:
+        """One slow-loop recommendation on forecast load.
+
+        Under overload the measured load is throttled, not lower: agent sessions wait for
+        their answer before sending the next turn, so the arrival rate falls and first turns
+        (open loop) take a larger share exactly when the fleet is short. While the TTFT p90 is
+        over ``overload_factor`` x the SLO, the rate never falls below the last healthy
+        window's, the first-turn share is that window's, and decode KV use (full of backlog)
+        does not recalibrate the model; lengths are taken as measured.
+        """
+        if m.arrival_rate <= 0 or m.avg_output_tokens <= 0:
+            return None
+        a = self.smoothing
+        self.ewma_rate = (
+            m.arrival_rate
+            if self.ewma_rate is None
+            else a * m.arrival_rate + (1 - a) * self.ewma_rate
+        )
+        rate = max(m.arrival_rate, self.ewma_rate) * self.headroom
+        overloaded = m.ttft_p90_s > self.overload_factor * self.slo.ttft_s
+        wl = self._workload(m, rate)
+        observed = self._observed(m, fleet)
+        if not overloaded:
+            self.healthy = m
+        elif self.healthy is not None:
+            h = self.healthy
+            wl = replace(
+                wl,
+                request_rate=max(rate, h.arrival_rate * self.headroom),
+                first_turn_fraction=min(max(h.first_turn_fraction, 0.01), 1.0),
+            )
+            observed = None
+        rec = recommend(
+            wl,
+            self.slo,
+            self.prefill,
+            self.decode,
+            self.bounds,
+            observed=observed,
+            limits=self.limits,
+        )
+        self.last_rec = rec
+        self.recommendations += 1
+        return rec.n_prefill, rec.n_decode
+
+    def __call__(self, now: float, m: Metrics, fleet: FleetView) -> tuple[int, int]:
+        observed = ObservedSignals(
+            ttft_p90_s=m.ttft_p90_s,
+            prefill_queue_depth=m.prefill_backlog_s - self.slo.ttft_s,
+            decode_kv_usage=m.decode_kv_usage,
+            decode_queue_depth=float(m.decode_waiting),
+        )
+        failing = failing_sides(observed, self.slo)
+        # A side failing now means the load no longer matches the last plan: re-plan on the
+        # latest window after ``replan_s`` instead of waiting out the slow period.
+        due = self.slow_s if not any(failing) else min(self.slow_s, self.replan_s)
+        if now >= self.start_s and now - self.last_slow >= due:
+            new = self._slow(m, fleet)
+            if new is not None:
+                self.target = new
+                self.last_slow = now
+        if self.target is None:
+            return fleet.prefill, fleet.decode
+        budget = self.bounds.gpu_budget
+        held = fleet.prefill_pods * self.prefill.gpus + fleet.decode_pods * self.decode.gpus
+        at_budget = budget is not None and held + min(self.prefill.gpus, self.decode.gpus) > budget
+        want_p, want_d = fast_adjust(
+            self.target, (fleet.prefill, fleet.decode), observed, self.slo, at_budget=at_budget
+        )
+        rec = RatioRecommendation(
+            n_prefill=want_p,
+            n_decode=want_d,
+            gpus=0,
+            ttft_p90_s=0.0,
+            itl_ms=0.0,
+            hit_rate=0.0,
+            goodput_rps=0.0,
+            meets_slo=True,
+            reason="sim",
+        )
+        cfg = ControlConfig(
+            prefill_gpus=self.prefill.gpus,
+            decode_gpus=self.decode.gpus,
+            bounds=self.bounds,
+            pod_start_s=self.prefill.pod_start_s,
+            down_stable_s=self.down_stable_s,
+            max_step_fraction=self.max_step_fraction,
+        )
+        cur = CurrentReplicas(fleet.prefill, fleet.decode, fleet.prefill_pods, fleet.decode_pods)
+        urgent = rush_to_decode(observed, self.slo, self.target[1], fleet.decode)
+        dec = next_replicas(cur, rec, self.state, now, cfg, decode_failing=urgent)
+        self.state = dec.state
+        return dec.prefill, dec.decode
+
+
+@dataclass
+class MeanBasedPolicy:
+    """Dynamo-style planner: mean lengths, a fixed hit rate, throughput at the SLO."""
+
+    prefill: InstanceProfile
+    decode: InstanceProfile
+    slo: SloInputs
+    bounds: Bounds
+    fixed_hit_rate: float = 0.9
+    interval_s: float = 180.0
+    last: float = -math.inf
+    target: tuple[int, int] | None = None
+
+    def prefill_thpt(self, isl: float) -> float:
+        """Input tokens/s of one prefill instance at the mean ISL and the fixed hit rate."""
+        cached = isl * self.fixed_hit_rate
+        return isl / self.prefill.prefill_time(isl - cached, cached)
+
+    def decode_thpt(self, isl: float) -> float:
+        """Output tokens/s of one decode instance at the largest batch meeting the ITL target
+        (mean context; KV capacity checked at the mean only)."""
+        d = self.decode
+        best = 0.0
+        for b in range(1, d.max_running + 1):
+            ctx = b * isl
+            step = d.decode_step(b, ctx)
+            if step / d.accept_length * 1000.0 > self.slo.itl_ms or ctx > d.kv_capacity_tokens:
+                break
+            best = b * d.accept_length / step
+        return max(best, 1e-9)
+
+    def __call__(self, now: float, m: Metrics, fleet: FleetView) -> tuple[int, int]:
+        if now - self.last >= self.interval_s and m.arrival_rate > 0:
+            self.last = now
+            isl, osl = max(m.avg_input_tokens, 1.0), max(m.avg_output_tokens, 1.0)
+            n_p = math.ceil(m.arrival_rate * isl / self.prefill_thpt(isl))
+            n_d = math.ceil(m.arrival_rate * osl / self.decode_thpt(isl + osl / 2))
+            self.target = self._clamp(n_p, n_d)
+        return self.target if self.target else (fleet.prefill, fleet.decode)
+
+    def _clamp(self, n_p: int, n_d: int) -> tuple[int, int]:
+        b = self.bounds
+        n_p = min(max(n_p, b.min_prefill), b.max_prefill)
+        n_d = min(max(n_d, b.min_decode), b.max_decode)
+        if b.gpu_budget is not None:
+            gp, gd = self.prefill.gpus, self.decode.gpus
+            total = n_p * gp + n_d * gd
+            if total > b.gpu_budget:  # scale both down proportionally
+                f = b.gpu_budget / total
+                n_p = max(b.min_prefill, int(n_p * f))
+                n_d = max(b.min_decode, (b.gpu_budget - n_p * gp) // gd)
+        return n_p, n_d

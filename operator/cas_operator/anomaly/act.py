@@ -1,0 +1,207 @@
+"""The anomaly loop's act step, and the one tick that runs observe -> decide -> act.
+
+Entry point: `anomaly_tick(api, source, ...)`, called by the fleet tick once per resource:
+1. list the engine pods; 2. observe them over the guard's window (`source`);
+3. decide (`anomaly.detect.decide`, pure); 4. start the drains it ordered (label off,
+annotations: `anomaly.drain`) and deregister every draining pod from every router replica
+(`routers.py`); 5. advance drains in progress (`anomaly.drain.next_step`): hold or delete;
+6. report `status.draining`, the Degraded messages, per-pool anomaly rates, and the pods
+with their signals (`TickResult.views`, which the autoscale loop reads).
+Ownership: `api` (the operator's `Kube`) does all API I/O; `source` all metrics I/O; the caller
+keeps the returned `LoopState` in memory for the next tick and posts the returned events.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from cas_operator.anomaly.detect import AnomalyDecision, GuardState, Policy, decide
+from cas_operator.anomaly.drain import (
+    ANNOTATION_DRAIN_STATE,
+    STATE_HELD,
+    DrainPolicy,
+    _drained_why,
+    _held,
+    _meta,
+    drain_marks,
+    draining_since,
+    draining_status,
+    is_group_worker,
+    next_step,
+    target_of,
+    view_of,
+)
+from cas_operator.api import constants as c
+from cas_operator.api.models import AnomalyGuardSpec, GuardAction
+from cas_operator.observe.types import MetricsSource, Observation, PodView
+from cas_operator.routers import HttpRouters, Routers, router_pod_urls
+from cas_operator.types import Event, Manifest
+
+
+class PodApi(Protocol):
+    """The three `Kube` calls this module uses (`cas_operator.kube.Kube` satisfies it)."""
+
+    def list(self, kind: str, namespace: str, selector: dict[str, str]) -> list[Manifest]: ...
+
+    def patch(self, kind: str, namespace: str, name: str, patch: Manifest) -> Manifest: ...
+
+    def delete(self, kind: str, namespace: str, name: str) -> None: ...
+
+
+@dataclass
+class LoopState:
+    """What the caller keeps per custom resource between ticks (in memory only)."""
+
+    guard: GuardState = field(default_factory=GuardState)
+
+
+@dataclass
+class TickResult:
+    """One tick's outcome for the caller to publish.
+
+    `draining` is the status list (`status.draining`); `degraded` / `unavailable` are
+    messages for the Degraded condition (reasons `FleetWideAnomaly` / `AnomalySignalUnavailable`)
+    or None; `pool_rate` feeds `status.<pool>.anomalyRate`.
+    """
+
+    events: list[Event]
+    draining: list[dict[str, Any]]
+    degraded: str | None
+    unavailable: str | None
+    pool_rate: dict[str, float | None]
+    decision: AnomalyDecision | None = None
+    views: list[PodView] = field(default_factory=list)  # the pods left, with their signals
+
+
+def engine_pods(api: PodApi, namespace: str, name: str) -> list[Manifest]:
+    """This resource's engine instances, one pod each, not already being deleted.
+
+    A multi-node instance is its leader pod: only the leader serves (the router knows only
+    it) and exports the instance's metrics, so it is what is observed, judged and drained.
+    Deleting it replaces the whole group (the LWS restart policy is RecreateGroupOnPodRestart),
+    and holding it out of rotation holds the group; the worker pods are never touched here."""
+    selector = {c.LABEL_NAME: name, c.LABEL_APP_NAME: c.APP_ENGINE}
+    pods = api.list("Pod", namespace, selector)
+    return [p for p in pods if not _meta(p).get("deletionTimestamp") and not is_group_worker(p)]
+
+
+def start_drain(api: PodApi, pod: Manifest, reason: str, now: float) -> Event:
+    """Take the pod out of rotation and record why and since when, in one merge patch."""
+    meta = _meta(pod)
+    api.patch("Pod", meta["namespace"], meta["name"], {"metadata": drain_marks(reason, now)})
+    return ("Warning", "PodDraining", f"pod {meta['name']} out of rotation: {reason}")
+
+
+def advance_drains(
+    api: PodApi,
+    pods: list[Manifest],
+    observation: Observation,
+    action: GuardAction,
+    now: float,
+    policy: DrainPolicy,
+) -> tuple[list[Event], set[str]]:
+    """Move every draining pod one step; returns events and the names deleted this tick."""
+    events: list[Event] = []
+    deleted: set[str] = set()
+    for pod in pods:
+        meta = _meta(pod)
+        signals = observation.signals.get(meta["name"])
+        running = signals.running if signals is not None and signals.error is None else None
+        step = next_step(pod, running, action, now, policy)
+        if step == "delete":
+            api.delete("Pod", meta["namespace"], meta["name"])
+            deleted.add(meta["name"])
+            why = "held long enough" if _held(pod) else _drained_why(running)
+            events.append(("Normal", "PodReplaced", f"pod {meta['name']} deleted ({why})"))
+        elif step == "hold":
+            patch = {"metadata": {"annotations": {ANNOTATION_DRAIN_STATE: STATE_HELD}}}
+            api.patch("Pod", meta["namespace"], meta["name"], patch)
+            meta.setdefault("annotations", {})[ANNOTATION_DRAIN_STATE] = STATE_HELD
+            events.append(
+                ("Normal", "PodHeld", f"pod {meta['name']} drained, held out of rotation")
+            )
+    return events, deleted
+
+
+def deregister_draining(pods: list[Manifest], routers: Routers) -> list[Event]:
+    """Make sure no router replica still lists a draining pod (level-based, every tick)."""
+    events: list[Event] = []
+    for pod in pods:
+        meta = _meta(pod)
+        ip = pod.get("status", {}).get("podIP")
+        if draining_since(pod) is None or not ip:
+            continue
+        for line in routers.deregister(f"http://{ip}:{c.ENGINE_PORT}"):
+            kind = "Warning" if "unreachable" in line else "Normal"
+            events.append(
+                (
+                    kind,
+                    "WorkerDeregistered" if kind == "Normal" else "RouterUnreachable",
+                    f"pod {meta['name']}: {line}",
+                )
+            )
+    return events
+
+
+def anomaly_tick(
+    api: PodApi,
+    source: MetricsSource,
+    *,
+    name: str,
+    namespace: str,
+    spec: AnomalyGuardSpec,
+    state: LoopState,
+    now: float,
+    policy: Policy | None = None,
+    drain_policy: DrainPolicy | None = None,
+    routers: Routers | None = None,
+) -> TickResult:
+    """One observe -> decide -> act pass for one CodingAgentServing.
+
+    Inputs: the API seam and metrics source, the resource's name/namespace, its parsed
+    `spec.anomalyGuard`, the LoopState from the previous tick (mutated in place), and wall
+    time `now` (epoch seconds; the drain annotations are wall-clock). Steps:
+    1. list the engine pods; 2. observe them over `spec.window_seconds`;
+    3. decide (pure); 4. start the drains it ordered (label off, annotations) and deregister
+    every draining pod from every router replica (`routers`, default: the resource's router
+    pods over HTTP); 5. advance drains in progress;
+    6. report status.draining, the Degraded messages and per-pool anomaly rates;
+    """
+    drain_policy = drain_policy or DrainPolicy()
+    pods = engine_pods(api, namespace, name)
+    observation = source.observe([target_of(p) for p in pods], float(spec.window_seconds))
+    events: list[Event] = []
+    decision: AnomalyDecision | None = None
+    if spec.enabled:
+        views = [view_of(p, observation.signals.get(_meta(p)["name"])) for p in pods]
+        decision = decide(spec, views, state.guard, now, policy)
+        state.guard = decision.state
+        events += decision.events
+        by_name = {_meta(p)["name"]: p for p in pods}
+        for order in decision.drains:
+            events.append(start_drain(api, by_name[order.name], order.reason, now))
+            _mark_draining(by_name[order.name], order.reason, now)
+    routers = routers or HttpRouters(router_pod_urls(api, namespace, name))
+    events += deregister_draining(pods, routers)
+    stepped, deleted = advance_drains(api, pods, observation, spec.action, now, drain_policy)
+    events += stepped
+    remaining = [p for p in pods if _meta(p)["name"] not in deleted]
+    views = [view_of(p, observation.signals.get(_meta(p)["name"])) for p in remaining]
+    return TickResult(
+        events=events,
+        draining=draining_status(remaining, observation),
+        degraded=decision.degraded if decision else None,
+        unavailable=(decision.unavailable if decision else None) or observation.error,
+        pool_rate=decision.pool_rate if decision else {},
+        decision=decision,
+        views=views,
+    )
+
+
+def _mark_draining(pod: Manifest, reason: str, now: float) -> None:
+    """Mirror start_drain's patch on our copy, so this tick's later steps see it."""
+    meta = _meta(pod)
+    marks = drain_marks(reason, now)
+    meta.setdefault("labels", {}).pop(c.LABEL_SERVING, None)
+    meta.setdefault("annotations", {}).update(marks["annotations"])

@@ -1,0 +1,151 @@
+"""The drain state machine of the anomaly loop (pure): what a pod out of rotation needs next.
+
+Drain, as the pods record it (level-based: every step is re-derived from the pods each tick, so
+a restarted operator resumes drains in progress from what it observes, never from memory):
+
+    in rotation --start_drain--> Draining --running == 0 or grace over--> Replace: deleted
+    (label cas.dev/serving=true)  (label removed; annotations     |        (its controller makes
+                                   draining-since, drain-reason)   |         a fresh pod)
+                                                                   +-----> Drain: Held (state
+                                                                            annotation), deleted
+                                                                            after hold_seconds
+Every step is re-derived from the pods each tick (level-based), so a restarted operator
+resumes drains in progress from what it observes, never from memory. This module reads pods
+(`view_of`, `target_of`, `draining_since`) and decides (`next_step`, `draining_status`);
+`anomaly.act` writes. A multi-node instance (LeaderWorkerSet group) is judged and drained as
+its leader pod (`is_group_worker` marks the others).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Final
+
+from cas_operator.api import constants as c
+from cas_operator.api.models import GuardAction
+from cas_operator.observe.types import Observation, PodSignals, PodTarget, PodView
+from cas_operator.types import Manifest, parse_time, rfc3339
+
+ANNOTATION_DRAINING_SINCE: Final = "cas.dev/draining-since"
+
+ANNOTATION_DRAIN_REASON: Final = "cas.dev/drain-reason"
+
+ANNOTATION_DRAIN_STATE: Final = "cas.dev/drain-state"
+
+STATE_DRAINING: Final = "Draining"
+
+STATE_HELD: Final = "Held"
+
+
+@dataclass(frozen=True)
+class DrainPolicy:
+    """How long a drain waits: at least `min_wait_seconds` (the router must see the label go and
+    a scrape must postdate it, so "0 running" is not a reading from before the drain), at most
+    `grace_seconds` for running requests to finish; Drain holds a pod `hold_seconds`."""
+
+    min_wait_seconds: float = 15.0
+    grace_seconds: float = 120.0
+    hold_seconds: float = 3600.0
+
+
+def drain_marks(reason: str, now: float) -> Manifest:
+    """The metadata that takes a pod out of rotation: the serving label removed, and why and
+    since when (a merge patch; `start_drain` sends it, the tick mirrors it on its copy)."""
+    return {
+        "labels": {c.LABEL_SERVING: None},
+        "annotations": {
+            ANNOTATION_DRAINING_SINCE: rfc3339(now),
+            ANNOTATION_DRAIN_REASON: reason,
+            ANNOTATION_DRAIN_STATE: STATE_DRAINING,
+        },
+    }
+
+
+def _meta(pod: Manifest) -> dict[str, Any]:
+    meta: dict[str, Any] = pod.get("metadata", {})
+    return meta
+
+
+def is_ready(pod: Manifest) -> bool:
+    conditions = pod.get("status", {}).get("conditions", [])
+    return any(cd.get("type") == "Ready" and cd.get("status") == "True" for cd in conditions)
+
+
+def draining_since(pod: Manifest) -> float | None:
+    return parse_time(_meta(pod).get("annotations", {}).get(ANNOTATION_DRAINING_SINCE))
+
+
+def is_group_worker(pod: Manifest) -> bool:
+    """A non-leader pod of a multi-node (LeaderWorkerSet) instance."""
+    index = _meta(pod).get("labels", {}).get(c.LWS_WORKER_INDEX_LABEL)
+    return index is not None and index != "0"
+
+
+def target_of(pod: Manifest) -> PodTarget:
+    meta = _meta(pod)
+    return PodTarget(
+        name=meta["name"],
+        role=meta.get("labels", {}).get(c.LABEL_ROLE, ""),
+        namespace=meta.get("namespace", ""),
+        ip=pod.get("status", {}).get("podIP"),
+        port=c.ENGINE_PORT,
+    )
+
+
+def view_of(pod: Manifest, signals: PodSignals | None) -> PodView:
+    meta = _meta(pod)
+    return PodView(
+        name=meta["name"],
+        role=meta.get("labels", {}).get(c.LABEL_ROLE, ""),
+        ready=is_ready(pod),
+        serving=meta.get("labels", {}).get(c.LABEL_SERVING) == "true",
+        draining_since=draining_since(pod),
+        signals=signals,
+    )
+
+
+def next_step(
+    pod: Manifest, running: float | None, action: GuardAction, now: float, policy: DrainPolicy
+) -> str:
+    """What a draining pod needs now: "wait", "hold", "delete" or "none" (pure)."""
+    since = draining_since(pod)
+    if since is None:
+        return "none"
+    state = _meta(pod).get("annotations", {}).get(ANNOTATION_DRAIN_STATE, STATE_DRAINING)
+    if state == STATE_HELD:
+        return "delete" if now - since >= policy.hold_seconds else "none"
+    if now - since < policy.min_wait_seconds:
+        return "wait"
+    if (running is None or running > 0) and now - since < policy.grace_seconds:
+        return "wait"
+    return "hold" if action == GuardAction.DRAIN else "delete"
+
+
+def _held(pod: Manifest) -> bool:
+    return bool(_meta(pod).get("annotations", {}).get(ANNOTATION_DRAIN_STATE) == STATE_HELD)
+
+
+def _drained_why(running: float | None) -> str:
+    return "no running requests" if running == 0 else "grace period over"
+
+
+def draining_status(pods: list[Manifest], observation: Observation) -> list[dict[str, Any]]:
+    """`status.draining`: one entry per pod out of rotation by us, oldest first."""
+    entries = []
+    for pod in pods:
+        meta = _meta(pod)
+        ann = meta.get("annotations", {})
+        if ANNOTATION_DRAINING_SINCE not in ann:
+            continue
+        signals = observation.signals.get(meta["name"])
+        entry: dict[str, Any] = {
+            "pod": meta["name"],
+            "role": meta.get("labels", {}).get(c.LABEL_ROLE, ""),
+            "reason": ann.get(ANNOTATION_DRAIN_REASON, ""),
+            "since": ann[ANNOTATION_DRAINING_SINCE],
+            "state": ann.get(ANNOTATION_DRAIN_STATE, STATE_DRAINING),
+        }
+        if signals is not None and signals.error is None and signals.running is not None:
+            entry["runningRequests"] = int(signals.running)
+        entries.append(entry)
+    return sorted(entries, key=lambda e: (e["since"], e["pod"]))

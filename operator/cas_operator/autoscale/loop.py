@@ -1,0 +1,192 @@
+"""The autoscale loop's stateful half: per resource, pressure streaks and Auto's last step.
+
+Data flow, once per fleet tick for one resource (called by `fleet_tick.py` after the anomaly
+tick, with the pods it left and their signals):
+`PodView`s -> `suggest_scale` (the pressure hint, every mode) and, for `ratio.mode`
+Recommend/Auto, `signals.observed_signals` (the measured load); in Auto, the caller's plan for
+that load (`PlanNumbers`: the planner's counts and the instance sizes, from `desired`) ->
+`controller.auto_step` -> `AutoscaleResult`: the `status.autoscaler` entry, the measured load
+and Auto's counts, which the reconcile reads (`reconcile.core.Measured`).
+Ownership: `Autoscaler.pressure` and `Autoscaler.auto` (per uid, memory only;
+`status.autoscaler` is the durable copy a restarted operator resumes from). No I/O here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from cas_operator.api import constants as c
+from cas_operator.api.models import CodingAgentServingSpec, RatioMode
+from cas_operator.autoscale import signals
+from cas_operator.autoscale.controller import (
+    DEFAULT_POD_START_SECONDS,
+    STATUS_KEY,
+    AutoInputs,
+    AutoState,
+    ControlState,
+    PoolCounts,
+    PressureState,
+    ScaleBounds,
+    ScaleOutcome,
+    auto_step,
+    suggest_scale,
+)
+from cas_operator.autoscale.model import ObservedSignals, SloInputs
+from cas_operator.observe.types import PodView
+from cas_operator.types import Manifest, Status, parse_time
+
+
+@dataclass(frozen=True)
+class PlanNumbers:
+    """What Auto's step needs from the resource's plan for the measured load."""
+
+    replicas: tuple[int, int]  # the plan's current counts (Auto's, or the spec's before)
+    planned: tuple[int, int] | None  # the planner's counts for the load, when it has them
+    prefill_gpus: int
+    decode_gpus: int
+    prefill_nodes: int  # pods per instance
+    decode_nodes: int
+
+
+@dataclass(frozen=True)
+class AutoscaleResult:
+    scale: ScaleOutcome | None  # the pressure hint (None before the first pass wrote pools)
+    entry: Status | None  # status.autoscaler (None in Fixed mode)
+    observed: ObservedSignals | None
+    auto_replicas: tuple[int, int] | None
+
+
+@dataclass
+class Autoscaler:
+    """Per-resource state of the autoscale loop (see the module docstring)."""
+
+    pressure: dict[str, PressureState] = field(default_factory=dict)
+    auto: dict[str, AutoState] = field(default_factory=dict)
+
+    def step(
+        self,
+        uid: str,
+        spec: CodingAgentServingSpec,
+        views: list[PodView],
+        pods: list[Manifest],
+        status: Status,
+        plan_for: Callable[[ObservedSignals], PlanNumbers | None],
+        now: float,
+    ) -> AutoscaleResult:
+        """One tick for one resource; `pods` are its engine pods (terminating ones included),
+        `status` its current status, `plan_for` plans it for a measured load."""
+        counts = pool_counts(status)
+        scale = None
+        if counts is not None:
+            bounds = ScaleBounds(spec.ratio.min, spec.ratio.max, spec.ratio.gpu_budget)
+            scale = suggest_scale(views, counts, bounds, self.pressure.get(uid, PressureState()))
+            self.pressure[uid] = scale.state
+        if spec.ratio.mode == RatioMode.FIXED:
+            self.auto.pop(uid, None)
+            return AutoscaleResult(scale, None, None, None)
+        window = float(spec.anomaly_guard.window_seconds)
+        observed = signals.quantized(signals.observed_signals(views, window))
+        entry: Status = {"observed": observed_status(observed)}
+        before = AutoState.from_status(status.get(STATUS_KEY))
+        auto = self.auto.get(uid) or before
+        if spec.ratio.mode != RatioMode.AUTO:
+            self.auto.pop(uid, None)
+            return AutoscaleResult(scale, entry, observed, None)
+        numbers = plan_for(observed)
+        if numbers is None:  # the spec is invalid: the reconcile reports it
+            return AutoscaleResult(scale, entry, observed, auto.replicas if auto else None)
+        state = self._auto_step(uid, spec, auto, numbers, pods, observed, scale, now)
+        entry.update(state.to_status())
+        return AutoscaleResult(scale, entry, observed, state.replicas)
+
+    def _auto_step(
+        self,
+        uid: str,
+        spec: CodingAgentServingSpec,
+        current: AutoState | None,
+        numbers: PlanNumbers,
+        pods: list[Manifest],
+        observed: ObservedSignals,
+        scale: ScaleOutcome | None,
+        now: float,
+    ) -> AutoState:
+        if current is None or current.replicas != numbers.replicas:
+            p, d = numbers.replicas
+            current = AutoState(p, d, current.control if current else ControlState())
+        inputs = AutoInputs(
+            current=current,
+            prefill_pods=instances(pods, c.ROLE_PREFILL, numbers.prefill_nodes),
+            decode_pods=instances(pods, c.ROLE_DECODE, numbers.decode_nodes),
+            prefill_gpus=numbers.prefill_gpus,
+            decode_gpus=numbers.decode_gpus,
+            slo=SloInputs(ttft_s=spec.slo.ttft_seconds, itl_ms=spec.slo.itl_milliseconds),
+            ratio_min=spec.ratio.min,
+            ratio_max=spec.ratio.max,
+            gpu_budget=spec.ratio.gpu_budget,
+            pod_start_s=pod_start_seconds(pods),
+            down_stable_s=spec.ratio.scale_down_stabilization_seconds,
+            rebalance_stable_s=spec.ratio.rebalance_stabilization_seconds,
+        )
+        hint = scale.hint if scale is not None else None
+        state = auto_step(inputs, numbers.planned or current.replicas, observed, hint, now)
+        self.auto[uid] = state
+        return state
+
+    def forget(self, live: set[str]) -> None:
+        """Drop the state of resources that are gone."""
+        for states in (self.pressure, self.auto):
+            for uid in set(states) - live:
+                del states[uid]
+
+
+def pool_counts(status: Status) -> PoolCounts | None:
+    """Desired and ready instances per pool from our own status (None before the first pass)."""
+    prefill, decode = status.get("prefill"), status.get("decode")
+    if not prefill or not decode:
+        return None
+    return PoolCounts(
+        prefill=int(prefill["replicas"]),
+        decode=int(decode["replicas"]),
+        prefill_ready=int(prefill.get("readyReplicas", 0)),
+        decode_ready=int(decode.get("readyReplicas", 0)),
+        prefill_gpus=int(prefill.get("gpusPerInstance", 1)),
+        decode_gpus=int(decode.get("gpusPerInstance", 1)),
+    )
+
+
+def instances(pods: list[Manifest], role: str, pods_per_instance: int) -> int:
+    """Instances of one role that still hold GPUs (terminating pods included)."""
+    count = sum(1 for p in pods if p["metadata"].get("labels", {}).get(c.LABEL_ROLE) == role)
+    return -(-count // max(1, pods_per_instance))
+
+
+def pod_start_seconds(pods: list[Manifest]) -> float:
+    """p90 of creation -> Ready over the resource's pods that became Ready (the autoscaler's
+    cooldown is at least this); the default until one has been seen."""
+    starts = []
+    for pod in pods:
+        created = parse_time(pod["metadata"].get("creationTimestamp"))
+        for cond in pod.get("status", {}).get("conditions", []):
+            ready_at = parse_time(cond.get("lastTransitionTime"))
+            ready = cond.get("type") == "Ready" and cond.get("status") == "True"
+            if ready and ready_at is not None and created is not None:
+                starts.append(max(1.0, ready_at - created))
+    if not starts:
+        return DEFAULT_POD_START_SECONDS
+    starts.sort()
+    return starts[min(len(starts) - 1, int(0.9 * len(starts)))]
+
+
+def observed_status(o: ObservedSignals) -> Status:
+    """The measured load as status shows it (None fields left out)."""
+    fields = {
+        "arrivalRate": o.arrival_rate,
+        "hitRate": o.hit_rate,
+        "prefillQueue": o.prefill_queue_depth,
+        "decodeKvUsage": o.decode_kv_usage,
+        "decodeQueue": o.decode_queue_depth,
+        "ttftP90Seconds": o.ttft_p90_s,
+        "abortsPerSecond": o.aborts_per_s,
+    }
+    return {k: v for k, v in fields.items() if v is not None}

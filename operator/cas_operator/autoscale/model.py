@@ -1,0 +1,517 @@
+"""The P:D queueing model for coding-agent traffic: its inputs, outputs and `evaluate` (pure).
+
+No I/O, no clock, no client. `autoscale.search.recommend` searches plans with `evaluate`;
+`desired.recommend` turns a CodingAgentServing spec into these inputs; the one replica
+controller (`autoscale.controller`) reads `ObservedSignals` and `SloInputs` from here.
+
+Model (per request class, see docs/planner.md for the derivation):
+
+1. Hit rate depends on the plan. Live sessions ``L = rate * cycle`` (Little's law; a session sends
+   one request per cycle = tool pause + its own service time). Each session's cached prefix is an
+   object of ``S`` tokens in an LRU spread over the prefill pool by prefix-aware routing. Che's
+   approximation gives the characteristic time ``T`` from
+   ``capacity = L*S*(1 - exp(-T/cycle)) + end_rate*S*T`` (live sessions plus finished sessions
+   that linger until evicted); a returning turn hits with probability ``1 - exp(-T/cycle)``.
+   Computed for the GPU tier and for GPU + host (HiCache) tier.
+2. Uncached tokens per class: first turns miss (only a shared system prefix hits), returning
+   hits prefill only their new tokens, returning misses prefill the whole context.
+3. Prefill pool: hits queue at their cache home (one M/G/1 queue per instance, sticky load
+   varying with the sessions homed there); misses go to the least-backlogged instance, so they
+   level the under-loaded instances (water filling) and wait like one pooled M/G/n queue.
+   Waiting times use the Allen-Cunneen-scaled Erlang C:
+   ``P(W > t) = C(c, a) * exp(-2 (c*mu - lambda) t / (1 + cs^2))``. TTFT of a class is wait +
+   its prefill time + KV transfer + one decode step; the p90 is solved exactly over the class
+   mixture.
+4. KV transfer: the whole context moves prefill -> decode; the link pool is the smaller of the
+   two sides' NIC totals; per-transfer time is stretched by ``1 / (1 - rho_link)``.
+5. Decode: per-instance active requests ``c`` from Little's law with the step time that itself
+   depends on ``c`` and total context (closed-form fixed point). Constraints: ITL = step/accept
+   under the SLO, and the 95th percentile of the summed context of ``c`` requests (per-request
+   sd from the p95 context) under the KV capacity - not the mean.
+
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from statistics import NormalDist
+from typing import Any
+
+Z95 = 1.645
+
+
+# ---------------------------------------------------------------- inputs
+
+
+@dataclass(frozen=True)
+class WorkloadInputs:
+    """Expected traffic. ``None`` fields are derived from the others (see ``resolved``)."""
+
+    request_rate: float
+    avg_input_tokens: float
+    avg_output_tokens: float
+    p95_input_tokens: float | None = None
+    first_turn_fraction: float = 0.05
+    first_turn_input_tokens: float | None = None
+    new_tokens_per_turn: float | None = None
+    tool_pause_s: float = 20.0
+    shared_prefix_tokens: float = 2000.0
+    first_turn_sigma: float = 0.5  # lognormal log-sd of first-turn input
+    new_tokens_sigma: float = 1.0  # lognormal log-sd of new tokens per returning turn
+    prefix_cache_hit_rate: float | None = None  # declared; used only by mean-based baselines
+
+    def resolved(self) -> WorkloadInputs:
+        """Fill derived fields: p95 = 1.8 x mean, first turn = half the mean context, and new
+        tokens per turn from ``avg = first + g * (turns - 1) / 2`` with ``turns = 1/f``."""
+        p95 = self.p95_input_tokens or 1.8 * self.avg_input_tokens
+        first = self.first_turn_input_tokens or 0.5 * self.avg_input_tokens
+        new = self.new_tokens_per_turn
+        if new is None:
+            turns = 1.0 / max(self.first_turn_fraction, 1e-6)
+            new = 2.0 * max(self.avg_input_tokens - first, 0.0) / max(turns - 1.0, 1.0)
+            new = max(new, 1.0)
+        return replace(
+            self, p95_input_tokens=p95, first_turn_input_tokens=first, new_tokens_per_turn=new
+        )
+
+
+@dataclass(frozen=True)
+class SloInputs:
+    """TTFT target at a quantile (p90 by default) and mean inter-token latency per request."""
+
+    ttft_s: float
+    itl_ms: float
+    ttft_quantile: float = 0.9
+
+
+@dataclass(frozen=True)
+class InstanceProfile:
+    """One instance shape (built by ``cas_operator.autoscale.profiles``); times in seconds."""
+
+    name: str
+    gpus: int
+    cp: int
+    layer_split: bool
+    kv_bytes_per_token: float
+    kv_capacity_tokens: float
+    host_cache_tokens: float
+    prefill_overhead_s: float
+    prefill_s_per_token: float
+    prefill_attn_s_per_token_pair: float
+    host_load_s_per_token: float
+    decode_step_base_s: float
+    decode_step_per_seq_s: float
+    decode_step_per_ctx_token_s: float
+    accept_length: float
+    max_running: int
+    nic_bytes_per_s: float
+    pod_start_s: float
+    drain_s: float
+
+    def prefill_time(self, new: float, cached: float, host_cached: float = 0.0) -> float:
+        """Seconds to prefill ``new`` tokens over ``cached`` context (``host_cached`` of it
+        loaded from the host tier first)."""
+        attn = self.prefill_attn_s_per_token_pair * new * (cached + new / 2.0)
+        load = self.host_load_s_per_token * host_cached
+        return self.prefill_overhead_s + self.prefill_s_per_token * new + attn + load
+
+    def prefill_time_array(self, new: Any, cached: Any, host_cached: Any = 0.0) -> Any:
+        """``prefill_time`` over numpy arrays (same formula; used by the fleet simulator)."""
+        attn = self.prefill_attn_s_per_token_pair * new * (cached + new / 2.0)
+        load = self.host_load_s_per_token * host_cached
+        return self.prefill_overhead_s + self.prefill_s_per_token * new + attn + load
+
+    def decode_step(self, batch: float, context_tokens: float) -> float:
+        """Seconds per verify step with ``batch`` requests holding ``context_tokens`` in all."""
+        return (
+            self.decode_step_base_s
+            + self.decode_step_per_seq_s * batch
+            + self.decode_step_per_ctx_token_s * context_tokens
+        )
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Replica bounds per pool and an optional GPU budget for both pools together."""
+
+    min_prefill: int = 1
+    max_prefill: int = 10_000
+    min_decode: int = 1
+    max_decode: int = 10_000
+    gpu_budget: int | None = None
+
+
+@dataclass(frozen=True)
+class ObservedSignals:
+    """Measured fleet state; every field optional. Rates per second, latencies in seconds."""
+
+    arrival_rate: float | None = None
+    hit_rate: float | None = None
+    prefill_replicas: int | None = None
+    prefill_queue_depth: float | None = None
+    decode_kv_usage: float | None = None  # used (plus waiting) KV over capacity, 0..1+
+    decode_replicas: int | None = None
+    decode_queue_depth: float | None = None  # requests whose KV arrived, waiting for admission
+    transfer_backlog_bytes: float | None = None
+    ttft_p90_s: float | None = None
+    itl_ms: float | None = None
+    aborts_per_s: float | None = None  # reported only: a PD abort is mostly a prefill timeout
+
+
+# ---------------------------------------------------------------- outputs
+
+
+@dataclass(frozen=True)
+class PlanEvaluation:
+    """Predicted behaviour of one (N_P, N_D) at one request rate."""
+
+    n_prefill: int
+    n_decode: int
+    gpus: int
+    hit_rate: float
+    ttft_p90_s: float
+    itl_ms: float
+    prefill_util: float
+    link_util: float
+    decode_active_per_instance: float
+    decode_kv_need_fraction: float
+    ttft_attainment: float
+    ttft_ok: bool
+    itl_ok: bool
+    kv_ok: bool
+    link_ok: bool
+
+    @property
+    def feasible(self) -> bool:
+        return self.ttft_ok and self.itl_ok and self.kv_ok and self.link_ok
+
+    def expected_goodput(self, rate: float) -> float:
+        """Requests/s meeting both SLOs when ``rate`` is offered: zero when decode or the link
+        cannot keep up, else the share of requests whose TTFT meets the target."""
+        if not (self.itl_ok and self.kv_ok and self.link_util < 1.0):
+            return 0.0
+        return rate * self.ttft_attainment
+
+
+@dataclass(frozen=True)
+class RatioRecommendation:
+    """What the planner recommends; ``cp_hint`` names a better prefill CP size (restart)."""
+
+    n_prefill: int
+    n_decode: int
+    gpus: int
+    ttft_p90_s: float
+    itl_ms: float
+    hit_rate: float
+    goodput_rps: float
+    meets_slo: bool
+    reason: str
+    cp_hint: int | None = None
+
+
+# ---------------------------------------------------------------- model pieces
+
+
+def erlang_c(servers: int, offered: float) -> float:
+    """Probability an arrival waits in M/M/c with ``offered = lambda/mu`` (Erlang B recursion)."""
+    if offered <= 0.0:
+        return 0.0
+    if offered >= servers:
+        return 1.0
+    b = 1.0
+    for k in range(1, servers + 1):
+        b = offered * b / (k + offered * b)
+    rho = offered / servers
+    return b / (1.0 - rho * (1.0 - b))
+
+
+def _che_time(capacity: float, live: float, size: float, end_rate: float, cycle: float) -> float:
+    """Characteristic time T solving ``capacity = live*size*(1-e^(-T/cycle)) + end_rate*size*T``."""
+    if capacity <= 0.0:
+        return 0.0
+
+    def occupied(t: float) -> float:
+        return live * size * (1.0 - math.exp(-t / cycle)) + end_rate * size * t
+
+    hi = cycle
+    for _ in range(200):
+        if occupied(hi) >= capacity:
+            break
+        hi *= 2.0
+    else:
+        return math.inf
+    lo = 0.0
+    for _ in range(60):
+        mid = (lo + hi) / 2.0
+        if occupied(mid) < capacity:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2.0
+
+
+def hit_probabilities(
+    wl: WorkloadInputs, gpu_tokens: float, host_tokens: float, cycle_s: float
+) -> tuple[float, float]:
+    """P(returning turn finds its prefix on GPU), P(on GPU or host) for pooled capacities."""
+    w = wl.resolved()
+    live = wl.request_rate * cycle_s
+    size = float(w.avg_input_tokens) + w.avg_output_tokens
+    end_rate = wl.request_rate * wl.first_turn_fraction
+    out = []
+    for cap in (gpu_tokens, gpu_tokens + host_tokens):
+        t = _che_time(cap, live, size, end_rate, cycle_s)
+        out.append(1.0 if math.isinf(t) else 1.0 - math.exp(-t / cycle_s))
+    return out[0], out[1]
+
+
+@dataclass(frozen=True)
+class _Class:
+    prob: float
+    input_tokens: float
+    cached: float
+    service_s: float
+    sticky: bool = True  # routed to its cache home (a hit); else to the least-backlogged instance
+
+
+def _lognormal_points(sigma: float, k: int = 6) -> list[float]:
+    """``k`` equal-probability points (bin medians) of a lognormal with mean 1."""
+    if sigma <= 0.0:
+        return [1.0]
+    nd = NormalDist()
+    return [math.exp(sigma * nd.inv_cdf((i + 0.5) / k) - sigma * sigma / 2.0) for i in range(k)]
+
+
+def _request_classes(
+    wl: WorkloadInputs, prefill: InstanceProfile, p_gpu: float, p_any: float
+) -> list[_Class]:
+    """First turns, returning GPU hits, host hits and misses with their prefill times; first
+    turns and new tokens per turn are spread over lognormal quantile points."""
+    w = wl.resolved()
+    f = w.first_turn_fraction
+    avg = w.avg_input_tokens
+    first = w.first_turn_input_tokens or avg
+    new = min(w.new_tokens_per_turn or avg, avg)
+    shared = min(w.shared_prefix_tokens, first)
+    ret = 1.0 - f
+    spec: list[tuple[float, float, float, float]] = []
+    firsts = _lognormal_points(w.first_turn_sigma)
+    spec += [(f / len(firsts), first * m, min(shared, first * m), 0.0) for m in firsts]
+    news = _lognormal_points(w.new_tokens_sigma)
+    for m in news:
+        n = min(new * m, avg)
+        q = ret / len(news)
+        spec.append((q * p_gpu, avg, avg - n, 0.0))
+        spec.append((q * max(p_any - p_gpu, 0.0), avg, avg - n, avg - n))
+    spec.append((ret * (1.0 - p_any), avg, shared, 0.0))
+    n_first = len(firsts)
+    return [
+        _Class(
+            p,
+            inp,
+            cached,
+            prefill.prefill_time(inp - cached, cached, host),
+            sticky=0 < i < len(spec) - 1 and i >= n_first,
+        )
+        for i, (p, inp, cached, host) in enumerate(spec)
+        if p > 0.0
+    ]
+
+
+_Wait = tuple[float, float, float]  # (share of requests, P(wait > 0), tail rate theta)
+_Waits = Sequence[_Wait]  # a waiting-time mixture
+
+
+def _ttft_tail(
+    classes: Sequence[_Class], extra_s: Sequence[float], waits: Sequence[_Waits], t: float
+) -> float:
+    """P(W + D > t): D is the class delay; W is the class's wait mixture over instance groups,
+    each with an atom at 0 and an exponential tail of rate ``theta`` with mass P(wait > 0)."""
+    total = 0.0
+    for c, x, mix in zip(classes, extra_s, waits, strict=True):
+        d = c.service_s + x
+        for share, wait_prob, theta in mix:
+            if t < d:
+                total += share * c.prob
+            elif theta <= 0.0:
+                total += share * c.prob * wait_prob
+            else:
+                total += share * c.prob * wait_prob * math.exp(-theta * (t - d))
+    return total
+
+
+def _ttft_quantile(
+    classes: Sequence[_Class], extra_s: Sequence[float], waits: Sequence[_Waits], q: float
+) -> float:
+    """Smallest t with P(W + D > t) <= 1 - q (bisection; the tail is monotone in t)."""
+    delays = [c.service_s + x for c, x in zip(classes, extra_s, strict=True)]
+    slowest = min((w[2] for mix in waits for w in mix if w[2] > 0.0), default=0.0)
+    target = 1.0 - q
+    lo, hi = 0.0, max(delays) + (50.0 / slowest if slowest > 0 else 1e6)
+    if _ttft_tail(classes, extra_s, waits, hi) > target:
+        return math.inf
+    for _ in range(40):
+        mid = (lo + hi) / 2.0
+        if _ttft_tail(classes, extra_s, waits, mid) > target:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def _water_level(loads: Sequence[tuple[float, float]]) -> float:
+    """Level ``L`` with ``sum(w * max(f, L)) = 1`` over (load f, weight w) points: the load
+    every under-loaded instance is filled up to by least-backlogged routing of misses."""
+    lo, hi = 0.0, max(1.0, max(f for f, _ in loads))
+    for _ in range(50):
+        mid = (lo + hi) / 2.0
+        if sum(w * max(f, mid) for f, w in loads) < 1.0:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def _prefill_waits(
+    rate: float,
+    n: int,
+    mean_s: float,
+    cs2: float,
+    live_sessions: float,
+    limits: ModelLimits,
+    sticky_share: float = 1.0,
+) -> tuple[list[_Wait], list[_Wait]]:
+    """Waiting-time mixtures of the prefill pool: (sticky hits, least-backlogged misses).
+
+    Hits go to their cache home. Each instance carries the sessions homed on it, about
+    Poisson(live/n) of them, so its sticky load varies with relative sd ``1/sqrt(live/n)``
+    (five load points). Misses (first turns, evicted prefixes: ``1 - sticky_share`` of the
+    work) go to the least-backlogged instance, so they fill the under-loaded instances up to a
+    common level (water filling) and wait like one pooled M/G/n queue. Groups of
+    ``queue_pool`` instances share a queue (M/G/c, Allen-Cunneen).
+    """
+    pool = max(1, min(limits.queue_pool, n))
+    cv = 1.0 / math.sqrt(max(live_sessions / n, 1.0)) if limits.session_imbalance else 0.0
+    points = [(z, 0.2) for z in (-1.2816, -0.5244, 0.0, 0.5244, 1.2816)] if cv else [(0.0, 1.0)]
+    s = min(max(sticky_share, 0.0), 1.0)
+    sticky = [(max(0.0, s * (1.0 + cv * z)), w) for z, w in points]
+    level = _water_level(sticky)
+    waits = []
+    for (f_s, w), _ in zip(sticky, points, strict=True):
+        f = max(f_s, level, 0.05)
+        lam = rate * pool / n * f
+        share = f_s * w / max(s, 1e-9) if s > 0 else w
+        if lam * mean_s >= pool:
+            waits.append((share, 1.0, 0.0))
+            continue
+        theta = 2.0 * (pool / mean_s - lam) / (1.0 + cs2)
+        waits.append((share, erlang_c(pool, lam * mean_s), theta))
+    offered = rate * mean_s
+    if offered >= n:
+        pooled = [(1.0, 1.0, 0.0)]
+    else:
+        pooled = [(1.0, erlang_c(n, offered), 2.0 * (n / mean_s - rate) / (1.0 + cs2))]
+    return waits, pooled
+
+
+def decode_state(wl: WorkloadInputs, decode: InstanceProfile, n_decode: int) -> tuple[float, float]:
+    """(active requests per decode instance, seconds per step) at the Little's-law fixed point
+    ``c = X * step(c)`` with ``X = rate * out / (n_decode * accept)``; inf when unstable."""
+    w = wl.resolved()
+    ctx = w.avg_input_tokens + w.avg_output_tokens / 2.0
+    x = wl.request_rate * w.avg_output_tokens / (n_decode * decode.accept_length)
+    slope = decode.decode_step_per_seq_s + decode.decode_step_per_ctx_token_s * ctx
+    denom = 1.0 - x * slope
+    if denom <= 0.0:
+        return math.inf, math.inf
+    active = x * decode.decode_step_base_s / denom
+    return active, decode.decode_step(active, active * ctx)
+
+
+def _kv_need(wl: WorkloadInputs, active: float) -> float:
+    """95th percentile of the summed context of ``active`` requests (normal approximation)."""
+    w = wl.resolved()
+    mean = w.avg_input_tokens + w.avg_output_tokens
+    sd = max((w.p95_input_tokens or mean) - w.avg_input_tokens, 0.0) / Z95
+    return active * mean + Z95 * math.sqrt(max(active, 0.0)) * sd
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """Utilisation caps that keep the plan off the knee of each queue."""
+
+    max_prefill_util: float = 0.9
+    max_link_util: float = 0.8
+    kv_headroom: float = 0.7  # calibrated on the simulator: long tails fragment per-instance KV
+    queue_pool: int = 1  # instances sharing one queue: sticky prefix routing pools poorly
+    kv_scale: float = 1.0  # observed / modelled decode KV use (set by ``recommend``)
+    session_imbalance: bool = True  # per-instance load varies with the sessions homed there
+
+
+def evaluate(
+    wl: WorkloadInputs,
+    slo: SloInputs,
+    prefill: InstanceProfile,
+    decode: InstanceProfile,
+    n_prefill: int,
+    n_decode: int,
+    limits: ModelLimits = ModelLimits(),
+    hit_scale: float = 1.0,
+) -> PlanEvaluation:
+    """Predict TTFT p90, ITL, hit rate and constraint status of one plan (see module doc)."""
+    w = wl.resolved()
+    active, step = decode_state(w, decode, n_decode)
+    itl_ms = step / decode.accept_length * 1000.0
+    kv_frac = (
+        _kv_need(w, active) * limits.kv_scale / (decode.kv_capacity_tokens * limits.kv_headroom)
+    )
+    # Hit rate: one fixed-point pass on the session cycle (pause + ~TTFT + decode time).
+    decode_s = w.avg_output_tokens * (step if math.isfinite(step) else 1.0) / decode.accept_length
+    cycle = w.tool_pause_s + decode_s + prefill.prefill_overhead_s
+    p_gpu, p_any = hit_probabilities(
+        w, n_prefill * prefill.kv_capacity_tokens, n_prefill * prefill.host_cache_tokens, cycle
+    )
+    p_gpu, p_any = min(1.0, p_gpu * hit_scale), min(1.0, p_any * hit_scale)
+    classes = _request_classes(w, prefill, p_gpu, p_any)
+    total_in = sum(c.prob * c.input_tokens for c in classes)
+    hit_rate = sum(c.prob * c.cached for c in classes) / total_in if total_in else 0.0
+    mean_s = sum(c.prob * c.service_s for c in classes)
+    second = sum(c.prob * c.service_s**2 for c in classes)
+    cs2 = max(second / mean_s**2 - 1.0, 0.0) if mean_s > 0 else 0.0
+    offered = w.request_rate * mean_s
+    util = offered / n_prefill
+    link_bw = min(n_prefill * prefill.nic_bytes_per_s, n_decode * decode.nic_bytes_per_s)
+    link_util = w.request_rate * total_in * prefill.kv_bytes_per_token / link_bw
+    flow_bw = min(prefill.nic_bytes_per_s, decode.nic_bytes_per_s) * max(1.0 - link_util, 1e-3)
+    first_step = decode.decode_step(active, active * w.avg_input_tokens) if active < 1e12 else 1.0
+    extra = [c.input_tokens * prefill.kv_bytes_per_token / flow_bw + first_step for c in classes]
+    if util < 1.0 and math.isfinite(step):
+        live = w.request_rate * cycle
+        sticky_work = sum(c.prob * c.service_s for c in classes if c.sticky)
+        hits, misses = _prefill_waits(
+            w.request_rate, n_prefill, mean_s, cs2, live, limits, sticky_work / mean_s
+        )
+        waits = [hits if c.sticky else misses for c in classes]
+        ttft = _ttft_quantile(classes, extra, waits, slo.ttft_quantile)
+        attain = 1.0 - _ttft_tail(classes, extra, waits, slo.ttft_s)
+    else:
+        ttft, attain = math.inf, 0.0
+    return PlanEvaluation(
+        n_prefill=n_prefill,
+        n_decode=n_decode,
+        gpus=n_prefill * prefill.gpus + n_decode * decode.gpus,
+        hit_rate=hit_rate,
+        ttft_p90_s=ttft,
+        itl_ms=itl_ms,
+        prefill_util=util,
+        link_util=link_util,
+        decode_active_per_instance=active,
+        decode_kv_need_fraction=kv_frac,
+        ttft_attainment=attain,
+        ttft_ok=ttft <= slo.ttft_s and util <= limits.max_prefill_util,
+        itl_ok=itl_ms <= slo.itl_ms and active <= decode.max_running,
+        kv_ok=kv_frac <= 1.0,
+        link_ok=link_util <= limits.max_link_util,
+    )

@@ -1,0 +1,332 @@
+"""The P:D plan search over the queueing model (pure): `recommend` and `scale_down_ok`.
+
+Choice: the fewest GPUs meeting both SLOs, or - when that exceeds the budget - the most
+SLO-meeting requests within it, decode first: the smallest decode pool that holds at the full
+rate and every other GPU on prefill (a short decode pool is a cliff under closed-loop agent
+traffic, a short prefill pool a longer TTFT tail); when the budget cannot hold both, the highest
+sustainable rate's plan with the leftover spent decode first.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from cas_operator.autoscale.model import (
+    Bounds,
+    InstanceProfile,
+    ModelLimits,
+    ObservedSignals,
+    PlanEvaluation,
+    RatioRecommendation,
+    SloInputs,
+    WorkloadInputs,
+    decode_state,
+    evaluate,
+)
+
+# ---------------------------------------------------------------- search
+
+
+def _first_true(lo: int, hi: int, ok: Callable[[int], bool]) -> int | None:
+    """Smallest n in [lo, hi] with ok(n), assuming ok is monotone; None when ok(hi) is false."""
+    if lo > hi or not ok(hi):
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    slo: SloInputs
+    prefill: InstanceProfile
+    decode: InstanceProfile
+    bounds: Bounds
+    limits: ModelLimits
+    hit_scale: float
+
+    def eval(self, wl: WorkloadInputs, n_p: int, n_d: int) -> PlanEvaluation:
+        return evaluate(
+            wl, self.slo, self.prefill, self.decode, n_p, n_d, self.limits, self.hit_scale
+        )
+
+
+def _decode_ok(ev: PlanEvaluation) -> bool:
+    return ev.itl_ok and ev.kv_ok
+
+
+def _min_gpu_plan(ctx: _Ctx, wl: WorkloadInputs) -> PlanEvaluation | None:
+    """Fewest-GPU feasible plan within the replica bounds (ignores the budget), or None."""
+    b = ctx.bounds
+    big_p = b.max_prefill
+    n_d = _first_true(b.min_decode, b.max_decode, lambda n: _decode_ok(ctx.eval(wl, big_p, n)))
+    if n_d is None:
+        return None
+    best: PlanEvaluation | None = None
+    for extra in range(0, 8):
+        nd = n_d + extra
+        if nd > b.max_decode:
+            break
+        n_p = _first_true(b.min_prefill, b.max_prefill, lambda n: ctx.eval(wl, n, nd).feasible)  # noqa: B023
+        if n_p is None:
+            continue
+        ev = ctx.eval(wl, n_p, nd)
+        if best is None or ev.gpus < best.gpus:
+            best = ev
+        elif extra > 0 and n_p == best.n_prefill:
+            break
+    return best
+
+
+def _goodput_plan(ctx: _Ctx, wl: WorkloadInputs, budget: int) -> tuple[PlanEvaluation, float]:
+    """Plan with the most SLO-meeting requests within ``budget`` GPUs: (plan, goodput rate).
+
+    Decode first: the smallest decode pool whose KV and ITL hold at the full offered rate, and
+    every other GPU to prefill, when prefill then keeps up (utilisation under 1); its goodput is
+    the offered rate times the predicted TTFT attainment. Under closed-loop agent traffic a
+    short decode pool is a cliff (requests wait for KV admission and the wait counts toward
+    TTFT), a short prefill pool only stretches the TTFT tail, so at the cap decode is sized for
+    the load and prefill takes the rest. When the budget cannot hold both, the highest rate
+    whose fewest-GPU plan fits, with the leftover spent decode first (``_spend_leftover``).
+    """
+    b, gp, gd = ctx.bounds, ctx.prefill.gpus, ctx.decode.gpus
+    top_d = min(b.max_decode, (budget - b.min_prefill * gp) // gd)
+    n_d = _first_true(b.min_decode, top_d, lambda n: _decode_ok(ctx.eval(wl, b.min_prefill, n)))
+    if n_d is not None:
+        n_p = min(b.max_prefill, (budget - n_d * gd) // gp)
+        n_d = min(b.max_decode, (budget - n_p * gp) // gd)
+        full = ctx.eval(wl, n_p, n_d)
+        if full.prefill_util < 1.0 and full.link_util < 1.0:
+            return full, full.expected_goodput(wl.request_rate)
+
+    def plan_at(rate: float) -> PlanEvaluation | None:
+        ev = _min_gpu_plan(ctx, replace(wl, request_rate=rate))
+        return ev if ev is not None and ev.gpus <= budget else None
+
+    lo, hi = 0.0, wl.request_rate
+    best = None
+    for _ in range(14):
+        mid = (lo + hi) / 2.0
+        ev = plan_at(mid)
+        if ev is not None:
+            lo, best = mid, ev
+        else:
+            hi = mid
+    if best is None:
+        return _best_split(ctx, wl, budget)
+    return _spend_leftover(ctx, wl, best, budget, lo), lo
+
+
+def _best_split(ctx: _Ctx, wl: WorkloadInputs, budget: int) -> tuple[PlanEvaluation, float]:
+    """No plan meets the p90 target at any rate: pick the split of the budget with the most
+    requests meeting both SLOs (coarse scan, then the neighbourhood of the best)."""
+    b, gp, gd = ctx.bounds, ctx.prefill.gpus, ctx.decode.gpus
+
+    def at(n_p: int) -> tuple[float, PlanEvaluation] | None:
+        n_d = min((budget - n_p * gp) // gd, b.max_decode)
+        if n_d < b.min_decode:
+            return None
+        ev = ctx.eval(wl, n_p, n_d)
+        return ev.expected_goodput(wl.request_rate), ev
+
+    hi = min(b.max_prefill, (budget - b.min_decode * gd) // gp)
+    if hi < b.min_prefill:
+        return ctx.eval(wl, b.min_prefill, b.min_decode), 0.0
+    stride = max(1, (hi - b.min_prefill) // 40)
+    scored = [r for n in range(b.min_prefill, hi + 1, stride) if (r := at(n)) is not None]
+    best = max(scored, key=lambda r: r[0])
+    around = range(
+        max(b.min_prefill, best[1].n_prefill - stride), min(hi, best[1].n_prefill + stride) + 1
+    )
+    scored = [r for n in around if (r := at(n)) is not None] + [best]
+    good, ev = max(scored, key=lambda r: r[0])
+    return ev, good
+
+
+def _spend_leftover(
+    ctx: _Ctx, wl: WorkloadInputs, plan: PlanEvaluation, budget: int, rate: float
+) -> PlanEvaluation:
+    """Give GPUs left under the budget by the plan that sustains ``rate``: decode first, up to
+    the size whose KV and ITL hold at the full offered rate, then prefill, then decode again.
+
+    Why this order: under closed-loop agent traffic an overloaded decode pool is a cliff (every
+    request waits for KV admission and that wait counts toward TTFT), while an overloaded
+    prefill pool degrades per instance (sticky routing queues only the hot instances). A
+    proportional split of the leftover gives nearly all of it to the larger prefill side and
+    leaves decode at the edge of its KV capacity - the budget-cap failure the simulator showed.
+    """
+    b = ctx.bounds
+    gp, gd = ctx.prefill.gpus, ctx.decode.gpus
+    n_p, n_d = plan.n_prefill, plan.n_decode
+    left = budget - (n_p * gp + n_d * gd)
+    room_d = min(b.max_decode - n_d, max(left, 0) // gd)
+    want_d = _first_true(n_d, n_d + room_d, lambda n: _decode_ok(ctx.eval(wl, plan.n_prefill, n)))
+    n_d = n_d + room_d if want_d is None else want_d
+    left = budget - (n_p * gp + n_d * gd)
+    n_p += min(b.max_prefill - n_p, max(left, 0) // gp)
+    left = budget - (n_p * gp + n_d * gd)
+    n_d += min(b.max_decode - n_d, max(left, 0) // gd)
+    return ctx.eval(replace(wl, request_rate=rate), n_p, n_d)
+
+
+def _plan(ctx: _Ctx, wl: WorkloadInputs) -> tuple[PlanEvaluation, float, bool]:
+    """(plan, goodput rate, meets SLO at the full rate)."""
+    ev = _min_gpu_plan(ctx, wl)
+    budget = ctx.bounds.gpu_budget
+    if ev is not None and (budget is None or ev.gpus <= budget):
+        return ev, wl.request_rate, True
+    if budget is None:
+        plan, rate = _unbudgeted_best_effort(ctx, wl)
+    else:
+        plan, rate = _goodput_plan(ctx, wl, budget)
+    return plan, rate, False
+
+
+def _unbudgeted_best_effort(ctx: _Ctx, wl: WorkloadInputs) -> tuple[PlanEvaluation, float]:
+    """No budget and no plan meets the SLOs within the bounds: the fewest GPUs reaching (within
+    half a point) the best TTFT attainment the bounds allow, on the smallest workable decode."""
+    b = ctx.bounds
+    n_d = _first_true(
+        b.min_decode, b.max_decode, lambda n: _decode_ok(ctx.eval(wl, b.max_prefill, n))
+    )
+    n_d = b.max_decode if n_d is None else n_d
+    top = ctx.eval(wl, b.max_prefill, n_d).expected_goodput(wl.request_rate)
+    n_p = _first_true(
+        b.min_prefill,
+        b.max_prefill,
+        lambda n: ctx.eval(wl, n, n_d).expected_goodput(wl.request_rate) >= top * 0.995,
+    )
+    ev = ctx.eval(wl, b.max_prefill if n_p is None else n_p, n_d)
+    return ev, ev.expected_goodput(wl.request_rate)
+
+
+def _reason(ev: PlanEvaluation, meets: bool, rate: float, full: float) -> str:
+    ratio = f"{ev.n_prefill}P:{ev.n_decode}D"
+    detail = (
+        f"hit {ev.hit_rate:.0%}, prefill util {ev.prefill_util:.0%}, "
+        f"TTFT p90 {ev.ttft_p90_s:.2f}s, ITL {ev.itl_ms:.1f}ms, "
+        f"decode KV {ev.decode_kv_need_fraction:.0%}, link {ev.link_util:.0%}"
+    )
+    if meets:
+        return f"{ratio} is the fewest GPUs ({ev.gpus}) meeting both SLOs: {detail}"
+    return (
+        f"{ratio} maximises goodput at the cap ({ev.gpus} GPUs): "
+        f"{rate:.1f} of {full:.1f} req/s within SLO; {detail}"
+    )
+
+
+def recommend(
+    workload: WorkloadInputs,
+    slo: SloInputs,
+    prefill: InstanceProfile,
+    decode: InstanceProfile,
+    bounds: Bounds = Bounds(),
+    observed: ObservedSignals | None = None,
+    prefill_alternatives: Sequence[InstanceProfile] = (),
+    limits: ModelLimits = ModelLimits(),
+) -> RatioRecommendation:
+    """Recommend (N_P, N_D) for ``workload`` (rate replaced by the observed one when larger).
+
+    ``observed.hit_rate`` measured at ``observed.prefill_replicas`` rescales the modelled
+    returning-turn hit probability (clamped to [0.5, 1.5]); ``observed.decode_kv_usage`` at
+    ``observed.decode_replicas`` rescales the modelled decode KV need (clamped to [1.0, 2.5]).
+    ``prefill_alternatives`` are other CP shapes of the prefill instance; one that needs 5%
+    fewer GPUs (or gives 5% more goodput at the cap) is reported as ``cp_hint``.
+    """
+    wl = workload.resolved()
+    seen = wl  # the load the observations were made at (the forecast may be higher)
+    if observed is not None and observed.arrival_rate is not None:
+        seen = replace(wl, request_rate=observed.arrival_rate)
+        wl = replace(wl, request_rate=max(wl.request_rate, observed.arrival_rate))
+    hit_scale = _hit_scale(seen, slo, prefill, decode, bounds, observed, limits)
+    limits = replace(limits, kv_scale=_kv_scale(seen, decode, observed))
+    ctx = _Ctx(slo, prefill, decode, bounds, limits, hit_scale)
+    ev, rate, meets = _plan(ctx, wl)
+    hint = None
+    for alt in prefill_alternatives:
+        if alt.cp == prefill.cp and alt.layer_split == prefill.layer_split:
+            continue
+        aev, arate, ameets = _plan(replace(ctx, prefill=alt), wl)
+        better = (
+            (ameets and meets and aev.gpus <= 0.95 * ev.gpus)
+            or (ameets and not meets)
+            or (not ameets and not meets and arate >= 1.05 * rate)
+        )
+        if better:
+            hint = alt.cp
+            ev, rate, meets = aev, arate, ameets
+            ctx = replace(ctx, prefill=alt)
+    if hint is not None:  # the recommendation itself stays on the running CP size
+        ev, rate, meets = _plan(replace(ctx, prefill=prefill), wl)
+    return RatioRecommendation(
+        n_prefill=ev.n_prefill,
+        n_decode=ev.n_decode,
+        gpus=ev.gpus,
+        ttft_p90_s=ev.ttft_p90_s,
+        itl_ms=ev.itl_ms,
+        hit_rate=ev.hit_rate,
+        goodput_rps=rate,
+        meets_slo=meets,
+        reason=_reason(ev, meets, rate, wl.request_rate)
+        + (f"; prefill CP {hint} would need fewer GPUs (restart)" if hint else ""),
+        cp_hint=hint,
+    )
+
+
+def _kv_scale(
+    wl: WorkloadInputs, decode: InstanceProfile, observed: ObservedSignals | None
+) -> float:
+    """Observed / modelled mean decode KV use at the observed decode size, clamped to
+    [1.0, 2.5]; 1.0 without a usable observation or when the fleet is nearly idle. Never below
+    1: the model already counts ~10-15% fewer active requests than a fleet holds (the batch a
+    request sees is above the time-average batch), so a lower reading is a transient (new,
+    short sessions whose contexts have not grown yet), not spare decode."""
+    if observed is None or observed.decode_kv_usage is None or not observed.decode_replicas:
+        return 1.0
+    w = wl.resolved()
+    active, _ = decode_state(w, decode, observed.decode_replicas)
+    if not math.isfinite(active):
+        return 1.0
+    model = active * (w.avg_input_tokens + w.avg_output_tokens / 2.0) / decode.kv_capacity_tokens
+    if model < 0.05:
+        return 1.0
+    return min(2.5, max(1.0, observed.decode_kv_usage / model))
+
+
+def _hit_scale(
+    wl: WorkloadInputs,
+    slo: SloInputs,
+    prefill: InstanceProfile,
+    decode: InstanceProfile,
+    bounds: Bounds,
+    observed: ObservedSignals | None,
+    limits: ModelLimits,
+) -> float:
+    """Observed / modelled hit rate at the observed prefill size, clamped to [0.5, 1.5]."""
+    if observed is None or observed.hit_rate is None or not observed.prefill_replicas:
+        return 1.0
+    n_d = bounds.max_decode  # decode size only shifts the session cycle; keep it unsaturated
+    model = evaluate(wl, slo, prefill, decode, observed.prefill_replicas, n_d, limits).hit_rate
+    if model <= 0.0:
+        return 1.0
+    return min(1.5, max(0.5, observed.hit_rate / model))
+
+
+def scale_down_ok(
+    workload: WorkloadInputs,
+    slo: SloInputs,
+    prefill: InstanceProfile,
+    decode: InstanceProfile,
+    n_prefill: int,
+    n_decode: int,
+    limits: ModelLimits = ModelLimits(),
+) -> bool:
+    """Whether a smaller plan still meets both SLOs, with the hit rate recomputed for the
+    smaller prefill cache (a fixed-hit-rate check would miss the loss the scale-down causes)."""
+    return evaluate(workload, slo, prefill, decode, n_prefill, n_decode, limits).feasible

@@ -1,0 +1,121 @@
+"""Autoscale signals (pure): the load the fleet shows, from the pods' windowed metrics.
+
+Data flow: per engine pod `PodSignals` over the anomaly window (the observe layer), joined with
+the pod as `PodView` by the fleet tick -> `observed_signals` (arrival rate, hit rate, prefill
+queue, decode KV use, TTFT p90 from the engines' histograms, aborts) -> `quantized` (so the
+planner's cache hits in steady state) -> the planner (`desired.recommend`) and the replica
+controller (`autoscale.controller`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from cas_operator.api import constants as c
+from cas_operator.autoscale.model import ObservedSignals
+from cas_operator.observe.types import PodSignals, PodView
+
+# ---------------------------------------------------------------- observed load
+
+
+def _measured(pods: Sequence[PodView], role: str) -> list[PodSignals]:
+    return [
+        p.signals
+        for p in pods
+        if p.role == role and p.signals is not None and p.signals.error is None
+    ]
+
+
+def _total(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) if present else None
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
+
+
+def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float | None:
+    """Prometheus' histogram_quantile over cumulative (upper bound, count) buckets sorted by
+    bound: linear inside the bucket the rank falls in; the highest finite bound when it falls
+    in +Inf; None without observations (pure)."""
+    total = buckets[-1][1] if buckets else 0.0
+    if total <= 0 or not math.isinf(buckets[-1][0]):
+        return None
+    rank, lower, below = q * total, 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if math.isinf(bound):
+                return lower
+            share = (rank - below) / (count - below) if count > below else 1.0
+            return lower + (bound - lower) * share
+        lower, below = bound, count
+    return lower
+
+
+def merged_buckets(signals: Sequence[PodSignals]) -> list[tuple[float, float]]:
+    """One histogram from the pods' TTFT buckets (counts summed per bound)."""
+    merged: dict[float, float] = {}
+    for s in signals:
+        for bound, count in s.ttft_buckets or ():
+            merged[bound] = merged.get(bound, 0.0) + count
+    return sorted(merged.items())
+
+
+def observed_signals(pods: Sequence[PodView], window_s: float) -> ObservedSignals:
+    """The fleet's load over the window: arrivals from the decode pods' finished requests (each
+    PD request ends on one decode; prefill pods count when there are no decode numbers), hit
+    rate from the prefill pods' cached/prompt tokens, mean prefill and decode queues, decode KV
+    use, aborts on either side, and TTFT p90 from the decode pods' TTFT histograms (the decode
+    streams the answer, so its TTFT includes prefill, transfer and admission; prefill pods'
+    when decodes have none)."""
+    prefill, decode = _measured(pods, c.ROLE_PREFILL), _measured(pods, c.ROLE_DECODE)
+    ttft = histogram_quantile(0.9, merged_buckets(decode))
+    if ttft is None:
+        ttft = histogram_quantile(0.9, merged_buckets(prefill))
+    window = max(window_s, 1.0)
+    finished = _total([s.requests for s in decode]) or _total([s.requests for s in prefill])
+    prompt = _total([s.prompt_tokens for s in prefill])
+    cached = _total([s.cached_tokens for s in prefill])
+    aborted = _total([s.aborted for s in prefill + decode])
+    return ObservedSignals(
+        arrival_rate=None if finished is None else finished / window,
+        hit_rate=cached / prompt if prompt and cached is not None else None,
+        prefill_replicas=len(prefill) or None,
+        prefill_queue_depth=_mean([s.queued for s in prefill]),
+        decode_kv_usage=_mean([s.token_usage for s in decode]),
+        decode_replicas=len(decode) or None,
+        decode_queue_depth=_mean([s.queued for s in decode]),
+        aborts_per_s=None if aborted is None else aborted / window,
+        ttft_p90_s=ttft,
+    )
+
+
+def _two_digits(value: float | None) -> float | None:
+    if value is None or value <= 0:
+        return value
+    return float(f"{value:.2g}")
+
+
+def _step(value: float | None, step: float) -> float | None:
+    return None if value is None else round(round(value / step) * step, 6)
+
+
+def quantized(o: ObservedSignals) -> ObservedSignals:
+    """Coarse values (2 significant digits, 2% steps) so a steady load gives identical planner
+    inputs tick after tick: the planner's answer is cached and does not jitter."""
+    return ObservedSignals(
+        arrival_rate=_two_digits(o.arrival_rate),
+        hit_rate=_step(o.hit_rate, 0.02),
+        prefill_replicas=o.prefill_replicas,
+        prefill_queue_depth=_two_digits(o.prefill_queue_depth),
+        decode_kv_usage=_step(o.decode_kv_usage, 0.02),
+        decode_replicas=o.decode_replicas,
+        decode_queue_depth=_two_digits(o.decode_queue_depth),
+        transfer_backlog_bytes=o.transfer_backlog_bytes,
+        ttft_p90_s=_two_digits(o.ttft_p90_s),
+        itl_ms=o.itl_ms,
+        aborts_per_s=_two_digits(o.aborts_per_s),
+    )

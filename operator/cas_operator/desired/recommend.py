@@ -1,0 +1,159 @@
+"""Adapter from a CodingAgentServing spec to the P:D ratio planner (`ratio.recommend`).
+
+Data flow: spec.workload / slo / ratio + the pools' instance shapes -> planner inputs with the
+packaged instance profile of the model (GLM-5 or DeepSeek-V3 on H200) -> `RatioRecommendation`
+-> instance counts in the resource's own shapes. The profiles are built in the resource's own
+shapes (prefill: tensorParallel GPUs with contextParallel inside TP; decode: its GPUs with DP
+attention), so counts map 1:1; only a shape the profile cannot express (contextParallel not
+dividing tensorParallel) is planned in the profile's default shape and converted through GPU
+totals, rounded up.
+
+Pure and cached: the same spec gives the same answer, computed once per process (the search
+takes up to a second). Observed signals are not fed in yet (see the issue notes).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from cas_operator.api.models import CodingAgentServingSpec, RatioMode
+from cas_operator.autoscale.model import (
+    Bounds,
+    InstanceProfile,
+    ObservedSignals,
+    SloInputs,
+    WorkloadInputs,
+)
+from cas_operator.autoscale.profiles import ProfileSpec, decode_profile, load_spec, prefill_profile
+from cas_operator.autoscale.search import recommend
+from cas_operator.desired.resolve import Resolved, resolve
+from cas_operator.desired.shapes import InstanceShape
+
+PROFILE_BY_MODEL = (("glm-5", "glm5-fp8-h200"), ("deepseek-v3", "deepseek-v3-bf16kv-h200"))
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """The planner's answer in the resource's terms, or why there is none."""
+
+    prefill: int | None
+    decode: int | None
+    reason: str
+    ttft_p90_seconds: float | None = None
+    itl_milliseconds: float | None = None
+    hit_rate: float | None = None
+    meets_slo: bool | None = None
+
+    @property
+    def ratio(self) -> str | None:
+        if self.prefill is None or self.decode is None:
+            return None
+        return f"{self.prefill}:{self.decode}"
+
+
+def profile_for(model_name: str) -> str | None:
+    key = model_name.rsplit("/", 1)[-1].lower()
+    for prefix, profile in PROFILE_BY_MODEL:
+        if key.startswith(prefix):
+            return profile
+    return None
+
+
+def recommendation_for(
+    spec: CodingAgentServingSpec,
+    prefill: InstanceShape,
+    decode: InstanceShape,
+    observed: ObservedSignals | None = None,
+    resolved: Resolved | None = None,
+) -> Recommendation | None:
+    """None in Fixed mode; otherwise the planner's counts (or the reason it has none).
+    `resolved` is `resolve(spec)` when the caller has it already.
+
+    `observed` (the Auto loop's measured fleet signals, quantised by the caller so the cache
+    hits in steady state) replaces or rescales the spec's workload estimates."""
+    if spec.ratio.mode == RatioMode.FIXED:
+        return None
+    rate = spec.workload.request_rate
+    if rate is None and observed is not None:
+        rate = observed.arrival_rate
+    if rate is None:
+        return Recommendation(
+            None, None, "set workload.requestRate (or wait for measured traffic) to get one"
+        )
+    profile = profile_for(spec.model.name)
+    if profile is None:
+        return Recommendation(None, None, f"no instance profile for model {spec.model.name!r}")
+    workload = WorkloadInputs(
+        request_rate=rate,
+        avg_input_tokens=spec.workload.avg_input_tokens,
+        avg_output_tokens=spec.workload.avg_output_tokens,
+        prefix_cache_hit_rate=spec.workload.prefix_cache_hit_rate,
+    )
+    slo = SloInputs(ttft_s=spec.slo.ttft_seconds, itl_ms=spec.slo.itl_milliseconds)
+    return _recommend(
+        profile,
+        workload,
+        slo,
+        Bounds(gpu_budget=spec.ratio.gpu_budget),
+        (prefill.tensor_parallel, prefill.context_parallel),
+        (resolved or resolve(spec)).layer_split,
+        (prefill.gpus, decode.gpus),
+        observed,
+    )
+
+
+@lru_cache(maxsize=256)
+def _recommend(
+    profile: str,
+    workload: WorkloadInputs,
+    slo: SloInputs,
+    bounds: Bounds,
+    prefill_tp_cp: tuple[int, int],
+    layer_split: bool,
+    instance_gpus: tuple[int, int],
+    observed: ObservedSignals | None = None,
+) -> Recommendation:
+    """The planner's search (up to a second), cached on its frozen inputs."""
+    spec = load_spec(profile)
+    prefill_instance, decode_instance = instance_profiles(
+        spec, prefill_tp_cp, layer_split, instance_gpus
+    )
+    result = recommend(workload, slo, prefill_instance, decode_instance, bounds, observed)
+    prefill_gpus, decode_gpus = instance_gpus
+    return Recommendation(
+        prefill=convert_count(result.n_prefill, prefill_instance.gpus, prefill_gpus),
+        decode=convert_count(result.n_decode, decode_instance.gpus, decode_gpus),
+        reason=result.reason,
+        ttft_p90_seconds=round(result.ttft_p90_s, 3),
+        itl_milliseconds=round(result.itl_ms, 2),
+        hit_rate=round(result.hit_rate, 4),
+        meets_slo=result.meets_slo,
+    )
+
+
+def instance_profiles(
+    spec: ProfileSpec,
+    prefill_tp_cp: tuple[int, int],
+    layer_split: bool,
+    instance_gpus: tuple[int, int],
+) -> tuple[InstanceProfile, InstanceProfile]:
+    """Planner profiles in the resource's own instance shapes (prefill ``tp`` GPUs with ``cp``
+    inside TP, decode ``instance_gpus[1]`` GPUs); the profile's default prefill shape (same CP
+    when it divides, else CP 1) only when ``cp`` does not divide ``tp``."""
+    tp, cp = prefill_tp_cp
+    try:
+        prefill_instance = prefill_profile(spec, tp=tp, cp=cp, layer_split=layer_split)
+    except ValueError:
+        fallback_cp = cp if spec.prefill_tp % cp == 0 else 1
+        prefill_instance = prefill_profile(spec, cp=fallback_cp, layer_split=layer_split)
+    return prefill_instance, decode_profile(spec, dp=instance_gpus[1])
+
+
+def convert_count(n: int, profile_gpus: int, shape_gpus: int) -> int:
+    """Instances of the resource's shape holding ``n`` planner instances: the same count when
+    the shapes match, else through GPU totals, rounded up (at least 1)."""
+    if profile_gpus == shape_gpus:
+        return max(1, n)
+    return max(1, math.ceil(n * profile_gpus / shape_gpus))

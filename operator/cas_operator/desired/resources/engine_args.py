@@ -1,0 +1,155 @@
+"""SGLang and cas_engine command lines for prefill and decode pods, one function per flag family.
+
+The pod runs `python3 -m cas_engine.launch_server <args>`: SGLang's own flags plus `--cas-*`
+flags that configure strict KV reclaim and the speculative-decoding quality gate. User `args`
+from `spec.engine.args` come last so they can override anything.
+"""
+
+from __future__ import annotations
+
+from cas_operator.api import constants as c
+from cas_operator.api.models import KvReclaim
+from cas_operator.desired.plan import Plan, PoolPlan
+
+LAUNCHER = ["python3", "-m", "cas_engine.launch_server"]
+# LWS injects these into every container of a group; Kubernetes expands $(VAR) in args.
+LWS_LEADER_ADDRESS = "$(LWS_LEADER_ADDRESS)"
+LWS_WORKER_INDEX = "$(LWS_WORKER_INDEX)"
+
+
+def fmt(value: float) -> str:
+    """Numbers as SGLang parses them: integers without a trailing .0."""
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def server_args(plan: Plan) -> list[str]:
+    return [
+        "--model-path",
+        plan.model_path,
+        "--served-model-name",
+        plan.served_model_name,
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(c.ENGINE_PORT),
+        "--enable-metrics",
+    ]
+
+
+def disaggregation_args(plan: Plan, pool: PoolPlan) -> list[str]:
+    args = [
+        "--disaggregation-mode",
+        pool.role,
+        "--disaggregation-transfer-backend",
+        plan.spec.engine.transfer_backend.value,
+    ]
+    if pool.role == c.ROLE_PREFILL:
+        args += ["--disaggregation-bootstrap-port", str(c.BOOTSTRAP_PORT)]
+    return args
+
+
+def parallel_args(plan: Plan, pool: PoolPlan) -> list[str]:
+    """TP always; multi-node rendezvous through the LWS leader; CP and LayerSplit on prefill."""
+    shape = pool.shape
+    args = ["--tp", str(shape.tensor_parallel)]
+    if shape.multi_node:
+        args += [
+            "--nnodes",
+            str(shape.nodes),
+            "--node-rank",
+            LWS_WORKER_INDEX,
+            "--dist-init-addr",
+            f"{LWS_LEADER_ADDRESS}:{c.DIST_INIT_PORT}",
+        ]
+    if pool.role == c.ROLE_PREFILL and shape.context_parallel > 1:
+        args += ["--attn-cp-size", str(shape.context_parallel), "--enable-prefill-cp"]
+        if plan.layer_split:
+            args.append("--enable-dsa-cache-layer-split")
+    return args
+
+
+def hicache_args(plan: Plan) -> list[str]:
+    hicache = plan.spec.hicache
+    if not hicache.enabled:
+        return []
+    args = [
+        "--enable-hierarchical-cache",
+        "--hicache-ratio",
+        fmt(hicache.host_memory_ratio),
+        "--hicache-write-policy",
+        hicache.write_policy,
+    ]
+    if hicache.storage_backend.value != "none":
+        args += ["--hicache-storage-backend", hicache.storage_backend.value]
+    return args
+
+
+def speculative_args(plan: Plan) -> list[str]:
+    spec = plan.spec.engine.speculative
+    if spec is None:
+        return []
+    args = [
+        "--speculative-algorithm",
+        spec.algorithm.value,
+        "--speculative-num-steps",
+        str(spec.num_steps),
+        "--speculative-eagle-topk",
+        str(spec.eagle_topk),
+        "--speculative-num-draft-tokens",
+        str(spec.num_draft_tokens),
+    ]
+    if spec.draft_model_path:
+        args += ["--speculative-draft-model-path", spec.draft_model_path]
+    return args
+
+
+def cas_args(plan: Plan, pool: PoolPlan) -> list[str]:
+    """Our engine layer: reclaim mode on both roles; the quality gate where tokens are decoded.
+
+    Without speculative decoding there is nothing for the gate to judge; with the guard
+    disabled it still observes (metrics) but never aborts (`--cas-guard-enabled false`).
+    """
+    reclaim = "strict" if plan.spec.engine.kv_reclaim == KvReclaim.STRICT else "upstream"
+    args = ["--cas-kv-reclaim", reclaim]
+    guard = plan.spec.anomaly_guard
+    if pool.role != c.ROLE_DECODE:
+        return args
+    if not guard.enabled or plan.spec.engine.speculative is None:
+        return [*args, "--cas-guard-enabled", "false"]
+    return [
+        *args,
+        "--cas-guard-enabled",
+        "true",
+        "--cas-guard-min-generated-tokens",
+        str(guard.min_generated_tokens),
+        "--cas-guard-min-accept-length",
+        fmt(guard.min_accept_length),
+        "--cas-guard-max-accept-rate",
+        fmt(guard.max_accept_rate),
+    ]
+
+
+def engine_args(plan: Plan, pool: PoolPlan) -> list[str]:
+    """The full argument list after the launcher module."""
+    return [
+        *server_args(plan),
+        *disaggregation_args(plan, pool),
+        *parallel_args(plan, pool),
+        *hicache_args(plan),
+        *speculative_args(plan),
+        *cas_args(plan, pool),
+        *(plan.spec.engine.args or []),
+    ]
+
+
+def engine_env(plan: Plan) -> list[dict[str, object]]:
+    """The prefill time budget through the SGLang variables that govern it, then user env."""
+    budget = str(plan.spec.prefill.timeout_seconds)
+    env: list[dict[str, object]] = [
+        {"name": "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", "value": budget},
+        {"name": "SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "value": budget},
+        {"name": "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE", "value": "1"},
+    ]
+    for var in plan.spec.engine.env or []:
+        env.append(var.model_dump(by_alias=True, exclude_none=True))
+    return env

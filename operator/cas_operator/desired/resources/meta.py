@@ -1,0 +1,68 @@
+"""Metadata shared by every child: labels, owner reference, spec-hash annotation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from cas_operator.api import constants as c
+from cas_operator.desired.revision import stable_hash
+
+Manifest = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The CodingAgentServing that owns the children (its uid makes the owner reference)."""
+
+    name: str
+    namespace: str
+    uid: str
+
+
+def owner_reference(owner: Owner) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{c.GROUP}/{c.VERSION}",
+        "kind": c.KIND,
+        "name": owner.name,
+        "uid": owner.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def base_labels(name: str, app: str, role: str | None = None) -> dict[str, str]:
+    """Labels of every child. Never the parent's labels (Argo CD tracking must not leak)."""
+    labels = {c.LABEL_APP_NAME: app, c.LABEL_MANAGED_BY: c.MANAGED_BY, c.LABEL_NAME: name}
+    if role:
+        labels[c.LABEL_ROLE] = role
+    return labels
+
+
+def selector_labels(name: str, role: str, revision: str) -> dict[str, str]:
+    """Immutable workload selector: name, role, revision (never `serving`, which drains flip)."""
+    return {c.LABEL_NAME: name, c.LABEL_ROLE: role, c.LABEL_REVISION: revision}
+
+
+def metadata(
+    owner: Owner,
+    name: str,
+    labels: dict[str, str],
+    annotations: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": owner.namespace,
+        "labels": labels,
+        "ownerReferences": [owner_reference(owner)],
+    }
+    if annotations:
+        meta["annotations"] = annotations
+    return meta
+
+
+def with_spec_hash(manifest: Manifest) -> Manifest:
+    """Stamp the manifest's own hash so an unchanged child can be skipped without a diff."""
+    digest = stable_hash(manifest, length=16)
+    manifest["metadata"].setdefault("annotations", {})[c.ANNOTATION_SPEC_HASH] = digest
+    return manifest

@@ -1,0 +1,185 @@
+"""Engine pools: pod template, Deployment (single-node instances) or LeaderWorkerSet (multi-node),
+a headless Service and a PodDisruptionBudget per pool and revision."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cas_operator.api import constants as c
+from cas_operator.desired.plan import Plan, PoolPlan
+from cas_operator.desired.resources.engine_args import LAUNCHER, engine_args, engine_env
+from cas_operator.desired.resources.meta import (
+    Manifest,
+    Owner,
+    base_labels,
+    metadata,
+    selector_labels,
+)
+
+GPU_RESOURCE = "nvidia.com/gpu"
+STARTUP_SECONDS = 1800  # weight loading and CUDA graph capture of a large model
+
+
+def pool_spec(plan: Plan, pool: PoolPlan) -> Any:
+    return plan.spec.prefill if pool.role == c.ROLE_PREFILL else plan.spec.decode
+
+
+def pod_labels(plan: Plan, pool: PoolPlan, *, serving: bool) -> dict[str, str]:
+    labels = {
+        **base_labels(plan.name, c.APP_ENGINE, pool.role),
+        **selector_labels(plan.name, pool.role, plan.revision),
+    }
+    if serving:
+        labels[c.LABEL_SERVING] = "true"
+    return labels
+
+
+def pool_labels(plan: Plan, pool: PoolPlan) -> dict[str, str]:
+    """Labels of the pool's own objects (not pods): revision included so stale ones are found."""
+    return {**base_labels(plan.name, c.APP_ENGINE, pool.role), c.LABEL_REVISION: plan.revision}
+
+
+def _resources(plan: Plan, pool: PoolPlan) -> dict[str, Any]:
+    gpus = str(pool.shape.gpus_per_pod)
+    user = pool_spec(plan, pool).resources
+    requests = {**((user.requests or {}) if user else {}), GPU_RESOURCE: gpus}
+    limits = {**((user.limits or {}) if user else {}), GPU_RESOURCE: gpus}
+    return {"requests": requests, "limits": limits}
+
+
+def _probes(*, serving: bool) -> dict[str, Any]:
+    if not serving:
+        return {}
+    http = {"path": "/health", "port": "http"}
+    return {
+        "startupProbe": {
+            "httpGet": http,
+            "periodSeconds": 10,
+            "failureThreshold": STARTUP_SECONDS // 10,
+        },
+        "readinessProbe": {"httpGet": http, "periodSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {"httpGet": http, "periodSeconds": 15, "failureThreshold": 8},
+    }
+
+
+def _ports(pool: PoolPlan) -> list[dict[str, Any]]:
+    ports = [{"name": "http", "containerPort": c.ENGINE_PORT}]
+    if pool.role == c.ROLE_PREFILL:
+        ports.append({"name": "bootstrap", "containerPort": c.BOOTSTRAP_PORT})
+    if pool.shape.multi_node:
+        ports.append({"name": "dist-init", "containerPort": c.DIST_INIT_PORT})
+    return ports
+
+
+def _volumes(plan: Plan) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    volumes: list[dict[str, Any]] = [{"name": "shm", "emptyDir": {"medium": "Memory"}}]
+    mounts: list[dict[str, Any]] = [{"name": "shm", "mountPath": "/dev/shm"}]
+    if plan.spec.model.pvc_name:
+        volumes.append(
+            {"name": "models", "persistentVolumeClaim": {"claimName": plan.spec.model.pvc_name}}
+        )
+        mounts.append({"name": "models", "mountPath": "/models", "readOnly": True})
+    return volumes, mounts
+
+
+def pod_template(plan: Plan, pool: PoolPlan, *, serving: bool = True) -> Manifest:
+    """The engine pod. `serving=False` is an LWS worker: no HTTP server, no router label."""
+    volumes, mounts = _volumes(plan)
+    container = {
+        "name": "engine",
+        "image": plan.spec.engine.image,
+        "command": LAUNCHER,
+        "args": engine_args(plan, pool),
+        "env": engine_env(plan),
+        "ports": _ports(pool),
+        "resources": _resources(plan, pool),
+        "volumeMounts": mounts,
+        **_probes(serving=serving),
+    }
+    annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(c.ENGINE_PORT)}
+    if pool.role == c.ROLE_PREFILL:
+        annotations[c.ANNOTATION_BOOTSTRAP_PORT] = str(c.BOOTSTRAP_PORT)
+    spec: dict[str, Any] = {"containers": [container], "volumes": volumes}
+    pool_cfg = pool_spec(plan, pool)
+    if pool_cfg.node_selector:
+        spec["nodeSelector"] = dict(pool_cfg.node_selector)
+    if pool_cfg.tolerations:
+        spec["tolerations"] = [
+            t.model_dump(by_alias=True, exclude_none=True) for t in pool_cfg.tolerations
+        ]
+    return {
+        "metadata": {"labels": pod_labels(plan, pool, serving=serving), "annotations": annotations},
+        "spec": spec,
+    }
+
+
+def build_deployment(owner: Owner, plan: Plan, pool: PoolPlan) -> Manifest:
+    """Single-node instances: one pod each."""
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(owner, pool.workload_name, pool_labels(plan, pool)),
+        "spec": {
+            "replicas": pool.replicas,
+            "selector": {"matchLabels": selector_labels(plan.name, pool.role, plan.revision)},
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1},
+            },
+            "template": pod_template(plan, pool),
+        },
+    }
+
+
+def build_leaderworkerset(owner: Owner, plan: Plan, pool: PoolPlan) -> Manifest:
+    """Multi-node instances: one LWS group of `nodes` pods each; only the leader serves."""
+    return {
+        "apiVersion": c.LWS_API_VERSION,
+        "kind": "LeaderWorkerSet",
+        "metadata": metadata(owner, pool.workload_name, pool_labels(plan, pool)),
+        "spec": {
+            "replicas": pool.replicas,
+            "startupPolicy": "LeaderCreated",
+            "leaderWorkerTemplate": {
+                "size": pool.shape.nodes,
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "leaderTemplate": pod_template(plan, pool, serving=True),
+                "workerTemplate": pod_template(plan, pool, serving=False),
+            },
+        },
+    }
+
+
+def build_workload(owner: Owner, plan: Plan, pool: PoolPlan) -> Manifest:
+    if pool.shape.multi_node:
+        return build_leaderworkerset(owner, plan, pool)
+    return build_deployment(owner, plan, pool)
+
+
+def build_pool_service(owner: Owner, plan: Plan, pool: PoolPlan) -> Manifest:
+    """Headless Service: stable DNS for the pool's pods (metrics, debugging, bootstrap)."""
+    ports = [{"name": p["name"], "port": p["containerPort"]} for p in _ports(pool)]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(owner, pool.workload_name, pool_labels(plan, pool)),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": selector_labels(plan.name, pool.role, plan.revision),
+            "ports": ports,
+        },
+    }
+
+
+def build_pdb(owner: Owner, plan: Plan, pool: PoolPlan) -> Manifest:
+    """At most one instance of a pool voluntarily disrupted at a time."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": metadata(owner, pool.workload_name, pool_labels(plan, pool)),
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": selector_labels(plan.name, pool.role, plan.revision)},
+        },
+    }

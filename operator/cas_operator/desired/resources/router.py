@@ -1,0 +1,150 @@
+"""The SGLang router in PD mode: per-revision Deployment discovering its revision's pods by label,
+a stable Service for clients across revisions, and the RBAC its Kubernetes discovery needs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cas_operator.api import constants as c
+from cas_operator.desired.plan import Plan
+from cas_operator.desired.resources.meta import (
+    Manifest,
+    Owner,
+    base_labels,
+    metadata,
+    selector_labels,
+)
+
+ROUTER_MODULE = ["python3", "-m", "sglang_router.launch_router"]
+
+
+def discovery_selector(plan: Plan, role: str) -> list[str]:
+    """Pods of this role AND revision that are in rotation (drains remove `serving`)."""
+    labels = {**selector_labels(plan.name, role, plan.revision), c.LABEL_SERVING: "true"}
+    return [f"{k}={v}" for k, v in labels.items()]
+
+
+def router_args(plan: Plan) -> list[str]:
+    router = plan.spec.router
+    args = [
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(c.ROUTER_PORT),
+        "--pd-disaggregation",
+        "--service-discovery",
+        "--service-discovery-namespace",
+        plan.namespace,
+        "--service-discovery-port",
+        str(c.ENGINE_PORT),
+        "--prefill-selector",
+        *discovery_selector(plan, c.ROLE_PREFILL),
+        "--decode-selector",
+        *discovery_selector(plan, c.ROLE_DECODE),
+        "--policy",
+        router.policy.value,
+        "--prometheus-host",
+        "0.0.0.0",
+        "--prometheus-port",
+        str(c.ROUTER_METRICS_PORT),
+    ]
+    if router.retries == 0:
+        return [*args, "--disable-retries"]
+    return [*args, "--retry-max-retries", str(router.retries)]
+
+
+def service_account_name(plan: Plan) -> str:
+    return f"{plan.name}-router"
+
+
+def _router_labels(plan: Plan) -> dict[str, str]:
+    return base_labels(plan.name, c.APP_ROUTER, c.ROLE_ROUTER)
+
+
+def build_router_deployment(owner: Owner, plan: Plan) -> Manifest:
+    router = plan.spec.router
+    labels = {**_router_labels(plan), c.LABEL_REVISION: plan.revision}
+    container: dict[str, Any] = {
+        "name": "router",
+        "image": router.image or plan.spec.engine.image,
+        "command": ROUTER_MODULE,
+        "args": router_args(plan),
+        "ports": [
+            {"name": "http", "containerPort": c.ROUTER_PORT},
+            {"name": "metrics", "containerPort": c.ROUTER_METRICS_PORT},
+        ],
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
+        "livenessProbe": {
+            "httpGet": {"path": "/liveness", "port": "http"},
+            "periodSeconds": 15,
+            "failureThreshold": 4,
+        },
+    }
+    if router.resources:
+        container["resources"] = router.resources.model_dump(by_alias=True, exclude_none=True)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(owner, plan.router_name, labels),
+        "spec": {
+            "replicas": router.replicas,
+            "selector": {"matchLabels": selector_labels(plan.name, c.ROLE_ROUTER, plan.revision)},
+            "template": {
+                "metadata": {
+                    "labels": labels,
+                    "annotations": {
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(c.ROUTER_METRICS_PORT),
+                    },
+                },
+                "spec": {
+                    "serviceAccountName": service_account_name(plan),
+                    "containers": [container],
+                },
+            },
+        },
+    }
+
+
+def build_router_service(owner: Owner, plan: Plan) -> Manifest:
+    """The fleet's entry point, named after the resource; spans revisions during a roll."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(owner, plan.name, _router_labels(plan)),
+        "spec": {
+            "selector": {c.LABEL_NAME: plan.name, c.LABEL_ROLE: c.ROLE_ROUTER},
+            "ports": [
+                {"name": "http", "port": 80, "targetPort": "http"},
+                {"name": "metrics", "port": c.ROUTER_METRICS_PORT, "targetPort": "metrics"},
+            ],
+        },
+    }
+
+
+def build_service_account(owner: Owner, plan: Plan) -> Manifest:
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": metadata(owner, service_account_name(plan), _router_labels(plan)),
+    }
+
+
+def build_role(owner: Owner, plan: Plan) -> Manifest:
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": metadata(owner, service_account_name(plan), _router_labels(plan)),
+        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}],
+    }
+
+
+def build_role_binding(owner: Owner, plan: Plan) -> Manifest:
+    name = service_account_name(plan)
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": metadata(owner, name, _router_labels(plan)),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": plan.namespace}],
+    }

@@ -1,0 +1,123 @@
+"""Semantic validation: what the CRD schema cannot say (or a pre-CEL cluster did not check).
+
+Each rule returns `SpecError`s naming the field in the user's (camelCase) terms; the reconcile
+turns them into a `PermanentError` and a `Degraded` condition with reason `InvalidSpec`.
+The CEL rules in `api/models.py` are mirrored here so both layers agree (a test checks each).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cas_operator.api.models import (
+    CodingAgentServingSpec,
+    PoolSpec,
+    PrefillPoolSpec,
+    SpeculativeAlgorithm,
+)
+from cas_operator.desired.resolve import Resolved, resolve
+
+
+@dataclass(frozen=True)
+class SpecError:
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"spec.{self.field}: {self.message}"
+
+
+def _pool_errors(role: str, pool: PoolSpec) -> list[SpecError]:
+    errors = []
+    tp, per_node = pool.tensor_parallel, pool.gpus_per_node
+    if tp > per_node and tp % per_node:
+        errors.append(
+            SpecError(
+                f"{role}.tensorParallel",
+                f"{tp} is above gpusPerNode {per_node} and not a multiple of it",
+            )
+        )
+    if isinstance(pool, PrefillPoolSpec):
+        cp = pool.context_parallel
+        if tp % cp:
+            errors.append(SpecError(f"{role}.contextParallel", f"{cp} does not divide tp {tp}"))
+        if pool.layer_split and cp <= 1:
+            errors.append(SpecError(f"{role}.layerSplit", "requires contextParallel > 1"))
+    return errors
+
+
+def _layer_split_errors(spec: CodingAgentServingSpec, resolved: Resolved) -> list[SpecError]:
+    if not resolved.layer_split:
+        return []
+    profile = resolved.model
+    if profile is None:
+        return [
+            SpecError(
+                "model.numLayers",
+                f"unknown layer count for model {spec.model.name!r}; set model.numLayers "
+                "to plan LayerSplit",
+            )
+        ]
+    if profile.num_layers < spec.prefill.context_parallel:
+        return [
+            SpecError(
+                "prefill.contextParallel",
+                f"{spec.prefill.context_parallel} ranks exceed the {profile.num_layers} layers",
+            )
+        ]
+    return []
+
+
+def _ratio_errors(spec: CodingAgentServingSpec) -> list[SpecError]:
+    ratio = spec.ratio
+    if ratio.min is not None and ratio.max is not None and ratio.min > ratio.max:
+        return [SpecError("ratio.min", f"{ratio.min} is above ratio.max {ratio.max}")]
+    return []
+
+
+def _engine_errors(spec: CodingAgentServingSpec) -> list[SpecError]:
+    spec_dec = spec.engine.speculative
+    if (
+        spec_dec
+        and spec_dec.algorithm != SpeculativeAlgorithm.NEXTN
+        and not spec_dec.draft_model_path
+    ):
+        return [
+            SpecError(
+                "engine.speculative.draftModelPath",
+                f"required for {spec_dec.algorithm.value}",
+            )
+        ]
+    return []
+
+
+def _hicache_errors(spec: CodingAgentServingSpec) -> list[SpecError]:
+    if spec.hicache.enabled and spec.hicache.host_memory_ratio < 1.0:
+        return [SpecError("hicache.hostMemoryRatio", "must be >= 1.0 when HiCache is enabled")]
+    return []
+
+
+def _rollout_errors(spec: CodingAgentServingSpec) -> list[SpecError]:
+    rollout = spec.rollout
+    if rollout.strategy.value == "Canary" and not rollout.steps:
+        return [SpecError("rollout.steps", "a Canary rollout needs at least one step")]
+    weights = [step.weight for step in rollout.steps or []]
+    if weights != sorted(weights):
+        return [SpecError("rollout.steps", f"weights must not decrease: {weights}")]
+    return []
+
+
+def validate(spec: CodingAgentServingSpec, resolved: Resolved | None = None) -> list[SpecError]:
+    """All semantic errors of a parsed spec (empty when valid); `resolved` is `resolve(spec)`
+    when the caller has it already."""
+    resolved = resolved or resolve(spec)
+    return [
+        *_pool_errors("prefill", spec.prefill),
+        *_pool_errors("decode", spec.decode),
+        *_layer_split_errors(spec, resolved),
+        *_ratio_errors(spec),
+        *_engine_errors(spec),
+        *_hicache_errors(spec),
+        *_rollout_errors(spec),
+    ]
+

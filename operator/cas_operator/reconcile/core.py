@@ -1,0 +1,260 @@
+"""One level-based, idempotent reconcile of a CodingAgentServing.
+
+Called from create, update, resume and a timer (handlers.py). It reads like the steps it takes:
+1. parse and validate the spec; plan it (pure);
+2. build every child manifest (pure);
+3. apply them with server-side apply, in dependency tiers, each tier concurrently, skipping
+   (outside full passes) workloads whose spec-hash already matches;
+4. observe the workloads; retire children of older revisions once the current one is ready;
+5. compute the status (pure) and hand back only what changed.
+Per-child failures are collected, never abort the pass, and end up in the Degraded condition.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from cas_operator.api import constants as c
+from cas_operator.api.models import CodingAgentServingSpec, parse_spec
+from cas_operator.autoscale.model import ObservedSignals
+from cas_operator.desired.plan import InvalidSpec, Plan, build_plan
+from cas_operator.desired.resources import build_all
+from cas_operator.desired.resources.meta import Owner
+from cas_operator.desired.validate import SpecError
+from cas_operator.kube import REVISIONED_KINDS, KindNotInstalled, Kube, NamespaceTerminating
+from cas_operator.reconcile.status import (
+    ObservedWorkload,
+    Problem,
+    Status,
+    compute_status,
+    invalid_status,
+    is_true,
+)
+
+log = logging.getLogger(__name__)
+WORKLOAD_KINDS = ("Deployment", "LeaderWorkerSet")
+# Shared by all reconciles: bounds the operator's concurrent API writes.
+_APPLY_POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="apply")
+
+
+@dataclass
+class Outcome:
+    """What one pass produced: the desired status, events to emit, and the spec error if any."""
+
+    status: Status
+    events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
+    invalid: InvalidSpec | None = None
+    applied: int = 0
+
+
+def pydantic_errors(exc: ValidationError) -> list[SpecError]:
+    """Pydantic's errors in the user's terms: `spec.prefill.tensorParallel: ...`."""
+    errors = []
+    for err in exc.errors():
+        path = ".".join(str(p) for p in err["loc"]) or "(root)"
+        errors.append(SpecError(path, err["msg"]))
+    return errors
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What the fleet tick measured and decided (None: nothing yet): the load for the planner,
+    Auto mode's replicas, its `status.anomaly` for the conditions, and the status sections it
+    owns (`anomaly`, `draining`, `autoscaler`), which the pass writes together with the
+    conditions derived from them."""
+
+    observed: ObservedSignals | None = None
+    auto_replicas: tuple[int, int] | None = None
+    anomaly: dict[str, Any] | None = None
+    sections: Status | None = None
+
+
+def plan_for(
+    name: str, namespace: str, raw_spec: dict[str, Any], measured: Measured = Measured()
+) -> Plan:
+    """Steps 1: parse + validate + plan; raises InvalidSpec naming every bad field."""
+    try:
+        spec: CodingAgentServingSpec = parse_spec(raw_spec)
+    except ValidationError as exc:
+        raise InvalidSpec(pydantic_errors(exc)) from exc
+    return build_plan(name, namespace, spec, measured.observed, measured.auto_replicas)
+
+
+def observe(kube: Kube, namespace: str, name: str) -> list[ObservedWorkload]:
+    """Step 4a: the workloads (all revisions) and routers of this resource."""
+    selector = {c.LABEL_NAME: name, c.LABEL_MANAGED_BY: c.MANAGED_BY}
+    found = []
+    for kind in WORKLOAD_KINDS:
+        for obj in kube.list(kind, namespace, selector):
+            obj.setdefault("kind", kind)
+            found.append(ObservedWorkload.from_object(obj))
+    return found
+
+
+def apply_tier(manifest: dict[str, Any]) -> int:
+    """Dependency tier: identity, config, Services, PDBs (0) -> pools (1) -> router (2)."""
+    if manifest["metadata"]["labels"].get(c.LABEL_ROLE) == c.ROLE_ROUTER:
+        return 2 if manifest["kind"] == "Deployment" else 0
+    return 1 if manifest["kind"] in WORKLOAD_KINDS else 0
+
+
+def _apply_one(
+    kube: Kube, manifest: dict[str, Any]
+) -> tuple[Problem | None, ObservedWorkload | None]:
+    """Apply one child; a workload comes back as the server answered it (saves a LIST)."""
+    key = (manifest["kind"], manifest["metadata"]["name"])
+    try:
+        answer = kube.apply(manifest)
+    except KindNotInstalled as exc:
+        return Problem(
+            c.REASON_LWS_MISSING,
+            f"{exc.kind} API ({c.LWS_API_VERSION}) is not installed: multi-node instances "
+            f"need the LeaderWorkerSet controller ({key[1]} not created)",
+        ), None
+    except NamespaceTerminating:  # the resource goes with its namespace: not a fault
+        log.debug("not applying %s %s: its namespace is being deleted", *key)
+        return None, None
+    except Exception as exc:
+        where = f"{key[0]} {manifest['metadata']['namespace']}/{key[1]}"
+        log.warning("apply of %s failed: %s", where, exc)
+        return Problem(c.REASON_APPLY_FAILED, f"{key[0]} {key[1]}: {exc}"), None
+    if key[0] not in WORKLOAD_KINDS or not isinstance(answer, dict):
+        return None, None
+    return None, ObservedWorkload.from_object({**answer, "kind": key[0]})
+
+
+@dataclass
+class Applied:
+    """What `apply_children` did: children applied, problems, workloads as the server answered."""
+
+    count: int
+    problems: list[Problem]
+    workloads: list[ObservedWorkload]
+
+
+def drift(seen: ObservedWorkload, manifest: dict[str, Any]) -> str:
+    """How an observed workload differs from its manifest ("" when it does not): its template
+    (spec-hash) or its replicas. Either side may have moved: someone edited or scaled the
+    workload, or our own desired state changed (a spec edit, an Auto step) and the watch-fed
+    copy has not caught up with the apply yet; so the text states the facts, not a culprit."""
+    want: str = manifest["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH]
+    if seen.spec_hash != want:
+        return f"template differs (spec-hash {seen.spec_hash} observed, {want} desired)"
+    replicas = manifest["spec"].get("replicas", seen.replicas)
+    if seen.replicas != replicas:
+        return f"replicas differ ({seen.replicas} observed, {replicas} desired)"
+    return ""
+
+
+def apply_children(
+    kube: Kube,
+    manifests: list[dict[str, Any]],
+    observed: list[ObservedWorkload],
+    full: bool,
+    apply_missing: bool = True,
+) -> Applied:
+    """Step 3: apply tier by tier, each tier's children concurrently (a tier waits for the one
+    before). Without `full`, only workloads whose spec-hash or replicas differ from the
+    observed ones (someone edited or scaled them), and (with `apply_missing`) those not
+    observed at all."""
+    current = {(w.kind, w.name): w for w in observed}
+
+    def why_stale(m: dict[str, Any]) -> str:
+        """Why a refresh re-applies `m` ("" = it does not)."""
+        if m["kind"] not in WORKLOAD_KINDS:
+            return ""
+        seen = current.get((m["kind"], m["metadata"]["name"]))
+        return ("missing" if apply_missing else "") if seen is None else drift(seen, m)
+
+    if full:
+        todo = list(manifests)
+    else:
+        todo = []
+        for m in manifests:
+            if why := why_stale(m):
+                log.info("re-applying %s %s: %s", m["kind"], m["metadata"]["name"], why)
+                todo.append(m)
+    problems: list[Problem] = []
+    workloads: list[ObservedWorkload] = []
+    for tier in sorted({apply_tier(m) for m in todo}):
+        batch = [m for m in todo if apply_tier(m) == tier]
+        for problem, workload in _APPLY_POOL.map(lambda m: _apply_one(kube, m), batch):
+            problems += [problem] if problem is not None else []
+            workloads += [workload] if workload is not None else []
+    return Applied(len(todo) - len(problems), problems, workloads)
+
+
+def merged(
+    observed: list[ObservedWorkload], fresh: list[ObservedWorkload]
+) -> list[ObservedWorkload]:
+    """`observed` with each workload in `fresh` (the server's latest answer) replacing its
+    older copy."""
+    newer = {(w.kind, w.name) for w in fresh}
+    return [w for w in observed if (w.kind, w.name) not in newer] + fresh
+
+
+def retire_stale(
+    kube: Kube, plan: Plan, observed: list[ObservedWorkload]
+) -> list[tuple[str, str, str]]:
+    """Step 4b: once the current revision is fully ready, delete older revisions' children."""
+    events: list[tuple[str, str, str]] = []
+    stale = sorted({w.revision for w in observed if w.revision != plan.revision})
+    for revision in stale:
+        selector = {c.LABEL_NAME: plan.name, c.LABEL_REVISION: revision}
+        for kind in REVISIONED_KINDS:
+            for obj in kube.list(kind, plan.namespace, selector):
+                kube.delete(kind, plan.namespace, obj["metadata"]["name"])
+        events.append(
+            ("Normal", "RevisionRetired", f"revision {revision} replaced by {plan.revision}")
+        )
+    return events
+
+
+def reconcile(
+    kube: Kube,
+    *,
+    name: str,
+    namespace: str,
+    uid: str,
+    generation: int,
+    raw_spec: dict[str, Any],
+    full_apply: bool,
+    observed: list[ObservedWorkload] | None = None,
+    measured: Measured = Measured(),
+    apply_missing: bool = True,
+) -> Outcome:
+    """One pass; see the module docstring for the steps. `measured` is the fleet tick's last
+    finding: the load feeds the planner and Auto mode, its `status.anomaly` is folded into the
+    conditions, and its status sections are returned with them (one writer). `observed` is
+    the caller's watch-fed copy of the workloads (saves the LISTs: what this pass applies is
+    taken from the server's answers); without it a full pass lists after applying, others
+    before. `apply_missing=False` leaves workloads absent from `observed` alone (the caller
+    knows its copy may not have caught up with its own recent apply)."""
+    try:
+        plan = plan_for(name, namespace, raw_spec, measured)
+    except InvalidSpec as exc:
+        return Outcome(status=invalid_status(str(exc), generation), invalid=exc)
+    manifests = build_all(Owner(name, namespace, uid), plan)
+    watched = observed is not None
+    if observed is None:
+        observed = [] if full_apply else observe(kube, namespace, name)
+    applied = apply_children(kube, manifests, observed, full_apply, apply_missing)
+    problems = applied.problems
+    if watched:
+        observed = merged(observed, applied.workloads)
+    elif applied.count or full_apply:
+        observed = observe(kube, namespace, name)
+    status = compute_status(plan, observed, problems, generation, measured.anomaly)
+    events = []
+    if is_true(status, c.COND_READY) and any(w.revision != plan.revision for w in observed):
+        events = retire_stale(kube, plan, observed)
+        observed = [w for w in observed if w.revision == plan.revision]
+        status = compute_status(plan, observed, problems, generation, measured.anomaly)
+    return Outcome(
+        status={**status, **(measured.sections or {})}, events=events, applied=applied.count
+    )

@@ -1,0 +1,256 @@
+"""Status of a CodingAgentServing, computed purely from the plan and the observed children.
+
+Conditions follow Kubernetes conventions: `lastTransitionTime` changes only when a condition's
+status flips, every condition carries `observedGeneration`, and `status_patch` returns the
+whole status only when something changed, so an unchanged resource gets no status write.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from cas_operator.api import constants as c
+from cas_operator.desired.plan import Plan, PoolPlan
+from cas_operator.desired.resources.config import plan_summary
+
+Status = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ObservedWorkload:
+    """A Deployment or LeaderWorkerSet child as last read from the API server."""
+
+    kind: str
+    name: str
+    role: str
+    revision: str
+    replicas: int
+    ready_replicas: int
+    spec_hash: str | None
+    up_to_date: bool  # the controller has observed the latest generation
+
+    @classmethod
+    def from_object(cls, obj: dict[str, Any]) -> ObservedWorkload:
+        meta, spec, status = obj["metadata"], obj.get("spec", {}), obj.get("status") or {}
+        labels = meta.get("labels", {})
+        observed_generation = status.get("observedGeneration")
+        return cls(
+            kind=obj.get("kind", "Deployment"),
+            name=meta["name"],
+            role=labels.get(c.LABEL_ROLE, ""),
+            revision=labels.get(c.LABEL_REVISION, ""),
+            replicas=int(spec.get("replicas", 0)),
+            ready_replicas=int(status.get("readyReplicas", 0) or 0),
+            spec_hash=(meta.get("annotations") or {}).get(c.ANNOTATION_SPEC_HASH),
+            up_to_date=observed_generation is None or observed_generation >= meta["generation"],
+        )
+
+    @property
+    def ready(self) -> bool:
+        return self.up_to_date and self.ready_replicas >= self.replicas
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Something that makes the resource Degraded: a reason and a message naming the cause."""
+
+    reason: str
+    message: str
+
+
+def condition(type_: str, ok: bool, reason: str, message: str, generation: int) -> dict[str, Any]:
+    return {
+        "type": type_,
+        "status": "True" if ok else "False",
+        "reason": reason,
+        "message": message,
+        "observedGeneration": generation,
+    }
+
+
+def find_condition(status: Status, type_: str) -> dict[str, Any] | None:
+    """The condition of `type_` in a status, found by type (never by position)."""
+    return next((cd for cd in status.get("conditions", []) if cd.get("type") == type_), None)
+
+
+def is_true(status: Status, type_: str) -> bool:
+    found = find_condition(status, type_)
+    return found is not None and found.get("status") == "True"
+
+
+def merge_conditions(
+    old: list[dict[str, Any]], new: list[dict[str, Any]], now: str
+) -> list[dict[str, Any]]:
+    """Carry `lastTransitionTime` over unless the status flipped; keep conditions we don't own."""
+    previous = {cond["type"]: cond for cond in old}
+    merged = []
+    for cond in new:
+        before = previous.pop(cond["type"], None)
+        unchanged = before is not None and before.get("status") == cond["status"]
+        stamp = before.get("lastTransitionTime", now) if unchanged and before else now
+        merged.append({**cond, "lastTransitionTime": stamp})
+    merged.extend(previous.values())
+    return merged
+
+
+def pool_status(plan: Plan, pool: PoolPlan, observed: list[ObservedWorkload]) -> dict[str, Any]:
+    current = [w for w in observed if w.role == pool.role and w.revision == plan.revision]
+    ready = min(sum(w.ready_replicas for w in current), pool.replicas)
+    selector = f"{c.LABEL_NAME}={plan.name},{c.LABEL_ROLE}={pool.role}"
+    return {
+        "replicas": pool.replicas,
+        "readyReplicas": ready,
+        "summary": f"{ready}/{pool.replicas}",
+        "gpusPerInstance": pool.shape.gpus,
+        "selector": selector,
+    }
+
+
+def _readiness(plan: Plan, observed: list[ObservedWorkload]) -> tuple[bool, list[str], list[str]]:
+    """Whether the current revision is ready, what it waits for, and stale revisions left."""
+    waiting = []
+    for pool in plan.pools:
+        current = [w for w in observed if w.role == pool.role and w.revision == plan.revision]
+        if not current:
+            waiting.append(f"{pool.role} workload not created yet")
+        elif not all(w.ready for w in current):
+            ready = sum(w.ready_replicas for w in current)
+            waiting.append(f"{pool.role} {ready}/{pool.replicas} ready")
+    routers = [w for w in observed if w.role == c.ROLE_ROUTER and w.revision == plan.revision]
+    if not routers or not all(w.ready for w in routers):
+        waiting.append("router not ready")
+    stale = sorted({w.revision for w in observed if w.revision != plan.revision})
+    return not waiting, waiting, stale
+
+
+def anomaly_findings(anomaly: dict[str, Any] | None) -> tuple[list[Problem], str | None]:
+    """What the anomaly loop last wrote to `status.anomaly`: a fleet-wide incident (Degraded,
+    not a pod problem) and whether its signal is unavailable (message) or not (None)."""
+    anomaly = anomaly or {}
+    problems = []
+    if anomaly.get("fleetWide"):
+        problems.append(Problem(c.REASON_FLEET_ANOMALY, str(anomaly["fleetWide"])))
+    return problems, anomaly.get("signalUnavailable")
+
+
+def _signal_condition(anomaly: dict[str, Any] | None, generation: int) -> dict[str, Any]:
+    _, unavailable = anomaly_findings(anomaly)
+    if anomaly is None:
+        return condition(
+            c.COND_ANOMALY_SIGNAL, False, c.REASON_NOT_OBSERVED, "no data yet", generation
+        )
+    if unavailable:
+        return condition(
+            c.COND_ANOMALY_SIGNAL, False, c.REASON_SIGNAL_UNAVAILABLE, unavailable, generation
+        )
+    return condition(c.COND_ANOMALY_SIGNAL, True, c.REASON_AS_EXPECTED, "", generation)
+
+
+def compute_status(
+    plan: Plan,
+    observed: list[ObservedWorkload],
+    problems: list[Problem],
+    generation: int,
+    anomaly: dict[str, Any] | None = None,
+) -> Status:
+    """The full desired status (without conditions' transition times).
+
+    `problems` (failed applies, missing APIs) make the resource Degraded and not Ready; the
+    anomaly loop's findings (`status.anomaly`, written by its own timer) only make it Degraded.
+    """
+    ready, waiting, stale = _readiness(plan, observed)
+    ready = ready and not problems
+    summary = plan_summary(plan)
+    degradations = [*problems, *anomaly_findings(anomaly)[0]]
+    if degradations:
+        degraded = condition(
+            c.COND_DEGRADED,
+            True,
+            degradations[0].reason,
+            "; ".join(p.message for p in degradations),
+            generation,
+        )
+    else:
+        degraded = condition(c.COND_DEGRADED, False, c.REASON_AS_EXPECTED, "", generation)
+    if ready:
+        ready_cond = condition(
+            c.COND_READY, True, c.REASON_ALL_READY, "all pools ready", generation
+        )
+    else:
+        message = "; ".join(waiting) or "see Degraded"
+        ready_cond = condition(c.COND_READY, False, c.REASON_WAITING, message, generation)
+    if stale:
+        progressing = condition(
+            c.COND_PROGRESSING,
+            True,
+            c.REASON_ROLLING,
+            f"rolling to revision {plan.revision} from {', '.join(stale)}",
+            generation,
+        )
+    elif waiting:
+        progressing = condition(
+            c.COND_PROGRESSING, True, c.REASON_WAITING, "; ".join(waiting), generation
+        )
+    else:
+        progressing = condition(
+            c.COND_PROGRESSING, False, c.REASON_RECONCILED, "up to date", generation
+        )
+    return {
+        "observedGeneration": generation,
+        "revision": plan.revision,
+        "conditions": [ready_cond, progressing, degraded, _signal_condition(anomaly, generation)],
+        "prefill": pool_status(plan, plan.prefill, observed),
+        "decode": pool_status(plan, plan.decode, observed),
+        "ratio": ratio_status(plan),
+        "layerSplit": summary.get("layerSplit"),
+        "gpus": summary["gpus"],
+    }
+
+
+def ratio_status(plan: Plan) -> dict[str, Any]:
+    """Current P:D, who owns the replica counts, and the planner's recommendation if asked."""
+    mode = plan.spec.ratio.mode.value
+    status: dict[str, Any] = {
+        "mode": mode,
+        "current": plan.replicas.ratio,
+        "reason": plan.replicas.reason,
+        "replicasOwner": "operator (Auto)" if mode == "Auto" else "spec",
+    }
+    rec = plan.recommendation
+    if rec is not None:
+        status["recommended"] = rec.ratio
+        status["recommendationReason"] = rec.reason
+        if rec.ratio is not None:
+            status["predicted"] = {
+                "ttftP90Seconds": rec.ttft_p90_seconds,
+                "itlMilliseconds": rec.itl_milliseconds,
+                "hitRate": rec.hit_rate,
+                "meetsSlo": rec.meets_slo,
+            }
+    return status
+
+
+def invalid_status(message: str, generation: int) -> Status:
+    """Status for a spec that cannot be planned: Degraded/InvalidSpec, not Ready."""
+    return {
+        "observedGeneration": generation,
+        "conditions": [
+            condition(c.COND_READY, False, c.REASON_INVALID_SPEC, message, generation),
+            condition(c.COND_PROGRESSING, False, c.REASON_INVALID_SPEC, message, generation),
+            condition(c.COND_DEGRADED, True, c.REASON_INVALID_SPEC, message, generation),
+        ],
+    }
+
+
+def status_patch(old: Status, new: Status, now: str) -> Status:
+    """Empty when nothing changed; else the WHOLE new status (conditions keep their times).
+
+    Whole, not only the changed keys: two writers (the spec/timer handlers and the child-event
+    refresh) may hold different stale copies of the old status, and a partial patch computed
+    against a stale copy can pair a Ready condition with another pass's replica counts. A
+    whole snapshot is always internally consistent.
+    """
+    new = {**new, "conditions": merge_conditions(old.get("conditions", []), new["conditions"], now)}
+    changed = any(old.get(key) != value for key, value in new.items())
+    return new if changed else {}
