@@ -2,7 +2,7 @@
 resource over that snapshot, status written only when it changed, failures isolated.
 
 The seams are a pod store with the `Kube` calls the loop uses and a canned metrics source;
-the real API server runs it in tests/e2e (the operator process).
+the real API server runs it in e2e/tests (the operator process).
 """
 
 from __future__ import annotations
