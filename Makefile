@@ -9,10 +9,10 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut 
 ##@ Quick start
 
 run: setup bins ## Local stack, operator, sample fleets with live traffic; view until Ctrl-C (RUN_ARGS="--duration 120 --fault-after 60")
-	$(PY) -m e2e.run_local $(RUN_ARGS)
+	$(PY) -m e2e.demo.run_local $(RUN_ARGS)
 
 test: setup bins verify lint typecheck ## CRD drift, lint, types, then unit, engine and e2e tests (CI)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests e2e/tests
 
 ##@ Development
 
@@ -59,7 +59,7 @@ image: ## Build the engine image (needs a container engine)
 ##@ Local stack
 
 bins: ## Build (or reuse) kube-apiserver, controller-manager, scheduler, kubectl, etcd, kwok, lws
-	e2e/build-bins.sh
+	e2e/cluster/build-bins.sh
 
 cluster-up: setup bins ## Start the local control plane as processes
 	$(PY) -m e2e.cluster up
@@ -71,7 +71,7 @@ cluster-status: setup ## Processes of the local control plane; crashed ones with
 	$(PY) -m e2e.cluster status
 
 e2e: setup bins ## End-to-end tests only (reuses a running cluster-up)
-	$(PY) -m pytest -q tests/e2e
+	$(PY) -m pytest -q e2e/tests
 
 ##@ Simulator (no GPU)
 
@@ -90,7 +90,7 @@ bench-race: setup ## Race reproduction: bad requests per 10,000 by KV reclaim mo
 	$(PY) -m bench.race
 
 bench-anomaly: setup bins ## Anomaly reaction: onset -> out of rotation / replaced, false drains
-	$(PY) -m e2e.bench_anomaly --out bench/results/anomaly.json
+	$(PY) bench/anomaly.py --out bench/results/anomaly.json
 
 bench-planner: setup ## P:D planner vs 1:1, best fixed, mean-based and exhaustive on the fleet simulator
 	$(PY) -m bench.planner --quick --scale-tables --out bench/results/planner.json

@@ -25,9 +25,9 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from e2e.cluster import ClusterHandle, run_kubectl, start_cluster  # noqa: E402
-from e2e.manifests import NodeShape  # noqa: E402
-from e2e.operator_process import OperatorProcess  # noqa: E402
+from e2e.cluster.manifests import NodeShape  # noqa: E402
+from e2e.cluster.stack import ClusterHandle, run_kubectl, start_cluster  # noqa: E402
+from e2e.runtime.operator_process import OperatorProcess  # noqa: E402
 
 RESULTS = REPO_ROOT / "bench" / "results" / "operator_scale.json"
 METRICS_PORT = 18081

@@ -1,6 +1,6 @@
 """The act step and the whole tick over an in-memory pod API and a canned metrics source.
 
-The real API server and real pods are exercised in tests/e2e; here the seam is `PodApi`
+The real API server and real pods are exercised in e2e/tests; here the seam is `PodApi`
 (list / merge patch / delete on pods) and `MetricsSource` (an Observation per tick).
 """
 

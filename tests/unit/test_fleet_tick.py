@@ -3,7 +3,7 @@ per resource over that snapshot, findings handed to the passes (the one status w
 pass asked for only when they changed, failures isolated.
 
 The seams are a pod store with the `Kube` calls the loop uses and a canned metrics source;
-the real API server runs it in tests/e2e (the operator process).
+the real API server runs it in e2e/tests (the operator process).
 """
 
 from __future__ import annotations

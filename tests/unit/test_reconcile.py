@@ -1,4 +1,4 @@
-"""The reconcile pass over an in-memory API seam (the real API server is in tests/e2e)."""
+"""The reconcile pass over an in-memory API seam (the real API server is in e2e/tests)."""
 
 from __future__ import annotations
 

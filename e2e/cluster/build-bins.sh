@@ -1,0 +1,210 @@
+#!/usr/bin/env bash
+# Build (or reuse) the binaries of the local Kubernetes stack from Go modules.
+#
+# Data flow: e2e/cluster/versions.env (pinned versions) -> wrapper Go modules under
+# $CAS_BUILD_DIR -> binaries under $CAS_BIN_DIR/<component>-<version>/, which
+# e2e/cluster/bins.py resolves for the harness.
+# A component directory is complete only when its ".complete" stamp exists; anything else is
+# rebuilt. Set CAS_KUBECONFIG to use a cluster of your own (kind, k3d, real): nothing is built.
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=e2e/cluster/versions.env
+source "${HERE}/versions.env"
+
+BIN_DIR="${CAS_BIN_DIR:-${HOME}/.cache/cas-operator/bin}"
+BUILD_DIR="${CAS_BUILD_DIR:-${HOME}/.cache/cas-operator/build}"
+START=$(date +%s)
+BUILT=0
+
+if [[ -n "${CAS_KUBECONFIG:-}" ]]; then
+  echo "build-bins: CAS_KUBECONFIG is set (${CAS_KUBECONFIG}); using that cluster, nothing to build"
+  exit 0
+fi
+command -v go >/dev/null || { echo "build-bins: 'go' not found on PATH (need Go >= 1.26)" >&2; exit 1; }
+
+export CGO_ENABLED=0
+export GOFLAGS="-trimpath -buildvcs=false"
+export GOTOOLCHAIN="${GOTOOLCHAIN:-local}"
+# -mod=mod: the wrapper's go.sum is completed by the build itself. ("go get <package>" would also
+# ask the proxy for a module named like the package, which some proxies refuse with 403.)
+GOBUILD=(go build -p 2 -mod=mod)
+
+log() { printf 'build-bins: [%4ss] %s\n' "$(( $(date +%s) - START ))" "$*"; }
+
+# have <dir> <file>...: true when <dir> is stamped complete and holds every named file.
+have() {
+  local dir=$1; shift
+  [[ -f "${dir}/.complete" ]] || return 1
+  local f
+  for f in "$@"; do [[ -x "${dir}/${f}" || -f "${dir}/${f}" ]] || return 1; done
+}
+
+# quiet <logfile> <cmd>...: run a command with its output in <logfile>; show the tail on failure.
+quiet() {
+  local logfile=$1; shift
+  if ! "$@" >>"${logfile}" 2>&1; then
+    echo "build-bins: failed: $* (last lines of ${logfile}):" >&2
+    tail -n 30 "${logfile}" >&2
+    exit 1
+  fi
+}
+
+# wrapper_module <workdir> <module path> : start a fresh wrapper go.mod in <workdir>.
+wrapper_module() {
+  local work=$1 name=$2
+  rm -rf "${work}" && mkdir -p "${work}"
+  (cd "${work}" && go mod init "${name}" >/dev/null 2>&1)
+}
+
+# ---- Kubernetes: apiserver, controller-manager, scheduler, kubectl -------------------------
+build_kubernetes() {
+  local v=${KUBERNETES_VERSION} out="${BIN_DIR}/kubernetes-${KUBERNETES_VERSION}"
+  local bins=(kube-apiserver kube-controller-manager kube-scheduler kubectl)
+  if have "${out}" "${bins[@]}"; then log "kubernetes ${v}: cached in ${out}"; return; fi
+  local work="${BUILD_DIR}/kubernetes-${v}"
+  wrapper_module "${work}" casbuild/kubernetes
+  log "kubernetes ${v}: resolving the module and its staging replacements"
+  local gomod
+  gomod=$(go mod download -json "k8s.io/kubernetes@${v}" \
+    | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",\{0,1\}$/\1/p')
+  [[ -f "${gomod}" ]] || { echo "build-bins: no go.mod for k8s.io/kubernetes@${v}" >&2; exit 1; }
+  # Staging modules are "k8s.io/X => ./staging/src/k8s.io/X" in the module's own go.mod;
+  # each is published as k8s.io/X v0.<minor>.<patch>.
+  local staging_v="v0.${v#v1.}"
+  local mods
+  mods=$(sed -n 's#^[[:space:]]*\(k8s\.io/[^[:space:]]*\)[[:space:]]*=>[[:space:]]*\./staging/.*#\1#p' \
+    "${gomod}" | sort -u)
+  [[ -n "${mods}" ]] || { echo "build-bins: no staging replaces found in ${gomod}" >&2; exit 1; }
+  {
+    echo "require k8s.io/kubernetes ${v}"
+    echo "replace ("
+    local m
+    for m in ${mods}; do echo "	${m} => ${m} ${staging_v}"; done
+    echo ")"
+  } >>"${work}/go.mod"
+  log "kubernetes ${v}: $(echo "${mods}" | wc -l) staging modules replaced by ${staging_v}"
+  local b
+  (cd "${work}" && quiet "${work}/resolve.log" go get "k8s.io/kubernetes@${v}")
+  local minor=${v#v1.}; minor=${minor%%.*}
+  # buildDate: the release time the module proxy records (reproducible), else now.
+  local date info
+  info=$(go mod download -json "k8s.io/kubernetes@${v}" \
+    | sed -n 's/^[[:space:]]*"Info": "\(.*\)",\{0,1\}$/\1/p')
+  date=$(sed -n 's/.*"Time":"\([^"]*\)".*/\1/p' "${info}" 2>/dev/null || true)
+  [[ -n "${date}" ]] || date=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+  local ld="-s -w" key val
+  for kv in "gitVersion=${v}" "gitMajor=1" "gitMinor=${minor}" "gitTreeState=clean" \
+            "buildDate=${date}"; do
+    key=${kv%%=*}; val=${kv#*=}
+    ld+=" -X k8s.io/component-base/version.${key}=${val}"
+    ld+=" -X k8s.io/client-go/pkg/version.${key}=${val}"
+  done
+  mkdir -p "${out}"
+  for b in "${bins[@]}"; do
+    log "kubernetes ${v}: building ${b}"
+    (cd "${work}" && "${GOBUILD[@]}" -ldflags "${ld}" -o "${out}/${b}" "k8s.io/kubernetes/cmd/${b}")
+    log "kubernetes ${v}: ${b} done"
+  done
+  touch "${out}/.complete"; BUILT=1
+}
+
+# ---- etcd: a wrapper main around etcdmain (the root module carries replace directives) -----
+build_etcd() {
+  local v=${ETCD_VERSION} out="${BIN_DIR}/etcd-${ETCD_VERSION}"
+  if have "${out}" etcd; then log "etcd ${v}: cached in ${out}"; return; fi
+  local work="${BUILD_DIR}/etcd-${v}"
+  wrapper_module "${work}" casbuild/etcd
+  cat >"${work}/main.go" <<'GO'
+// Command etcd runs the etcd server; it exists because etcd's root module cannot be built
+// with "go install" (it carries replace directives).
+package main
+
+import (
+	"os"
+
+	"go.etcd.io/etcd/server/v3/etcdmain"
+)
+
+func main() { etcdmain.Main(os.Args) }
+GO
+  log "etcd ${v}: resolving"
+  (cd "${work}" && quiet "${work}/resolve.log" go get "go.etcd.io/etcd/server/v3@${v}" \
+    && quiet "${work}/resolve.log" go mod tidy)
+  log "etcd ${v}: building etcd"
+  mkdir -p "${out}"
+  (cd "${work}" && "${GOBUILD[@]}" -ldflags "-s -w" -o "${out}/etcd" .)
+  touch "${out}/.complete"; BUILT=1
+  log "etcd ${v}: done"
+}
+
+# build_module_main <name> <module> <version> <package> <binary>: build a main package of a
+# module that has no replace directives, at exactly the versions its own go.mod selects.
+build_module_main() {
+  local name=$1 mod=$2 v=$3 pkg=$4 bin=$5 out="${BIN_DIR}/$1-$3"
+  local work="${BUILD_DIR}/${name}-${v}"
+  wrapper_module "${work}" "casbuild/${name}"
+  log "${name} ${v}: resolving"
+  (cd "${work}" && quiet "${work}/resolve.log" go get "${mod}@${v}")
+  log "${name} ${v}: building ${bin}"
+  mkdir -p "${out}"
+  (cd "${work}" && "${GOBUILD[@]}" -ldflags "-s -w" -o "${out}/${bin}" "${pkg}")
+  log "${name} ${v}: ${bin} done"
+}
+
+build_kwok() {
+  local out="${BIN_DIR}/kwok-${KWOK_VERSION}"
+  if have "${out}" kwok stages/node-initialize.yaml; then
+    log "kwok ${KWOK_VERSION}: cached in ${out}"; return
+  fi
+  build_module_main kwok sigs.k8s.io/kwok "${KWOK_VERSION}" sigs.k8s.io/kwok/cmd/kwok kwok
+  # The standalone kwok binary has no built-in stages (kwokctl embeds them); keep the module's
+  # default node and pod stages next to the binary for e2e/cluster/stack.py to pass via --config.
+  local src
+  src=$(go mod download -json "sigs.k8s.io/kwok@${KWOK_VERSION}" \
+    | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",\{0,1\}$/\1/p')
+  rm -rf "${out}/stages" && mkdir -p "${out}/stages"
+  cp "${src}"/kustomize/stage/node/fast/node-initialize.yaml \
+     "${src}"/kustomize/stage/node/heartbeat-with-lease/node-heartbeat-with-lease.yaml \
+     "${src}"/kustomize/stage/pod/fast/pod-{ready,complete,delete}.yaml "${out}/stages/"
+  chmod u+w "${out}"/stages/*.yaml
+  log "kwok ${KWOK_VERSION}: copied $(ls "${out}/stages" | wc -l) default stages"
+  touch "${out}/.complete"; BUILT=1
+}
+
+build_lws() {
+  local out="${BIN_DIR}/lws-${LWS_VERSION}"
+  if have "${out}" lws-controller-manager crds webhook/manifests.yaml; then
+    log "lws ${LWS_VERSION}: cached in ${out}"; return
+  fi
+  build_module_main lws sigs.k8s.io/lws "${LWS_VERSION}" sigs.k8s.io/lws/cmd lws-controller-manager
+  local src
+  src=$(go mod download -json "sigs.k8s.io/lws@${LWS_VERSION}" \
+    | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",\{0,1\}$/\1/p')
+  rm -rf "${out}/crds" && mkdir -p "${out}/crds"
+  cp "${src}"/config/crd/bases/*.yaml "${out}/crds/"
+  # The webhook manifests and their kustomize patches: the harness points them at the
+  # controller's webhook server on loopback (e2e/cluster/stack.py).
+  rm -rf "${out}/webhook" && mkdir -p "${out}/webhook"
+  cp "${src}"/config/webhook/{manifests,mutating-patch,validating-patch}.yaml "${out}/webhook/"
+  chmod u+w "${out}"/crds/*.yaml "${out}"/webhook/*.yaml
+  log "lws ${LWS_VERSION}: copied $(ls "${out}/crds" | wc -l) CRD manifests"
+  touch "${out}/.complete"; BUILT=1
+}
+
+main() {
+  mkdir -p "${BIN_DIR}" "${BUILD_DIR}"
+  log "binaries in ${BIN_DIR} (go $(go env GOVERSION))"
+  build_etcd
+  build_kwok
+  build_lws
+  build_kubernetes
+  local total=$(( $(date +%s) - START ))
+  if [[ ${BUILT} == 1 ]]; then
+    log "build finished: total build time ${total}s"
+  else
+    log "all binaries cached (${total}s)"
+  fi
+}
+
+main "$@"

@@ -1,0 +1,94 @@
+"""Read-only views of one CodingAgentServing's fleet on a cluster, shared by the operator-process
+e2e tests and `make bench-anomaly` (one copy of "which decodes serve", "what the router lists").
+
+Everything goes through a `kubectl(*args, check=True) -> stdout` callable (the tests' fixture or
+the bench's wrapper) and plain HTTP to pod IPs on loopback; nothing here changes the cluster
+except `apply_crds`.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+import yaml
+
+from e2e.paths import REPO_ROOT as ROOT
+
+NAME = "minimal"  # the sample's resource name
+ENGINE_PORT = 30000
+Kubectl = Callable[..., str]
+
+
+def speculative_sample(decodes: int, window_s: int, **guard: Any) -> dict[str, Any]:
+    """The minimal sample with 1 prefill : `decodes` decode and NEXTN speculative decoding
+    (without it the engines' quality gate has nothing to judge), Fixed ratio, a guard window of
+    `window_s` and any other `anomalyGuard` fields in `guard` (camelCase)."""
+    cas: dict[str, Any] = yaml.safe_load((ROOT / "config/samples/minimal.yaml").read_text())
+    cas["spec"]["engine"] = {"speculative": {"algorithm": "NEXTN", "numSteps": 3,
+                                             "eagleTopk": 1, "numDraftTokens": 4}}  # fmt: skip
+    cas["spec"]["decode"] = {"replicas": decodes}
+    cas["spec"]["ratio"] = {"mode": "Fixed", "prefill": 1, "decode": decodes}
+    cas["spec"]["anomalyGuard"] = {"windowSeconds": window_s, **guard}
+    return cas
+
+
+def apply_crds(kubectl: Kubectl) -> None:
+    """Our CRDs, server-side, and wait until they are established."""
+    kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
+    kubectl("wait", "--for=condition=Established", "--timeout=60s",
+            "crd/codingagentservings.serving.cas.dev")  # fmt: skip
+
+
+def role_pods(
+    kubectl: Kubectl, namespace: str, role: str, name: str = NAME
+) -> list[dict[str, Any]]:
+    """Live (not being deleted) pods of the resource with `role`."""
+    out = kubectl("get", "pods", "-n", namespace, "-l", f"cas.dev/name={name},cas.dev/role={role}",
+                  "-o", "json")  # fmt: skip
+    items: list[dict[str, Any]] = json.loads(out)["items"]
+    return [p for p in items if not p["metadata"].get("deletionTimestamp")]
+
+
+def serving_decodes(kubectl: Kubectl, namespace: str, name: str = NAME) -> dict[str, str]:
+    """Name -> URL of decode pods labelled cas.dev/serving=true with an IP."""
+    return {
+        p["metadata"]["name"]: f"http://{p['status']['podIP']}:{ENGINE_PORT}"
+        for p in role_pods(kubectl, namespace, "decode", name)
+        if (p["metadata"].get("labels") or {}).get("cas.dev/serving") == "true"
+        and p.get("status", {}).get("podIP")
+    }
+
+
+def cas_status(kubectl: Kubectl, namespace: str, name: str = NAME) -> dict[str, Any]:
+    status: dict[str, Any] = json.loads(
+        kubectl("get", "cas", name, "-n", namespace, "-o", "json")
+    ).get("status", {})
+    return status
+
+
+def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next((c for c in status.get("conditions", []) if c["type"] == kind), {})
+
+
+def router_workers(router: str) -> set[str]:
+    """Worker URLs the router pod lists (empty when it does not answer)."""
+    try:
+        with urllib.request.urlopen(f"{router}/workers", timeout=3) as resp:
+            return {w["url"] for w in json.loads(resp.read()).get("workers", [])}
+    except OSError:
+        return set()
+
+
+def requests_served(url: str) -> float:
+    """`sglang:num_requests_total` of the sim at `url`; 0 while it does not answer (a
+    replacement can be listed before its server is up)."""
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=3) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return 0.0
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("sglang:num_requests_total"))  # fmt: skip

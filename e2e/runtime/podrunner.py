@@ -1,0 +1,430 @@
+"""Run the sim engine for every engine pod bound to a (KWOK) node, at the pod's own IP.
+
+KWOK only pretends to run containers; this runner makes engine pods real processes. Each
+`sync()` (level-based, one pass):
+1. lists pods (any callable returning pod dicts; :func:`kube_pod_lister` reads the API server);
+2. for each runnable pod - bound to a node, podIP inside `networks` (default 127.0.0.0/8, the
+   fake nodes' pod CIDRs), not terminating, with a container whose command runs
+   ``cas_engine.launch_server`` or ``cas_engine.sim`` - ensures one ``python -m cas_engine.sim``
+   runs with the container's args ($(VAR) expanded from its env), bound to the pod IP and its
+   ``http`` container port; with ``kubeconfig`` set, router pods (a container running
+   ``sglang_router.launch_router``) run too, as the real SGLang router with the container's
+   args (``--host`` and ``--prometheus-host`` set to the pod IP) and Kubernetes discovery
+   against this API server (``KUBECONFIG``), so ``http://<router pod IP>:8000`` is a router
+   replica as in a real cluster (the operator deregisters draining workers there);
+   a process that exited is restarted after ``restart_backoff_s``;
+3. stops (SIGTERM, by recorded pid) the processes of pods that went away or were replaced
+   (a new pod UID under the same name);
+4. rewrites the Prometheus file_sd targets (:func:`e2e.runtime.prometheus.write_file_sd`) for pods
+   annotated ``prometheus.io/scrape: "true"``, labelled namespace/pod/role;
+5. with ``patch_status`` set, plays the kubelet's readiness prober for pods that opt in (the
+   toleration :data:`e2e.cluster.manifests.READINESS_TOLERATION_KEY`, which KWOK leaves not Ready):
+   it GETs the engine container's readinessProbe at the pod IP and patches the pod's Ready and
+   ContainersReady conditions to match (Ready on the first success, not Ready after the probe's
+   failureThreshold failures in a row or at once when the process is gone), so the router's
+   Kubernetes discovery and the pool controllers only count a pod that answers, as in a cluster.
+Ownership: the runner owns the processes it started (records in memory) and the sd file.
+
+``python -m e2e.runtime.podrunner --kubeconfig PATH [--routers] [--sd-file F]
+[--sim-arg=--sim-speedup=20]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import re
+import signal
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from e2e.cluster import procs
+from e2e.cluster.manifests import PROBED_READINESS, READINESS_TOLERATION_KEY
+from e2e.paths import REPO_ROOT  # where ROUTER_SHIM's package lives
+from e2e.runtime.prometheus import write_file_sd
+
+Pod = dict[str, Any]
+LAUNCHERS = ("cas_engine.launch_server", "cas_engine.sim")
+ROUTER_LAUNCHER = "sglang_router.launch_router"
+ROUTER_SHIM = "e2e.runtime.router_shim"  # the router, minus its process renaming (see that module)
+ROUTER_HOST_FLAGS = ("--host", "--prometheus-host")
+LOOPBACK = ipaddress.IPv4Network("127.0.0.0/8")
+DEFAULT_PORT = 30000
+_VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What to run for one pod; equal Launches mean the running process is still right."""
+
+    uid: str
+    name: str
+    namespace: str
+    ip: str
+    port: int
+    argv: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+
+
+def _container_running(pod: Pod, launchers: tuple[str, ...]) -> dict[str, Any] | None:
+    for container in pod.get("spec", {}).get("containers", []):
+        command = " ".join(container.get("command", []) + container.get("args", [])[:1])
+        if any(launcher in command for launcher in launchers):
+            return dict(container)
+    return None
+
+
+def _engine_container(pod: Pod) -> dict[str, Any] | None:
+    return _container_running(pod, LAUNCHERS)
+
+
+def _expand(arg: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion (unknown variables stay as written)."""
+    return _VAR.sub(lambda m: env.get(m.group(1), m.group(0)), arg)
+
+
+def _http_port(container: dict[str, Any]) -> int:
+    for port in container.get("ports", []):
+        if port.get("name") == "http":
+            return int(port["containerPort"])
+    return DEFAULT_PORT
+
+
+def launch_for(
+    pod: Pod,
+    python: str,
+    extra_args: list[str],
+    networks: tuple[ipaddress.IPv4Network, ...] = (LOOPBACK,),
+) -> Launch | None:
+    """The sim command for a runnable pod, or None when the pod is not ours to run (pure):
+    only pods whose IP lies in `networks` (addresses this machine can bind) are run."""
+    meta = pod.get("metadata", {})
+    ip = _runnable_ip(pod, networks)
+    container = _engine_container(pod) if ip else None
+    if ip is None or container is None:
+        return None
+    env = {e["name"]: str(e["value"]) for e in container.get("env", []) if "value" in e}
+    env.update({"POD_NAME": meta.get("name", ""), "POD_IP": ip})
+    args = [_expand(a, env) for a in container.get("args", [])]
+    port = _http_port(container)
+    argv = (python, "-m", "cas_engine.sim", *args, *extra_args,
+            "--host", ip, "--port", str(port))  # fmt: skip
+    return Launch(
+        uid=meta.get("uid", ""),
+        name=meta.get("name", ""),
+        namespace=meta.get("namespace", ""),
+        ip=ip,
+        port=port,
+        argv=argv,
+        env=tuple(sorted(env.items())),
+    )
+
+
+def _runnable_ip(pod: Pod, networks: tuple[ipaddress.IPv4Network, ...]) -> str | None:
+    """The pod's IP when it is bound, alive and its IP lies in `networks`; else None."""
+    meta, status = pod.get("metadata", {}), pod.get("status", {})
+    ip = status.get("podIP")
+    if meta.get("deletionTimestamp") or not pod.get("spec", {}).get("nodeName") or not ip:
+        return None
+    if status.get("phase") in ("Succeeded", "Failed"):
+        return None
+    try:
+        if not any(ipaddress.ip_address(ip) in net for net in networks):
+            return None
+    except ValueError:
+        return None
+    return str(ip)
+
+
+def router_launch_for(
+    pod: Pod,
+    python: str,
+    kubeconfig: Path,
+    networks: tuple[ipaddress.IPv4Network, ...] = (LOOPBACK,),
+) -> Launch | None:
+    """The real SGLang router for a runnable router pod, or None (pure): the container's args
+    with every listen host replaced by the pod IP, discovery through `kubeconfig`."""
+    meta = pod.get("metadata", {})
+    ip = _runnable_ip(pod, networks)
+    container = _container_running(pod, (ROUTER_LAUNCHER,)) if ip else None
+    if ip is None or container is None:
+        return None
+    env = {e["name"]: str(e["value"]) for e in container.get("env", []) if "value" in e}
+    env.update({"POD_NAME": meta.get("name", ""), "POD_IP": ip, "KUBECONFIG": str(kubeconfig),
+                "PYTHONPATH": str(REPO_ROOT)})  # fmt: skip
+    args = [_expand(a, env) for a in container.get("args", [])]
+    for i, arg in enumerate(args[:-1]):
+        if arg in ROUTER_HOST_FLAGS:
+            args[i + 1] = ip
+    port = _http_port(container)
+    return Launch(
+        uid=meta.get("uid", ""),
+        name=meta.get("name", ""),
+        namespace=meta.get("namespace", ""),
+        ip=ip,
+        port=port,
+        argv=(python, "-m", ROUTER_SHIM, *args),
+        env=tuple(sorted(env.items())),
+    )
+
+
+def leaves_readiness_to_runner(pod: Pod) -> bool:
+    """True when the pod tolerates READINESS_TOLERATION_KEY=PROBED_READINESS (pure): the local
+    stack's KWOK then leaves it not Ready and the runner decides."""
+    tolerations = pod.get("spec", {}).get("tolerations") or []
+    return any(t.get("key") == READINESS_TOLERATION_KEY and t.get("value") == PROBED_READINESS
+               for t in tolerations)  # fmt: skip
+
+
+def readiness_url(launch: Launch, pod: Pod) -> str | None:
+    """The URL a kubelet would probe for the pod's readiness (its engine container's
+    readinessProbe httpGet, port by name or number, at the pod IP), or None when the container
+    has no HTTP readiness probe (then running is ready, as for a kubelet) (pure)."""
+    container = _engine_container(pod) or {}
+    http = (container.get("readinessProbe") or {}).get("httpGet")
+    if not http:
+        return None
+    port = http.get("port", launch.port)
+    if isinstance(port, str) and not port.isdigit():
+        named = {p.get("name"): p.get("containerPort") for p in container.get("ports", [])}
+        port = named.get(port, launch.port)
+    path = "/" + str(http.get("path", "/")).lstrip("/")
+    return f"http://{launch.ip}:{port}{path}"
+
+
+def failure_threshold(pod: Pod) -> int:
+    """The engine container's readinessProbe failureThreshold (Kubernetes' default 3)."""
+    probe = (_engine_container(pod) or {}).get("readinessProbe") or {}
+    return max(1, int(probe.get("failureThreshold", 3)))
+
+
+def readiness_patch(pod: Pod, ready: bool, now: str) -> dict[str, Any] | None:
+    """A merge patch of the pod's status that sets Ready, ContainersReady and every container
+    status' ``ready`` to `ready` (transition time `now` where a condition changes), or None when
+    the pod already says so (pure). Lists are sent whole: a merge patch replaces lists."""
+    status = pod.get("status") or {}
+    want = "True" if ready else "False"
+    conditions, changed = [], False
+    for cond in status.get("conditions") or []:
+        if cond.get("type") in ("Ready", "ContainersReady") and cond.get("status") != want:
+            cond = {**cond, "status": want, "lastTransitionTime": now,
+                    "reason": None if ready else "ReadinessProbeFailed"}  # fmt: skip
+            changed = True
+        conditions.append({k: v for k, v in cond.items() if v is not None})
+    containers = []
+    for cs in status.get("containerStatuses") or []:
+        changed |= bool(cs.get("ready")) != ready
+        containers.append({**cs, "ready": ready})
+    if not changed:
+        return None
+    return {"status": {"conditions": conditions, "containerStatuses": containers}}
+
+
+@dataclass
+class _Running:
+    launch: Launch
+    record: procs.ProcRecord
+    started: float
+    restarts: int = 0
+
+
+@dataclass
+class PodRunner:
+    """Keeps one sim process per runnable pod; see the module docstring."""
+
+    list_pods: Callable[[], list[Pod]]
+    log_dir: Path
+    sd_file: Path | None = None
+    python: str = sys.executable
+    extra_args: list[str] = field(default_factory=list)
+    restart_backoff_s: float = 5.0
+    networks: tuple[ipaddress.IPv4Network, ...] = (LOOPBACK,)
+    kubeconfig: Path | None = None  # set: router pods run as real SGLang routers too
+    # set: probe the readiness of pods that opt in and write it (namespace, name, merge patch)
+    patch_status: Callable[[str, str, dict[str, Any]], None] | None = None
+    probe: Callable[[str], bool] = field(default_factory=lambda: http_probe)
+    running: dict[tuple[str, str], _Running] = field(default_factory=dict)
+    _probe_failures: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    def sync(self) -> list[str]:
+        """One pass; returns what it did (for logs and tests)."""
+        actions: list[str] = []
+        pods = self.list_pods()
+        wanted: dict[tuple[str, str], Launch] = {}
+        for pod in pods:
+            launch = launch_for(pod, self.python, self.extra_args, self.networks)
+            if launch is None and self.kubeconfig is not None:
+                launch = router_launch_for(pod, self.python, self.kubeconfig, self.networks)
+            if launch is not None:
+                wanted[(launch.namespace, launch.name)] = launch
+        for key in [k for k, r in self.running.items() if wanted.get(k) != r.launch]:
+            actions.append(self._stop(key))
+        for key, launch in wanted.items():
+            actions += self._ensure(key, launch)
+        if self.patch_status is not None:
+            actions += self._probe_readiness(pods, wanted)
+        if self.sd_file is not None:
+            write_file_sd(self.sd_file, self._scrape_targets(pods, wanted))
+        return [a for a in actions if a]
+
+    def _ensure(self, key: tuple[str, str], launch: Launch) -> list[str]:
+        current = self.running.get(key)
+        if current is not None and procs.is_running(current.record):
+            return []
+        now = time.monotonic()
+        if current is not None and now - current.started < self.restart_backoff_s:
+            return []
+        name = f"{launch.namespace}.{launch.name}"
+        record = procs.spawn(name, list(launch.argv), self.log_dir, env=dict(launch.env))
+        restarts = current.restarts + 1 if current is not None else 0
+        self.running[key] = _Running(launch, record, now, restarts)
+        verb = "restarted" if current is not None else "started"
+        return [f"{verb} {name} at {launch.ip}:{launch.port} (pid {record.pid})"]
+
+    def _probe_readiness(self, pods: list[Pod], wanted: dict[tuple[str, str], Launch]) -> list[str]:
+        """Step 5 of the module docstring; returns what it changed."""
+        assert self.patch_status is not None
+        actions, seen = [], set()
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        for pod in pods:
+            meta = pod.get("metadata", {})
+            if meta.get("deletionTimestamp") or not leaves_readiness_to_runner(pod):
+                continue
+            key = (meta.get("namespace", ""), meta.get("name", ""))
+            seen.add(key)
+            ready = self._ready(key, pod, wanted.get(key))
+            patch = None if ready is None else readiness_patch(pod, ready, now)
+            if patch is not None:
+                self.patch_status(key[0], key[1], patch)
+                actions.append(f"{key[0]}.{key[1]} {'Ready' if ready else 'not Ready'}")
+        for key in set(self._probe_failures) - seen:
+            del self._probe_failures[key]
+        return actions
+
+    def _ready(self, key: tuple[str, str], pod: Pod, launch: Launch | None) -> bool | None:
+        """The readiness a kubelet would report now, or None while failures stay under the
+        probe's failureThreshold. A pod this runner does not run (no engine or router
+        container, or not bound yet) has no process to wait for: ready once it has an IP."""
+        if launch is None:
+            return bool((pod.get("status") or {}).get("podIP"))
+        run = self.running.get(key)
+        if run is None or not procs.is_running(run.record):
+            self._probe_failures[key] = 0
+            return False  # the container is gone: not ready at once
+        url = readiness_url(launch, pod)
+        if url is None or self.probe(url):
+            self._probe_failures[key] = 0
+            return True
+        self._probe_failures[key] = self._probe_failures.get(key, 0) + 1
+        return False if self._probe_failures[key] >= failure_threshold(pod) else None
+
+    def _stop(self, key: tuple[str, str]) -> str:
+        run = self.running.pop(key)
+        return procs.stop(run.record, grace_s=5.0)
+
+    def _scrape_targets(
+        self, pods: list[Pod], wanted: dict[tuple[str, str], Launch]
+    ) -> list[tuple[str, dict[str, str]]]:
+        out = []
+        for pod in pods:
+            meta = pod.get("metadata", {})
+            launch = wanted.get((meta.get("namespace", ""), meta.get("name", "")))
+            annotations = meta.get("annotations") or {}
+            if launch is None or annotations.get("prometheus.io/scrape") != "true":
+                continue
+            port = annotations.get("prometheus.io/port", str(launch.port))
+            labels = {"namespace": launch.namespace, "pod": launch.name,
+                      "role": (meta.get("labels") or {}).get("cas.dev/role", "")}  # fmt: skip
+            out.append((f"{launch.ip}:{port}", labels))
+        return out
+
+    def stop_all(self) -> list[str]:
+        return [self._stop(k) for k in list(self.running)]
+
+    def run(self, stop: threading.Event, interval_s: float = 1.0) -> None:
+        """sync() every `interval_s` until `stop` is set; then stop every process."""
+        try:
+            while not stop.is_set():
+                try:
+                    for line in self.sync():
+                        print(f"podrunner: {line}", flush=True)
+                except Exception as exc:  # API hiccup: report and try again next pass
+                    print(f"podrunner: sync failed: {exc}", flush=True)
+                stop.wait(interval_s)
+        finally:
+            self.stop_all()
+
+
+def kube_pod_lister(kubeconfig: Path, namespace: str | None = None) -> Callable[[], list[Pod]]:
+    """Pods of the cluster (or of one namespace) as plain dicts, camelCase as the API sends."""
+    from kubernetes import client, config
+
+    load = config.new_client_from_config
+    api_client = load(config_file=str(kubeconfig))  # type: ignore[no-untyped-call]
+    core = client.CoreV1Api(api_client)
+
+    def list_pods() -> list[Pod]:
+        if namespace:
+            answer = core.list_namespaced_pod(namespace, _request_timeout=10)
+        else:
+            answer = core.list_pod_for_all_namespaces(_request_timeout=10)
+        pods: list[Pod] = api_client.sanitize_for_serialization(answer).get("items", [])
+        return pods
+
+    return list_pods
+
+
+def kube_status_patcher(kubeconfig: Path) -> Callable[[str, str, dict[str, Any]], None]:
+    """A function that merge-patches one pod's status (the runner's readiness writes)."""
+    from kubernetes import client, config
+
+    load = config.new_client_from_config
+    core = client.CoreV1Api(load(config_file=str(kubeconfig)))  # type: ignore[no-untyped-call]
+
+    def patch(namespace: str, name: str, body: dict[str, Any]) -> None:
+        core.patch_namespaced_pod_status(name, namespace, body, _request_timeout=10,
+                                         _content_type="application/merge-patch+json")  # fmt: skip
+
+    return patch
+
+
+def http_probe(url: str, timeout: float = 1.0) -> bool:
+    """True when GET `url` answers 2xx/3xx within `timeout` (a kubelet's HTTP probe)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return 200 <= int(resp.status) < 400
+    except (OSError, ValueError):
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m e2e.runtime.podrunner")
+    parser.add_argument("--kubeconfig", type=Path, required=True)
+    parser.add_argument("--namespace", default=None, help="only this namespace (default: all)")
+    parser.add_argument("--log-dir", type=Path, default=Path("run/podrunner"))
+    parser.add_argument("--sd-file", type=Path, default=None)
+    parser.add_argument("--sim-arg", action="append", default=[], help="extra sim argument")
+    parser.add_argument("--interval", type=float, default=1.0)
+    parser.add_argument("--routers", action="store_true", help="run router pods too")
+    args = parser.parse_args(argv)
+    lister = kube_pod_lister(args.kubeconfig, args.namespace)
+    runner = PodRunner(lister, args.log_dir, args.sd_file, extra_args=args.sim_arg,
+                       kubeconfig=args.kubeconfig.resolve() if args.routers else None,
+                       patch_status=kube_status_patcher(args.kubeconfig))  # fmt: skip
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # stop the sims before exiting
+    try:
+        runner.run(stop, args.interval)
+    except KeyboardInterrupt:
+        stop.set()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

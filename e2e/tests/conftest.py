@@ -1,0 +1,154 @@
+"""Fixtures for end-to-end tests against a real Kubernetes control plane.
+
+Which cluster (session-scoped ``cluster`` fixture), in this order:
+1. ``CAS_KUBECONFIG`` set: that cluster (kind, k3d, a real one); nothing is started or stopped.
+2. ``make cluster-up`` already running (``run/cluster`` or ``$CAS_RUN_DIR``): reused, left up.
+3. Otherwise a private stack is started in ``run/pytest-<pid>/`` and stopped after the session.
+   Missing binaries skip the e2e tests with the reason, unless ``CI`` is set: then they fail.
+
+Per test: ``namespace`` (created, default service account awaited, deleted afterwards) and
+``kubectl`` (the pinned kubectl bound to the cluster's kubeconfig).
+
+This folder is the package ``e2e.tests`` (it has an ``__init__.py``): pytest imports its modules
+as ``e2e.tests.<name>`` with the repository root on ``sys.path``, so they never clash with
+same-named test modules elsewhere, and ``e2e`` is always the harness package beside it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from e2e.cluster.bins import BUILD_SCRIPT, resolve
+from e2e.cluster.stack import ClusterError, ClusterHandle, load_cluster, start_cluster
+from e2e.paths import REPO_ROOT
+
+Kubectl = Callable[..., str]
+NAMESPACE_READY_TIMEOUT_S = 30.0
+
+
+def in_ci() -> bool:
+    """True when the ``CI`` environment variable says so (GitHub, GitLab and most CIs set it)."""
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def _external_cluster(kubeconfig: str) -> ClusterHandle:
+    """A handle for a user-provided cluster: no processes, kubectl from the cache or PATH."""
+    pinned = resolve().kubectl
+    kubectl = pinned if pinned.exists() else shutil.which("kubectl")
+    if kubectl is None:
+        pytest.fail("CAS_KUBECONFIG is set but no kubectl was found (build it: make bins)")
+    path = Path(kubeconfig).expanduser().resolve()
+    return ClusterHandle(run_dir=path.parent, kubeconfig=path, ports={}, kubectl_path=Path(kubectl))
+
+
+def _remove_stopped_runs(parent: Path) -> None:
+    """Delete the run folders of earlier pytest sessions whose stacks no longer run (a session
+    still running elsewhere keeps its folder; the latest logs stay until the next session)."""
+    for run_dir in parent.glob("pytest-*"):
+        handle = ClusterHandle.load(run_dir)
+        if handle is None or not handle.running():
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[ClusterHandle]:
+    """The cluster every e2e test talks to (see the module docstring for which one)."""
+    external = os.environ.get("CAS_KUBECONFIG")
+    if external:
+        yield _external_cluster(external)
+        return
+    running = load_cluster()
+    if running is not None:
+        yield running
+        return
+    missing = resolve().missing()
+    if missing:
+        reason = (
+            f"local stack binaries missing ({', '.join(missing)}); "
+            f"build them with 'make bins' ({BUILD_SCRIPT}) or set CAS_KUBECONFIG"
+        )
+        if in_ci():
+            pytest.fail(f"CI is set, so not skipping: {reason}")
+        pytest.skip(reason)
+    _remove_stopped_runs(REPO_ROOT / "run")
+    run_dir = REPO_ROOT / "run" / f"pytest-{os.getpid()}"
+    try:
+        handle = start_cluster(run_dir, log=lambda msg: print(f"[cluster] {msg}", flush=True))
+    except ClusterError as exc:
+        pytest.fail(f"local cluster did not start (logs in {run_dir / 'logs'}):\n{exc}")
+    try:
+        yield handle
+    finally:
+        handle.stop()
+
+
+@pytest.fixture(scope="session")
+def kubeconfig(cluster: ClusterHandle) -> Path:
+    """Path of the admin kubeconfig of the e2e cluster."""
+    return cluster.kubeconfig
+
+
+@pytest.fixture(scope="session")
+def kubectl(cluster: ClusterHandle) -> Kubectl:
+    """``kubectl(*args, stdin=None, check=True, timeout=60) -> stdout`` against the cluster."""
+    from e2e.cluster.stack import run_kubectl
+
+    def _kubectl(
+        *args: str, stdin: str | None = None, check: bool = True, timeout: float = 60
+    ) -> str:
+        return run_kubectl(
+            cluster.kubectl_path,
+            cluster.kubeconfig,
+            *args,
+            stdin=stdin,
+            check=check,
+            timeout=timeout,
+        )
+
+    return _kubectl
+
+
+@pytest.fixture(scope="session")
+def crds(kubectl: Kubectl) -> None:
+    """Our CRDs applied (server-side, from crds/) and established, once per session."""
+    from e2e.fleet.fleetview import apply_crds
+
+    apply_crds(kubectl)
+
+
+def _namespace_name(node_name: str) -> str:
+    """A DNS-1123 label from the test name plus a random suffix (at most 63 characters)."""
+    base = re.sub(r"[^a-z0-9-]+", "-", node_name.lower()).strip("-")[:48].strip("-")
+    return f"{base or 'e2e'}-{uuid.uuid4().hex[:6]}"
+
+
+@pytest.fixture
+def namespace(
+    request: pytest.FixtureRequest, cluster: ClusterHandle, kubectl: Kubectl
+) -> Iterator[str]:
+    """A fresh namespace for one test, ready for pods (its default service account exists).
+
+    Deleted afterwards without waiting (the namespace controller finishes it in the background).
+    A control-plane crash is reported here, by component name and log tail, not as a timeout.
+    """
+    if cluster.crashed():
+        pytest.fail(f"the local cluster has crashed:\n{cluster.crash_report()}")
+    name = _namespace_name(request.node.name)
+    kubectl("create", "namespace", name)
+    deadline = time.monotonic() + NAMESPACE_READY_TIMEOUT_S
+    while not kubectl("get", "serviceaccount", "default", "-n", name, "-o", "name", check=False):
+        if time.monotonic() > deadline:
+            pytest.fail(f"namespace {name}: no default service account after 30s")
+        time.sleep(0.2)
+    try:
+        yield name
+    finally:
+        kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False)

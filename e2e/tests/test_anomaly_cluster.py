@@ -1,0 +1,143 @@
+"""The whole loop on the local stack: real API server, KWOK pods made real by the pod runner,
+`guard_tick` (observe -> decide -> act) with the operator's own `Kube` client.
+
+A Deployment of decode engine pods carries the labels the operator's builders set; the pod
+runner starts a sim at each pod IP; a client discovers workers by the `cas.dev/serving` label
+(as the router does) and retries a failed request on another worker (see
+e2e/fleet/anomaly_stack.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+
+from cas_operator.drain import ANNOTATION_DRAINING_SINCE
+from e2e.fleet.anomaly_stack import AnomalyStack, wait_for
+from e2e.traffic.simload import LoadStats, set_fault, steady_traffic
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+@pytest.fixture
+async def stack(kubeconfig: Path, namespace: str, tmp_path: Path) -> AsyncIterator[AnomalyStack]:
+    s = AnomalyStack.start(kubeconfig, namespace, tmp_path / "sims")
+    try:
+        yield s
+    finally:
+        await s.close()
+
+
+async def test_faulty_pod_is_drained_and_replaced_without_failed_requests(
+    stack: AnomalyStack, kubectl: Callable[..., str]
+) -> None:
+    """Regression: the act step against a real API server - the bad pod leaves rotation (and
+    only it), is deleted once idle, its controller's replacement serves, no client fails."""
+    urls = stack.deploy(kubectl, 3)
+    bad = stack.pod_names(urls)[urls[1]]
+    router = await stack.start_traffic()
+    await set_fault(urls[1], {"repetition": 0.5})
+    onset = time.monotonic()
+    drained = await stack.tick_until(
+        lambda r: any(e[1] == "PodDraining" for e in r.events), timeout=60
+    )
+    out_of_rotation = time.monotonic() - onset
+    deleted = await stack.tick_until(
+        lambda r: any(e[1] == "PodReplaced" for e in r.events), timeout=60
+    )
+    fresh = stack.wait_serving(3, timeout=60)
+    replaced = time.monotonic() - onset
+    await stack.stop_traffic()
+    print(f"\nanomaly: out of rotation {out_of_rotation:.1f}s, replacement serving "
+          f"{replaced:.1f}s after onset; {router.ok} requests ok")  # fmt: skip
+    assert drained is not None and deleted is not None, stack.events
+    draining = [e for e in stack.events if e[1] == "PodDraining"]
+    assert len(draining) == 1 and bad in draining[0][2], stack.events
+    names = stack.pod_names(fresh)
+    assert bad not in names.values() and len(names) == 3
+    pods = stack.serving()
+    assert all(ANNOTATION_DRAINING_SINCE not in (p["metadata"].get("annotations") or {})
+               for p in pods)  # fmt: skip
+    assert router.failures == [] and router.ok > 0, router.failures[:3]
+
+
+async def test_fleet_wide_fault_degrades_and_drains_nothing(
+    stack: AnomalyStack, kubectl: Callable[..., str]
+) -> None:
+    """Regression: every pod bad at once is a shared cause (bad weights, a bad rollout):
+    draining them would take the fleet down. The loop must report Degraded and touch no pod."""
+    urls = stack.deploy(kubectl, 3)
+    await stack.start_traffic()
+    for url in urls:
+        await set_fault(url, {"repetition": 0.5})
+    degraded = await stack.tick_until(lambda r: r.degraded is not None, timeout=60)
+    for _ in range(5):  # and it stays that way: no drain on the following ticks
+        await stack.tick()
+    await stack.stop_traffic()
+    assert degraded is not None and "fleet-wide" in str(degraded.degraded)
+    assert not [e for e in stack.events if e[1] in ("PodDraining", "PodReplaced")], stack.events
+    assert any(e[1] == "FleetWideAnomaly" for e in stack.events)
+    assert len(stack.serving()) == 3
+
+
+async def test_healthy_noisy_fleet_under_load_drains_nothing(
+    stack: AnomalyStack, kubectl: Callable[..., str]
+) -> None:
+    """Regression: healthy pods with the production's residual bad-output rate (a few per
+    10,000) under steady load must never be drained (false drains = 0)."""
+    urls = stack.deploy(kubectl, 3)
+    router = await stack.start_traffic()
+    for url in urls:
+        await set_fault(url, {"repetition": 0.0005})
+    await stack.tick_until(lambda r: False, timeout=15)  # ~15 ticks of 1 s
+    await stack.stop_traffic()
+    assert not [e for e in stack.events if e[1] == "PodDraining"], stack.events
+    assert len(stack.serving()) == 3 and router.ok > 100
+
+
+async def test_real_router_with_kubernetes_discovery_loses_no_request(
+    stack: AnomalyStack, kubectl: Callable[..., str], kubeconfig: Path, tmp_path: Path
+) -> None:
+    """Regression: behind the REAL SGLang router discovering workers from the API server, a
+    drained pod must stop receiving requests before it is deleted (the router ignores a pod
+    that merely stops matching its selector, so the act step deregisters it), and no client
+    request may fail during drain and replacement."""
+    router_url = stack.start_sglang_router(kubeconfig, tmp_path / "router")
+    urls = stack.deploy(kubectl, 3)
+    bad = stack.pod_names(urls)[urls[1]]
+    await asyncio.to_thread(
+        wait_for, "router sees 3 workers", lambda: router_workers(router_url) == 3, 60
+    )
+    stop, stats = asyncio.Event(), LoadStats()
+    load = asyncio.create_task(steady_traffic(router_url, stop, stats))
+    try:
+        await asyncio.to_thread(wait_for, "traffic", lambda: stats.ok > 20, 30)
+        await set_fault(urls[1], {"repetition": 0.5})
+        deleted = await stack.tick_until(
+            lambda r: any(e[1] == "PodReplaced" for e in r.events), timeout=90
+        )
+        stack.wait_serving(3, timeout=60)
+        await asyncio.to_thread(wait_for, "router sees the replacement",
+                                lambda: router_workers(router_url) == 3, 60)  # fmt: skip
+        ok_before = stats.ok
+        await asyncio.to_thread(wait_for, "traffic after", lambda: stats.ok > ok_before + 20, 30)
+    finally:
+        stop.set()
+        await load
+    assert deleted is not None, stack.events
+    assert any(e[1] == "WorkerDeregistered" and bad in e[2] for e in stack.events), stack.events
+    assert stats.failures == [] and stats.ok > 40, stats.failures[:3]
+
+
+def router_workers(url: str) -> int:
+    try:
+        with urllib.request.urlopen(f"{url}/workers", timeout=2) as resp:
+            return len(json.loads(resp.read())["workers"])
+    except OSError:
+        return -1

@@ -1,0 +1,195 @@
+"""The pod runner with real sim processes and pods as the API server would list them.
+
+No cluster needed: the pod list is a plain function here (the cluster test feeds it from the API
+server). Guards: engine pods not started at their own loopback IP, $(VAR) args not expanded,
+processes leaking after their pod is gone or replaced, crashes not restarted, Prometheus
+targets that do not follow the running pods, and readiness set before the sim answers (a pod
+the router would send requests to while nothing listens) or left set after the sim is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cas_engine.sim.fleet import free_port
+from e2e.cluster.manifests import READINESS_TOLERATION
+from e2e.runtime.podrunner import (
+    PodRunner,
+    launch_for,
+    leaves_readiness_to_runner,
+    readiness_patch,
+    readiness_url,
+)
+
+IP = "127.10.7.9"
+
+
+def engine_pod(name: str, uid: str, ip: str | None, port: int, **extra: Any) -> dict[str, Any]:
+    return {
+        "metadata": {
+            "name": name, "namespace": "ns", "uid": uid,
+            "labels": {"cas.dev/role": "decode"},
+            "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(port)},
+            **extra,
+        },
+        "spec": {
+            "nodeName": "kwok-gpu-0",
+            "containers": [{
+                "name": "engine",
+                "command": ["python3", "-m", "cas_engine.launch_server"],
+                "args": ["--disaggregation-mode", "null", "--served-model-name", "$(MODEL)",
+                         "--host", "0.0.0.0", "--port", str(port)],
+                "env": [{"name": "MODEL", "value": "glm-sim"}],
+                "ports": [{"name": "http", "containerPort": port}],
+            }],
+        },
+        "status": {"phase": "Running", "podIP": ip},
+    }  # fmt: skip
+
+
+def healthy(ip: str, port: int, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://{ip}:{port}/health", timeout=1) as resp:
+                if resp.status == 200:
+                    return True
+        except OSError:
+            time.sleep(0.2)
+    return False
+
+
+def model_of(ip: str, port: int) -> str:
+    with urllib.request.urlopen(f"http://{ip}:{port}/v1/models", timeout=5) as resp:
+        return str(json.loads(resp.read())["data"][0]["id"])
+
+
+@pytest.fixture
+def runner(tmp_path: Path) -> Iterator[tuple[PodRunner, list[dict[str, Any]]]]:
+    pods: list[dict[str, Any]] = []
+    r = PodRunner(lambda: pods, tmp_path / "logs", tmp_path / "sd.json",
+                  extra_args=["--sim-speedup", "20"], restart_backoff_s=0.5)  # fmt: skip
+    try:
+        yield r, pods
+    finally:
+        r.stop_all()
+
+
+def test_launch_selection_is_pure_and_strict() -> None:
+    """Regression: only bound, loopback, live engine pods are run; args keep the pod's values."""
+    port = 31000
+    ok = launch_for(engine_pod("a", "u1", IP, port), "py", [])
+    assert ok is not None and ok.argv[-4:] == ("--host", IP, "--port", str(port))
+    assert "glm-sim" in ok.argv and "$(MODEL)" not in ok.argv
+    assert launch_for(engine_pod("a", "u1", None, port), "py", []) is None
+    assert launch_for(engine_pod("a", "u1", "10.0.0.5", port), "py", []) is None
+    gone = engine_pod("a", "u1", IP, port, deletionTimestamp="2026-01-01T00:00:00Z")
+    assert launch_for(gone, "py", []) is None
+    router = engine_pod("r", "u2", IP, port)
+    router["spec"]["containers"][0]["command"] = ["sglang-router"]
+    assert launch_for(router, "py", []) is None
+
+
+def test_runner_follows_pods(runner: tuple[PodRunner, list[dict[str, Any]]]) -> None:
+    """Regression: a pod's sim must come up at the pod IP with its args, be restarted after a
+    crash, be replaced when the pod is replaced, and stop when the pod goes away."""
+    r, pods = runner
+    port = free_port(IP)
+    pods.append(engine_pod("d0", "uid-1", IP, port))
+    assert any("started ns.d0" in a for a in r.sync())
+    assert healthy(IP, port) and model_of(IP, port) == "glm-sim"
+    assert r.sd_file is not None
+    sd = json.loads(r.sd_file.read_text())
+    assert sd == [{"targets": [f"{IP}:{port}"],
+                   "labels": {"namespace": "ns", "pod": "d0", "role": "decode"}}]  # fmt: skip
+
+    first = r.running[("ns", "d0")].record
+    os.kill(first.pid, signal.SIGKILL)  # a crash of the process this runner started
+    deadline = time.monotonic() + 10
+    actions: list[str] = []
+    while time.monotonic() < deadline and not any("restarted" in a for a in actions):
+        time.sleep(0.3)
+        actions += r.sync()
+    assert any("restarted ns.d0" in a for a in actions) and healthy(IP, port)
+
+    pods[0] = engine_pod("d0", "uid-2", IP, port)  # same name, new pod
+    replaced = r.sync()
+    assert any("stopped" in a for a in replaced) and any("started ns.d0" in a for a in replaced)
+    assert healthy(IP, port)
+
+    pods.clear()
+    assert any("stopped" in a for a in r.sync())
+    assert r.running == {} and not healthy(IP, port, timeout=1.0)
+    assert r.sd_file is not None and json.loads(r.sd_file.read_text()) == []
+
+
+def probed_pod(name: str, uid: str, port: int) -> dict[str, Any]:
+    """An engine pod that leaves its readiness to the runner, as KWOK leaves it: not Ready."""
+    pod = engine_pod(name, uid, IP, port)
+    pod["spec"]["tolerations"] = [READINESS_TOLERATION]
+    pod["spec"]["containers"][0]["readinessProbe"] = {
+        "httpGet": {"path": "/health", "port": "http"}, "failureThreshold": 3}  # fmt: skip
+    pod["status"]["conditions"] = [{"type": "Ready", "status": "False"},
+                                   {"type": "ContainersReady", "status": "False"}]  # fmt: skip
+    pod["status"]["containerStatuses"] = [{"name": "engine", "ready": False, "image": "x"}]
+    return pod
+
+
+def test_readiness_probe_target_and_patch_are_pure() -> None:
+    """Regression: only pods that opt in are probed, at their readinessProbe (named port
+    resolved) on the pod IP; the patch flips Ready, ContainersReady and container readiness
+    together and is None when the pod already says so (no write per pass)."""
+    port = 31001
+    plain = engine_pod("a", "u1", IP, port)
+    launch = launch_for(plain, "py", [])
+    assert launch is not None and not leaves_readiness_to_runner(plain)
+    assert readiness_url(launch, plain) is None  # no probe: running is ready, as in a kubelet
+    pod = probed_pod("a", "u1", port)
+    assert leaves_readiness_to_runner(pod)
+    assert readiness_url(launch, pod) == f"http://{IP}:{port}/health"
+    patch = readiness_patch(pod, True, "2026-11-30T00:00:00Z")
+    assert patch is not None
+    conds = {c["type"]: c["status"] for c in patch["status"]["conditions"]}
+    assert conds == {"Ready": "True", "ContainersReady": "True"}
+    assert patch["status"]["containerStatuses"] == [{"name": "engine", "ready": True, "image": "x"}]
+    assert readiness_patch(pod, False, "2026-11-30T00:00:00Z") is None
+
+
+def test_runner_sets_readiness_only_while_the_sim_answers(tmp_path: Path) -> None:
+    """Regression: a replacement pod was Ready (KWOK) before its sim listened, the router sent it
+    a request and the client got a 502. Ready must be written only after the probe answers, and
+    taken back at once when the process is gone; pods that do not opt in are never written."""
+    port = free_port(IP)
+    pod, plain = probed_pod("d0", "uid-1", port), engine_pod("p0", "uid-2", "127.10.7.10", port)
+    writes: list[tuple[str, bool, bool]] = []  # (pod, ready, did the sim answer at that moment)
+
+    def patch_status(namespace: str, name: str, body: dict[str, Any]) -> None:
+        ready = body["status"]["containerStatuses"][0]["ready"]
+        writes.append((name, ready, healthy(IP, port, timeout=0.2)))
+        pod["status"].update(body["status"])  # what the API server would now list
+
+    r = PodRunner(lambda: [pod, plain], tmp_path / "logs", patch_status=patch_status,
+                  restart_backoff_s=30.0)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not writes:
+            r.sync()
+            time.sleep(0.2)
+        assert writes == [("d0", True, True)]
+        r.sync()
+        assert len(writes) == 1  # level-based: nothing to write while it stays Ready
+        os.kill(r.running[("ns", "d0")].record.pid, signal.SIGKILL)
+        time.sleep(0.3)
+        r.sync()  # the process is gone (no restart within the backoff): not Ready at once
+        assert writes[1:] == [("d0", False, False)]
+    finally:
+        r.stop_all()

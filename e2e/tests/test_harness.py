@@ -1,0 +1,248 @@
+"""Fast checks of the local-stack harness that need no cluster and no Go build.
+
+They guard the bookkeeping that makes ``make cluster-up`` / ``cluster-down`` safe: one source of
+versions, processes identified by pid *and* start time, idempotent stop, crash reports that name
+the component, refusal to start twice, and the manifests handed to KWOK and LWS.
+"""
+
+from __future__ import annotations
+
+import base64
+import ipaddress
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+import e2e.cluster.manifests as manifests
+import e2e.cluster.procs as procs
+import e2e.cluster.stack as cluster
+from e2e.cluster.bins import BUILD_SCRIPT, VERSIONS_FILE, read_versions, resolve
+
+
+def test_versions_file_is_the_single_source_for_shell_and_python() -> None:
+    """Regression: build-bins.sh and bins.py disagree on a version (binaries built, not found)."""
+    shell = subprocess.run(
+        ["bash", "-c", f"set -a && source {VERSIONS_FILE} && env"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    env = dict(line.split("=", 1) for line in shell.stdout.splitlines() if "=" in line)
+    versions = read_versions()
+    assert versions, "versions.env parsed to nothing"
+    for key, value in versions.items():
+        assert env[key] == value
+    assert str(VERSIONS_FILE.name) in BUILD_SCRIPT.read_text()
+
+
+def test_bin_paths_follow_cas_bin_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Regression: the cache root ignores CAS_BIN_DIR, so CI's cached binaries are not reused."""
+    monkeypatch.setenv("CAS_BIN_DIR", str(tmp_path))
+    bins = resolve()
+    k8s = read_versions()["KUBERNETES_VERSION"]
+    assert bins.kube_apiserver == tmp_path / f"kubernetes-{k8s}" / "kube-apiserver"
+    assert "kube_apiserver" in bins.missing()
+
+
+def _sleeper(tmp_path: Path, seconds: int = 30) -> procs.ProcRecord:
+    return procs.spawn("sleeper", ["/bin/sleep", str(seconds)], tmp_path / "logs")
+
+
+def test_stop_is_exact_and_idempotent(tmp_path: Path) -> None:
+    """Regression: stop() signals a pid whose process is gone, or reports success twice."""
+    rec = _sleeper(tmp_path)
+    assert procs.is_running(rec)
+    assert procs.stop(rec).startswith("stopped sleeper")
+    assert not procs.is_running(rec)
+    assert "already exited" in procs.stop(rec)
+
+
+def test_reused_pid_is_not_ours(tmp_path: Path) -> None:
+    """Regression: a recorded pid reused by another process would be killed by `down`."""
+    rec = _sleeper(tmp_path)
+    try:
+        impostor = procs.ProcRecord(
+            name=rec.name, pid=rec.pid, exe=rec.exe, start_ticks=rec.start_ticks + 1, log=rec.log
+        )
+        assert not procs.is_running(impostor)
+        assert "already exited" in procs.stop(impostor)
+        assert procs.is_running(rec), "stop() of a non-matching record signalled the process"
+    finally:
+        procs.stop(rec)
+
+
+def test_crash_report_names_component_and_log(tmp_path: Path) -> None:
+    """Regression: a crashed component surfaces as an anonymous timeout instead of its log."""
+    rec = procs.spawn(
+        "kube-fake", ["/bin/sh", "-c", "echo boom-from-fake; exit 3"], tmp_path / "logs"
+    )
+    handle = cluster.ClusterHandle(
+        run_dir=tmp_path, kubeconfig=tmp_path / "kubeconfig", ports={}, records=[rec]
+    )
+    deadline = time.monotonic() + 10
+    while not handle.crashed() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    report = handle.crash_report()
+    assert "kube-fake" in report
+    assert "exit status 3" in report
+    assert "boom-from-fake" in report
+
+
+def test_up_twice_refuses_and_down_twice_is_clear(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Regression: a second `up` starts a second stack over the first; `down` on nothing errors."""
+    rec = _sleeper(tmp_path)
+    handle = cluster.ClusterHandle(
+        run_dir=tmp_path, kubeconfig=tmp_path / "kubeconfig", ports={"etcd": 1}, records=[rec]
+    )
+    handle.save()
+    try:
+        with pytest.raises(cluster.AlreadyRunning):
+            cluster.start_cluster(tmp_path)
+        assert cluster.load_cluster(tmp_path) is not None
+    finally:
+        assert cluster.cmd_down(tmp_path) == 0
+    assert not procs.is_running(rec)
+    assert cluster.cmd_down(tmp_path) == 0
+    out = capsys.readouterr().out
+    assert "stopped sleeper" in out
+    assert "not running" in out
+    assert cluster.cmd_status(tmp_path) == 1
+
+
+def test_gpu_nodes_have_distinct_loopback_pod_cidrs() -> None:
+    """Regression: overlapping pod CIDRs would give two pods the same loopback IP."""
+    shape = manifests.NodeShape(count=4)
+    nodes = manifests.gpu_nodes(shape, kubelet_version="v1.37.2")
+    cidrs = [ipaddress.IPv4Network(n["spec"]["podCIDR"]) for n in nodes]
+    loopback = ipaddress.IPv4Network("127.0.0.0/8")
+    assert all(c.subnet_of(loopback) for c in cidrs)
+    assert all(not a.overlaps(b) for i, a in enumerate(cidrs) for b in cidrs[i + 1 :])
+    for node in nodes:
+        assert node["status"]["allocatable"][manifests.GPU_RESOURCE] == str(shape.gpus)
+        assert node["metadata"]["labels"][manifests.KWOK_NODE_LABEL] == "kwok"
+
+
+def test_lws_webhooks_point_at_loopback_with_patches(tmp_path: Path) -> None:
+    """Regression: LWS pod webhooks without their objectSelector (every pod in the cluster would
+    need the LWS controller), or still pointing at an in-cluster Service that does not exist."""
+    hook = {
+        "admissionReviewVersions": ["v1"],
+        "clientConfig": {
+            "service": {"name": "s", "namespace": "system", "path": "/mutate--v1-pod"}
+        },
+        "name": "mpod.kb.io",
+        "sideEffects": "None",
+    }
+    selected = {
+        **hook,
+        "objectSelector": {"matchExpressions": [{"key": "x", "operator": "Exists"}]},
+    }
+    (tmp_path / "manifests.yaml").write_text(
+        yaml.safe_dump_all(
+            [
+                {
+                    "apiVersion": "admissionregistration.k8s.io/v1",
+                    "kind": "MutatingWebhookConfiguration",
+                    "metadata": {"name": "mutating-webhook-configuration"},
+                    "webhooks": [hook],
+                }
+            ]
+        )
+    )
+    (tmp_path / "mutating-patch.yaml").write_text(
+        yaml.safe_dump([{"op": "replace", "path": "/webhooks/0", "value": selected}])
+    )
+    docs = manifests.lws_webhooks(tmp_path, port=12345, ca_pem=b"PEM")
+    (out,) = docs[0]["webhooks"]
+    assert out["objectSelector"] == selected["objectSelector"]
+    assert out["clientConfig"]["url"] == "https://127.0.0.1:12345/mutate--v1-pod"
+    assert base64.b64decode(out["clientConfig"]["caBundle"]) == b"PEM"
+    assert docs[0]["metadata"]["name"].startswith("lws-")
+
+
+def test_cli_status_without_cluster_exits_1(tmp_path: Path) -> None:
+    """Regression: `python -m e2e.cluster status` crashes instead of saying nothing runs."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "e2e.cluster", "status", "--run-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=cluster.REPO_ROOT,
+        timeout=30,
+        check=False,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "not running" in proc.stdout
+
+
+def _fake_bin_dir(root: Path, broken: str) -> None:
+    """A CAS_BIN_DIR where every binary exists; ``broken`` exits 1 at once, the others sleep."""
+    bins = resolve(root)
+    for name in (
+        "kube_apiserver",
+        "kube_controller_manager",
+        "kube_scheduler",
+        "kubectl",
+        "etcd",
+        "kwok",
+        "lws_controller",
+    ):
+        path = getattr(bins, name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        body = "echo fatal: $0 cannot start >&2; exit 1" if name == broken else "exec sleep 30"
+        path.write_text(f"#!/bin/sh\n{body}\n")
+        path.chmod(0o755)
+    for folder in (bins.kwok_stages, bins.lws_crds, bins.lws_webhook):
+        folder.mkdir(parents=True, exist_ok=True)
+
+
+def test_component_crash_at_start_is_named_and_cleaned_up(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Regression: a component dying during `up` shows as a generic timeout after a minute, or
+    leaves the components started before it running."""
+    monkeypatch.setenv("CAS_BIN_DIR", str(tmp_path / "bin"))
+    _fake_bin_dir(tmp_path / "bin", broken="etcd")
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    with pytest.raises(cluster.ClusterError) as err:
+        cluster.start_cluster(run_dir)
+    assert time.monotonic() - started < 20
+    message = str(err.value)
+    assert "etcd" in message
+    assert "fatal:" in message and "cannot start" in message
+    assert cluster.load_cluster(run_dir) is None
+
+
+@pytest.mark.parametrize("ci", ["", "true"])
+def test_missing_binaries_skip_locally_but_fail_in_ci(tmp_path: Path, ci: str) -> None:
+    """Regression: CI silently skipping every e2e test because the build step did not run."""
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "CAS_BIN_DIR": str(tmp_path / "no-bins"),
+        "CAS_RUN_DIR": str(tmp_path / "no-run"),
+        "CI": ci,
+    }
+    target = "e2e/tests/test_cluster.py::test_kwok_nodes_ready_with_gpus"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", target],
+        capture_output=True,
+        text=True,
+        cwd=cluster.REPO_ROOT,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+    if ci:
+        assert proc.returncode != 0, proc.stdout
+        assert "CI is set, so not skipping" in proc.stdout
+    else:
+        assert proc.returncode == 0, proc.stdout
+        assert "1 skipped" in proc.stdout
+        assert "make bins" in proc.stdout
