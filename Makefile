@@ -44,7 +44,7 @@ lint: setup ## ruff and import-linter contracts
 	$(VENV)/bin/ruff format --check operator engine
 	$(VENV)/bin/lint-imports
 
-typecheck: setup ## mypy (strict on cas_operator)
+typecheck: setup ## mypy (strict on cas_operator and cas_engine)
 	$(VENV)/bin/mypy
 
 unit: setup ## Unit and engine tests only (no cluster)
