@@ -4,7 +4,8 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 SGLANG_VERSION := 0.5.23
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
+SGLANG_REQS := engine/requirements-sglang-cpu.txt
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile $(SGLANG_REQS) | sha1sum | cut -c1-12)
 
 ##@ Quick start
 
@@ -24,12 +25,13 @@ setup: sysdeps $(STAMP) ## Debian packages, .venv and the project with all extra
 sysdeps: ## Install missing Debian packages the tests need (apt-get; root)
 	@tools/sysdeps.sh
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(SGLANG_REQS)
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev,operator,engine]'
-	@# SGLang's source without its CUDA dependencies: the engine adapters are tested against the
-	@# real 0.5.23 code (modules that need torch are compiled from the wheel with stubs).
+	@# One resolver run for the project and SGLang's CPU-importable closure (torch included, ~3 GB
+	@# cold; pip's cache is used), then SGLang itself without its CUDA-only dependencies: the
+	@# engine adapters are tested against the real 0.5.23 code (tests/engine/*_sglang_real.py).
+	$(PY) -m pip install -q -e '.[dev,operator,engine]' -r $(SGLANG_REQS)
 	$(PY) -m pip install -q --no-deps sglang==$(SGLANG_VERSION)
 	@rm -f $(VENV)/.installed-* && touch $@
 
@@ -44,7 +46,7 @@ lint: setup ## ruff and import-linter contracts
 	$(VENV)/bin/ruff format --check operator engine
 	$(VENV)/bin/lint-imports
 
-typecheck: setup ## mypy (strict on cas_operator)
+typecheck: setup ## mypy (strict on cas_operator and cas_engine)
 	$(VENV)/bin/mypy
 
 unit: setup ## Unit and engine tests only (no cluster)

@@ -18,9 +18,17 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from cas_engine.kvfence import ReclaimMode
-from cas_engine.kvfence.race import RaceParams, RaceResult, run_race, steady_throughput
-from cas_engine.kvfence.transport import Transport, mooncake_available
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))  # run as a script: the harness lives next to it, in bench/
+
+from bench.race_harness import (  # noqa: E402
+    RaceParams,
+    RaceResult,
+    run_race,
+    steady_throughput,
+)
+from cas_engine.kvfence import ReclaimMode  # noqa: E402
+from cas_engine.kvfence.transport import Transport, mooncake_available  # noqa: E402
 
 COLUMNS = (
     "phase",

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib.util
 from http import HTTPStatus
 from types import SimpleNamespace
 from typing import Any
@@ -18,22 +17,15 @@ from typing import Any
 import pytest
 
 from cas_engine.guard import GuardConfig
+from tests.engine.sglang_real import sglang_import_problem
 
+BRP = "sglang.srt.managers.scheduler_components.batch_result_processor"
+WHY_NOT = sglang_import_problem(BRP)
+pytestmark = [pytest.mark.sglang_real, pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))]
 
-def _import_sglang() -> Any:
-    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("sglang") is None:
-        pytest.skip("torch or sglang not installed", allow_module_level=True)
-    try:
-        from sglang.srt.managers.scheduler_components import batch_result_processor
-    except Exception as exc:  # a missing optional dependency: report it as a skip reason
-        pytest.skip(
-            f"sglang does not import here: {type(exc).__name__}: {exc}", allow_module_level=True
-        )
-    return batch_result_processor
-
-
-brp = _import_sglang()
-torch = pytest.importorskip("torch")
+if WHY_NOT is None:
+    import torch
+    from sglang.srt.managers.scheduler_components import batch_result_processor as brp
 
 STRIDE = 4  # speculative_num_draft_tokens: 3 drafts + 1 bonus slot per request row
 

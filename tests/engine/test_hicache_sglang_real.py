@@ -8,24 +8,23 @@ import (it needs torch and SGLang's Python deps; ~20 s to import).
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 from types import SimpleNamespace
 
 import pytest
 from prometheus_client import CollectorRegistry
 
-if importlib.util.find_spec("torch") is None or importlib.util.find_spec("sglang") is None:
-    pytest.skip("torch or sglang not installed", allow_module_level=True)
-try:
+from cas_engine.sglang.hicache_check import install_read_detector
+from tests.engine.sglang_real import sglang_import_problem
+
+WHY_NOT = sglang_import_problem(
+    "sglang.srt.managers.cache_controller", "sglang.srt.mem_cache.index_key_cache"
+)
+pytestmark = [pytest.mark.sglang_real, pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))]
+
+if WHY_NOT is None:
     import torch
     from sglang.srt.managers.cache_controller import LayerDoneCounter
     from sglang.srt.mem_cache.index_key_cache import IndexKeyCache
-except Exception as exc:
-    pytest.skip(
-        f"sglang does not import here: {type(exc).__name__}: {exc}", allow_module_level=True
-    )
-
-from cas_engine.sglang.hicache_check import install_read_detector
 
 LAYERS = 3
 

@@ -8,7 +8,6 @@ own launcher must run, load our plugin and get our patches, and then stop at mod
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -16,14 +15,12 @@ from pathlib import Path
 
 import pytest
 
-if importlib.util.find_spec("torch") is None or importlib.util.find_spec("sglang") is None:
-    pytest.skip("torch or sglang not installed", allow_module_level=True)
-try:
-    import sglang.srt.managers.scheduler_components.batch_result_processor  # noqa: F401
-except Exception as exc:
-    pytest.skip(
-        f"sglang does not import here: {type(exc).__name__}: {exc}", allow_module_level=True
-    )
+from tests.engine.sglang_real import sglang_import_problem
+
+WHY_NOT = sglang_import_problem(
+    "sglang.srt.server_args", "sglang.srt.managers.scheduler_components.batch_result_processor"
+)
+pytestmark = [pytest.mark.sglang_real, pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))]
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -79,3 +76,20 @@ def test_launcher_hands_over_to_sglang_with_patches_installed(tmp_path: Path) ->
     ):
         assert line in out, out[-4000:]
     assert proc.returncode not in (0, 3), out[-4000:]  # stopped by SGLang (no model), not by us
+
+
+def test_help_lists_sglang_flags_after_ours() -> None:
+    """Regression: ``--help`` must show SGLang's own flags, not "unavailable here" (psutil...)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "cas_engine.launch_server", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=REPO,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "unavailable here" not in out, out[-4000:]
+    assert out.index("--cas-kv-reclaim") < out.index("--model-path"), out[-4000:]
+    for flag in ("--enable-hierarchical-cache", "--disaggregation-mode", "--speculative-algorithm"):
+        assert flag in out, out[-4000:]

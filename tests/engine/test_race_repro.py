@@ -1,4 +1,4 @@
-"""Test-sized race reproduction: real KV writes between processes (cas_engine.kvfence.race).
+"""Test-sized race reproduction: real KV writes between processes (bench/race_harness.py).
 
 Guards DESIGN.md Bug 1 end to end: with ``Immediate`` reclaim, a prefill write stalled past the
 decode budget lands in pages already handed to a new request (corruption is detected by
@@ -13,8 +13,8 @@ from dataclasses import replace
 
 import pytest
 
+from bench.race_harness import RaceParams, expected_pages, run_race, wilson_interval
 from cas_engine.kvfence import ReclaimMode
-from cas_engine.kvfence.race import RaceParams, expected_pages, run_race, wilson_interval
 from cas_engine.kvfence.transport import Transport, mooncake_available
 
 MOONCAKE_OK, MOONCAKE_WHY = mooncake_available()

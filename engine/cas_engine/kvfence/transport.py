@@ -130,7 +130,9 @@ class PageWriter:
         nbytes = self.spec.page_bytes
         src = [self.source.ctypes.data + p * nbytes for p in src_pages]
         dst = [self.spec.base_addr + p * nbytes for p in dst_pages]
-        rc = self._engine.batch_transfer_sync_write(self.spec.target, src, dst, [nbytes] * len(src))
+        rc: int = self._engine.batch_transfer_sync_write(
+            self.spec.target, src, dst, [nbytes] * len(src)
+        )
         return rc == 0
 
     def close(self) -> None:

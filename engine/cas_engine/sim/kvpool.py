@@ -18,6 +18,7 @@ import asyncio
 import hashlib
 
 import numpy as np
+import numpy.typing as npt
 
 
 def expected_kv(tokens: np.ndarray, slot_bytes: int) -> bytes:
@@ -100,9 +101,13 @@ class KvPool:
     def write(self, slot: int, content: bytes) -> None:
         self.buf[slot, :] = np.frombuffer(content, dtype=np.uint8)
 
+    def _row(self, slot: int) -> npt.NDArray[np.uint8]:
+        row: npt.NDArray[np.uint8] = self.buf[slot]  # numpy types an int index as Any
+        return row
+
     def read(self, slot: int) -> bytes:
-        return self.buf[slot].tobytes()
+        return self._row(slot).tobytes()
 
     def holds(self, slot: int, content: bytes) -> bool:
         """True while ``slot`` holds exactly ``content``."""
-        return self.buf[slot].tobytes() == content
+        return self._row(slot).tobytes() == content

@@ -105,7 +105,7 @@ class MooncakeTransport:
 
     async def write(self, session: str, src: int, dst: int, nbytes: int) -> bool:
         loop = asyncio.get_running_loop()
-        rc = await loop.run_in_executor(
+        rc: int = await loop.run_in_executor(
             None, self._engine.transfer_sync_write, session, src, dst, nbytes
         )
         return rc == 0

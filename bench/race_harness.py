@@ -1,5 +1,8 @@
 """Race reproduction harness: real KV writes between processes, decode aborts and slot reuse.
 
+Benchmark and test code, not part of the engine: used by ``bench/race.py`` (``make bench-race``)
+and ``tests/engine/test_race_repro.py``; it drives the engine's :mod:`cas_engine.kvfence`.
+
 Processes (spawned, loopback only): one decode process and ``prefill_ranks`` prefill processes.
 Bytes move through :mod:`cas_engine.kvfence.transport` (mooncake TCP, or shared memory as the
 fallback); control messages (request, abort, done, ack) travel on multiprocessing queues.
