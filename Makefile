@@ -43,7 +43,7 @@ verify: setup ## Regenerate the CRDs and fail on drift
 
 lint: setup ## ruff and import-linter contracts
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check operator engine
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
 
 typecheck: setup ## mypy (strict on cas_operator and cas_engine)

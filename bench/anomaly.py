@@ -15,7 +15,7 @@ be 0). After each injection the pool's drain cooldown (60 s) passes before the n
 a healthy-but-noisy phase (every decode at 5 bad outputs per 10,000) counts false drains.
 
 Direct mode (``--direct``, the earlier harness): a Deployment of sims, real Prometheus and
-router, and this process calling ``guard_tick`` every ``--tick`` seconds
+router, and this process calling ``anomaly_tick`` every ``--tick`` seconds
 (e2e/fleet/anomaly_stack.py).
 
 Cluster: the running ``make cluster-up`` stack; when none runs, a private one is started in
@@ -51,10 +51,11 @@ import yaml
 # Run as a script (like the other bench/*.py): the harness package e2e/ is at the repo root.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from cas_operator.anomaly.detect import GuardState, Policy, decide
+from cas_operator.anomaly.drain import DrainPolicy
 from cas_operator.api.models import AnomalyGuardSpec
-from cas_operator.drain import DrainPolicy
 from cas_operator.observe import PrometheusSource
-from cas_operator.planning.anomaly import GuardState, PodSignals, PodView, Policy, decide
+from cas_operator.observe.types import PodSignals, PodView
 from e2e.cluster.manifests import NodeShape
 from e2e.cluster.stack import ClusterError, load_cluster, run_kubectl, start_cluster
 from e2e.fleet.anomaly_stack import AnomalyStack, wait_for
@@ -111,7 +112,7 @@ def offline_false_drains(hours: float, pods: int = 16, seed: int = 7) -> dict[st
 
 
 async def live_direct(args: argparse.Namespace, kubeconfig: Path, run: Path) -> dict[str, Any]:
-    """The cluster part, this process calling `guard_tick` (``--direct``)."""
+    """The cluster part, this process calling `anomaly_tick` (``--direct``)."""
     namespace = f"bench-anomaly-{uuid.uuid4().hex[:6]}"
     kubectl = _kubectl(kubeconfig)
     kubectl("create", "namespace", namespace)
@@ -388,12 +389,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--direct",
         action="store_true",
-        help="this process calls guard_tick (the earlier harness), not the operator",
+        help="this process calls anomaly_tick (the earlier harness), not the operator",
     )
     p.add_argument("--injections", type=int, default=None, help="default 3 (direct: 5)")
     p.add_argument("--pods", type=int, default=4, help="decode pods")
     p.add_argument("--scrape", type=float, default=5.0, help="Prometheus scrape interval (s)")
-    p.add_argument("--tick", type=float, default=5.0, help="direct mode: guard_tick period (s)")
+    p.add_argument("--tick", type=float, default=5.0, help="direct mode: anomaly_tick period (s)")
     p.add_argument("--window", type=int, default=60, help="anomalyGuard.windowSeconds")
     p.add_argument(
         "--noisy-seconds",
@@ -468,7 +469,7 @@ def _print(result: dict[str, Any]) -> None:
         ("offline: decide() per tick (ms)", f"{off['decide_ms_per_tick']:.2f}"),
     ]  # fmt: skip
     if lv:
-        how = "operator process" if lv.get("mode") == "operator" else "direct guard_tick"
+        how = "operator process" if lv.get("mode") == "operator" else "direct anomaly_tick"
         rows += [
             (f"live ({how}): onset -> out of rotation (s, median / max)",
              _summary(lv["out_of_rotation_s"])),

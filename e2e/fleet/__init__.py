@@ -5,7 +5,7 @@
 - :mod:`~e2e.fleet.livestack`: the operator's path: pod runner (sims and real routers),
   Prometheus and the operator as a process, for a CodingAgentServing the caller applies.
 - :mod:`~e2e.fleet.anomaly_stack`: the direct path: a Deployment of sims, a label-following
-  router and ``guard_tick`` called in-process.
+  router and ``anomaly_tick`` called in-process.
 - :mod:`~e2e.fleet.fleetview`: which pods serve, what the router lists, requests served
   (through a ``kubectl`` callable and HTTP to pod IPs).
 

@@ -5,7 +5,7 @@ operator's builders set), a :class:`~e2e.runtime.podrunner.PodRunner` (thread) t
 pod into a sim process at the pod IP, :class:`LabelRouter` sends chat traffic only to pods labelled
 ``cas.dev/serving=true`` that answer ``/health`` (as the SGLang router's Kubernetes discovery
 does) and retries a failed request on another worker, and :meth:`AnomalyStack.tick` runs one
-``guard_tick`` (observe -> decide -> act) with the operator's own ``Kube`` client.
+``anomaly_tick`` (observe -> decide -> act) with the operator's own ``Kube`` client.
 Ownership: the stack owns its runner thread, traffic tasks and the sims the runner started;
 ``close()`` stops them. The namespace and its Deployment belong to the caller.
 """
@@ -30,12 +30,14 @@ import yaml
 from kubernetes import config
 
 from cas_engine.sim.fleet import free_port
+from cas_operator.anomaly.act import LoopState, TickResult, anomaly_tick
+from cas_operator.anomaly.detect import Policy
+from cas_operator.anomaly.drain import DrainPolicy
 from cas_operator.api import constants as c
 from cas_operator.api.models import AnomalyGuardSpec
-from cas_operator.drain import DrainPolicy, HttpRouters, LoopState, Routers, TickResult, guard_tick
 from cas_operator.kube import Kube
 from cas_operator.observe import MetricsSource, ScrapeSource
-from cas_operator.planning.anomaly import Policy
+from cas_operator.routers import HttpRouters, Routers
 from e2e.cluster.manifests import READINESS_TOLERATION
 from e2e.runtime.podrunner import PodRunner, kube_pod_lister, kube_status_patcher
 from e2e.traffic.simload import REPETITION_MARK
@@ -178,7 +180,7 @@ class AnomalyStack:
     source: MetricsSource = field(default_factory=lambda: ScrapeSource(timeout_seconds=2.0))
     events: list[Event] = field(default_factory=list)
     router: LabelRouter | None = None
-    routers: Routers | None = None  # what guard_tick deregisters draining pods from
+    routers: Routers | None = None  # what anomaly_tick deregisters draining pods from
     _router_proc: subprocess.Popen[bytes] | None = None
     _stop_runner: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -231,7 +233,7 @@ class AnomalyStack:
 
     def start_sglang_router(self, kubeconfig: Path, log_dir: Path) -> str:
         """The real SGLang router with Kubernetes discovery of serving pods (KUBECONFIG from
-        the local cluster); `routers` then points guard_tick at it. Returns its URL."""
+        the local cluster); `routers` then points anomaly_tick at it. Returns its URL."""
         port = free_port()
         argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
                 "--port", str(port), "--prometheus-port", str(free_port()),
@@ -265,9 +267,9 @@ class AnomalyStack:
             self._tasks = []
 
     async def tick(self) -> TickResult:
-        """One guard_tick at wall-clock now; its events are also kept in `events`."""
+        """One anomaly_tick at wall-clock now; its events are also kept in `events`."""
         result = await asyncio.to_thread(
-            guard_tick, self.kube, self.source, name=NAME, namespace=self.namespace,
+            anomaly_tick, self.kube, self.source, name=NAME, namespace=self.namespace,
             spec=self.spec, state=self.state, now=time.time(), policy=self.policy,
             drain_policy=self.drain_policy, routers=self.routers,
         )  # fmt: skip

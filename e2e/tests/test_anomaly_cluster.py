@@ -1,5 +1,5 @@
 """The whole loop on the local stack: real API server, KWOK pods made real by the pod runner,
-`guard_tick` (observe -> decide -> act) with the operator's own `Kube` client.
+`anomaly_tick` (observe -> decide -> act) with the operator's own `Kube` client.
 
 A Deployment of decode engine pods carries the labels the operator's builders set; the pod
 runner starts a sim at each pod IP; a client discovers workers by the `cas.dev/serving` label
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from cas_operator.drain import ANNOTATION_DRAINING_SINCE
+from cas_operator.anomaly.drain import ANNOTATION_DRAINING_SINCE
 from e2e.fleet.anomaly_stack import AnomalyStack, wait_for
 from e2e.traffic.simload import LoadStats, set_fault, steady_traffic
 

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import pytest
 
 from cas_engine.sim.fleet import Fleet, router_available
+from cas_operator.anomaly.detect import Policy
 from cas_operator.observe import PodTarget, ScrapeSource
-from cas_operator.planning.anomaly import Policy
 from e2e.traffic.simload import loop_under_repetition_fault
 
 pytestmark = [

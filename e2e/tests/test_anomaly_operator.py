@@ -1,6 +1,6 @@
 """The anomaly loop through the OPERATOR PROCESS, on the local stack, end to end.
 
-Unlike test_anomaly_cluster.py (which calls `guard_tick` itself), nothing here drives the loop:
+Unlike test_anomaly_cluster.py (which calls `anomaly_tick` itself), nothing here drives the loop:
 a CodingAgentServing is applied, the operator (`python -m cas_operator`, watching only the
 test's namespace, reading PromQL from a real Prometheus when one is installed) builds its
 pools, the pod runner turns the engine pods into sims and the router pod into the real SGLang

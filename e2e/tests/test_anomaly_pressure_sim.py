@@ -16,15 +16,15 @@ from pathlib import Path
 import pytest
 
 from cas_engine.sim.fleet import Fleet, router_available
-from cas_operator.observe import PodTarget, ScrapeSource
-from cas_operator.planning.anomaly import (
-    PodView,
+from cas_operator.autoscale.controller import (
     PoolCounts,
     PressureState,
     ScaleBounds,
     ScaleOutcome,
     suggest_scale,
 )
+from cas_operator.observe import PodTarget, ScrapeSource
+from cas_operator.observe.types import PodView
 from e2e.traffic.simload import LoadStats, steady_traffic
 
 pytestmark = [

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from cas_engine.sim.fleet import Fleet, free_port, router_available
+from cas_operator.anomaly.detect import Policy
 from cas_operator.observe import PodTarget, PrometheusSource
-from cas_operator.planning.anomaly import Policy
 from e2e.runtime.prometheus import (
     PrometheusHandle,
     file_sd_scrape_config,

@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from cas_operator.anomaly.detect import GuardState, Policy, decide
 from cas_operator.api.models import AnomalyGuardSpec
 from cas_operator.observe import MetricsSource, Observation, PodTarget
-from cas_operator.planning.anomaly import GuardState, PodView, Policy, decide
+from cas_operator.observe.types import PodView
 
 TIMEOUT = aiohttp.ClientTimeout(total=30)
 REPETITION_MARK = "the same line again"  # what the sim's repetition fault writes

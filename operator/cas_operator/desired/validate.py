@@ -120,4 +120,3 @@ def validate(spec: CodingAgentServingSpec, resolved: Resolved | None = None) -> 
         *_hicache_errors(spec),
         *_rollout_errors(spec),
     ]
-
