@@ -1,6 +1,6 @@
 """Auto mode's damped replica step and the measured load that feeds the planner.
 
-Pure pieces (`planning/autoscale.py`) against hand-computed cases; then the operator's side:
+Pure pieces (`autoscale/signals.py`, `autoscale/controller.py`) against hand-computed cases; then the operator's side:
 the fleet guard writes `status.autoscaler` and asks for a pass, and the reconcile applies the
 autoscaler's counts to the Deployments.
 """

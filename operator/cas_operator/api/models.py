@@ -3,7 +3,7 @@
 `crdgen` turns these models into the OpenAPI v3 structural schema in `crds/`; the operator parses
 the live object's spec with the same models (`CodingAgentServingSpec.model_validate`), so a field
 is defined once. Cross-field rules live twice on purpose: as CEL (`x-kubernetes-validations`, so
-the API server rejects bad specs at `kubectl apply`) and as Python checks in `planning.validate`
+the API server rejects bad specs at `kubectl apply`) and as Python checks in `desired.validate`
 (for clusters that predate CEL and for the operator's own defence); tests keep them in step.
 
 GitOps rule: no schema defaults inside list items (they make Argo CD report perpetual drift).

@@ -369,6 +369,15 @@ class ControlDecision:
     reason: str
 
 
+@dataclass(frozen=True)
+class SideStep:
+    """One pool's next replicas, since when a lower target has held, and why."""
+
+    replicas: int
+    down_since: float | None
+    why: str
+
+
 def _step_limit(current: int, frac: float) -> int:
     return max(1, math.ceil(current * frac))
 
@@ -383,7 +392,7 @@ def _side_target(
     now: float,
     cfg: ControlConfig,
     fleet_units: float = 0.0,
-) -> tuple[int, float | None, str]:
+) -> SideStep:
     """One pool's next replicas ignoring the budget: bounded step, cooldown, deadband, and a
     scale-down only after the lower target has held for ``down_stable_s``.
 
@@ -393,21 +402,21 @@ def _side_target(
     want = min(max(want, lo), hi)
     cur = min(max(current, lo), hi)
     if cur != current:  # out of bounds: fix immediately, bounds beat cooldown
-        return cur, None, "bounds"
+        return SideStep(cur, None, "bounds")
     if now - last_change < cfg.cooldown():
         keep_since = down_since if want < current else None
-        return current, keep_since, "cooldown"
+        return SideStep(current, keep_since, "cooldown")
     step = _step_limit(current, cfg.max_step_fraction)
     if want > current:
         up = _step_limit(max(current, math.floor(fleet_units)), cfg.max_step_fraction)
-        return min(want, current + up), None, "up"
+        return SideStep(min(want, current + up), None, "up")
     deadband = max(1, math.floor(current * cfg.deadband_fraction))
     if current - want < deadband:
-        return current, None, "deadband"
+        return SideStep(current, None, "deadband")
     since = now if down_since is None else down_since
     if now - since < cfg.down_stable_s:
-        return current, since, "waiting"
-    return max(want, current - step), None, "down"
+        return SideStep(current, since, "waiting")
+    return SideStep(max(want, current - step), None, "down")
 
 
 def next_replicas(
@@ -437,7 +446,7 @@ def next_replicas(
     """
     b = config.bounds
     held = current.prefill * config.prefill_gpus + current.decode * config.decode_gpus
-    p, p_since, p_why = _side_target(
+    ps = _side_target(
         current.prefill,
         recommendation.n_prefill,
         b.min_prefill,
@@ -448,7 +457,7 @@ def next_replicas(
         config,
         held / config.prefill_gpus,
     )
-    d, d_since, d_why = _side_target(
+    ds = _side_target(
         current.decode,
         recommendation.n_decode,
         b.min_decode,
@@ -459,38 +468,37 @@ def next_replicas(
         config,
         held / config.decode_gpus,
     )
-    p, d, why = _fit_budget(current, p, d, config)
+    p, d, why = _fit_budget(current, ps.replicas, ds.replicas, config)
+    ps, ds = replace(ps, replicas=p), replace(ds, replicas=d)
     # At the cap a pool that wants to grow is blocked until the other one shrinks: a lower
     # target on the other side that has held for ``rebalance_stable_s`` (instead of the longer
     # scale-in ``down_stable_s``) is then a rebalance step; cooldown and step bounds still
     # apply, and the growth follows only once the removed pods are gone.
     settled = now - config.rebalance_stable_s
-    d_ready = d_why == "waiting" and d_since is not None and d_since <= settled
-    if p < min(recommendation.n_prefill, b.max_prefill) and d_ready:
-        d, d_since, d_why = _rebalance_down(
-            current.decode, recommendation.n_decode, b.min_decode, config
-        )
-    p_ready = p_why == "waiting" and p_since is not None and p_since <= settled
-    p_ready = p_ready or (decode_failing and p_why == "waiting")
-    if d < min(recommendation.n_decode, b.max_decode) and p_ready:
-        p, p_since, p_why = _rebalance_down(
-            current.prefill, recommendation.n_prefill, b.min_prefill, config
-        )
+    if ps.replicas < min(recommendation.n_prefill, b.max_prefill) and _held(ds, settled):
+        ds = _rebalance_down(current.decode, recommendation.n_decode, b.min_decode, config)
+    p_ready = _held(ps, settled) or (decode_failing and ps.why == "waiting")
+    if ds.replicas < min(recommendation.n_decode, b.max_decode) and p_ready:
+        ps = _rebalance_down(current.prefill, recommendation.n_prefill, b.min_prefill, config)
+    p, d = ps.replicas, ds.replicas
     new_state = ControlState(
         last_prefill_change=now if p != current.prefill else state.last_prefill_change,
         last_decode_change=now if d != current.decode else state.last_decode_change,
-        down_since_prefill=p_since,
-        down_since_decode=d_since,
+        down_since_prefill=ps.down_since,
+        down_since_decode=ds.down_since,
     )
-    return ControlDecision(p, d, new_state, f"prefill {p_why}, decode {d_why}{why}")
+    return ControlDecision(p, d, new_state, f"prefill {ps.why}, decode {ds.why}{why}")
 
 
-def _rebalance_down(
-    current: int, want: int, lo: int, cfg: ControlConfig
-) -> tuple[int, float | None, str]:
+def _held(side: SideStep, settled: float) -> bool:
+    """A lower target waiting to be taken that has held since `settled` or before."""
+    return side.why == "waiting" and side.down_since is not None and side.down_since <= settled
+
+
+def _rebalance_down(current: int, want: int, lo: int, cfg: ControlConfig) -> SideStep:
     """One bounded scale-down step toward ``want`` (never below the floor ``lo``)."""
     step = _step_limit(current, cfg.max_step_fraction)
-    return max(want, lo, current - step), None, "rebalance"
+    return SideStep(max(want, lo, current - step), None, "rebalance")
 
 
 def _fit_budget(

@@ -2,7 +2,7 @@
 
 Both implement `MetricsSource.observe(targets, window_seconds) -> Observation`: per-pod
 `PodSignals` (windowed counter increases and latest gauges) plus a source-wide error when the
-source itself is down. Nothing here decides anything; `planning.anomaly` does.
+source itself is down. Nothing here decides anything; `anomaly.detect` and `autoscale` do.
 """
 
 from cas_operator.observe.prometheus import PrometheusSource

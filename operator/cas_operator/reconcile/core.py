@@ -103,29 +103,37 @@ def apply_tier(manifest: dict[str, Any]) -> int:
     return 1 if manifest["kind"] in WORKLOAD_KINDS else 0
 
 
-def _apply_one(
-    kube: Kube, manifest: dict[str, Any]
-) -> tuple[Problem | None, ObservedWorkload | None]:
+@dataclass(frozen=True)
+class ApplyResult:
+    """One child's apply: the problem it hit, or the workload as the server answered it."""
+
+    problem: Problem | None = None
+    workload: ObservedWorkload | None = None
+
+
+def _apply_one(kube: Kube, manifest: dict[str, Any]) -> ApplyResult:
     """Apply one child; a workload comes back as the server answered it (saves a LIST)."""
     key = (manifest["kind"], manifest["metadata"]["name"])
     try:
         answer = kube.apply(manifest)
     except KindNotInstalled as exc:
-        return Problem(
-            c.REASON_LWS_MISSING,
-            f"{exc.kind} API ({c.LWS_API_VERSION}) is not installed: multi-node instances "
-            f"need the LeaderWorkerSet controller ({key[1]} not created)",
-        ), None
+        return ApplyResult(
+            Problem(
+                c.REASON_LWS_MISSING,
+                f"{exc.kind} API ({c.LWS_API_VERSION}) is not installed: multi-node instances "
+                f"need the LeaderWorkerSet controller ({key[1]} not created)",
+            )
+        )
     except NamespaceTerminating:  # the resource goes with its namespace: not a fault
         log.debug("not applying %s %s: its namespace is being deleted", *key)
-        return None, None
+        return ApplyResult()
     except Exception as exc:
         where = f"{key[0]} {manifest['metadata']['namespace']}/{key[1]}"
         log.warning("apply of %s failed: %s", where, exc)
-        return Problem(c.REASON_APPLY_FAILED, f"{key[0]} {key[1]}: {exc}"), None
+        return ApplyResult(Problem(c.REASON_APPLY_FAILED, f"{key[0]} {key[1]}: {exc}"))
     if key[0] not in WORKLOAD_KINDS or not isinstance(answer, dict):
-        return None, None
-    return None, ObservedWorkload.from_object({**answer, "kind": key[0]})
+        return ApplyResult()
+    return ApplyResult(workload=ObservedWorkload.from_object({**answer, "kind": key[0]}))
 
 
 @dataclass
@@ -183,9 +191,9 @@ def apply_children(
     workloads: list[ObservedWorkload] = []
     for tier in sorted({apply_tier(m) for m in todo}):
         batch = [m for m in todo if apply_tier(m) == tier]
-        for problem, workload in _APPLY_POOL.map(lambda m: _apply_one(kube, m), batch):
-            problems += [problem] if problem is not None else []
-            workloads += [workload] if workload is not None else []
+        for result in _APPLY_POOL.map(lambda m: _apply_one(kube, m), batch):
+            problems += [result.problem] if result.problem is not None else []
+            workloads += [result.workload] if result.workload is not None else []
     return Applied(len(todo) - len(problems), problems, workloads)
 
 

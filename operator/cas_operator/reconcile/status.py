@@ -107,7 +107,19 @@ def pool_status(plan: Plan, pool: PoolPlan, observed: list[ObservedWorkload]) ->
     }
 
 
-def _readiness(plan: Plan, observed: list[ObservedWorkload]) -> tuple[bool, list[str], list[str]]:
+@dataclass(frozen=True)
+class Readiness:
+    """What the current revision waits for (nothing: ready) and the stale revisions left."""
+
+    waiting: list[str]
+    stale: list[str]
+
+    @property
+    def ready(self) -> bool:
+        return not self.waiting
+
+
+def _readiness(plan: Plan, observed: list[ObservedWorkload]) -> Readiness:
     """Whether the current revision is ready, what it waits for, and stale revisions left."""
     waiting = []
     for pool in plan.pools:
@@ -121,7 +133,7 @@ def _readiness(plan: Plan, observed: list[ObservedWorkload]) -> tuple[bool, list
     if not routers or not all(w.ready for w in routers):
         waiting.append("router not ready")
     stale = sorted({w.revision for w in observed if w.revision != plan.revision})
-    return not waiting, waiting, stale
+    return Readiness(waiting, stale)
 
 
 def anomaly_findings(anomaly: dict[str, Any] | None) -> tuple[list[Problem], str | None]:
@@ -159,8 +171,9 @@ def compute_status(
     `problems` (failed applies, missing APIs) make the resource Degraded and not Ready; the
     anomaly loop's findings (`status.anomaly`, written by its own timer) only make it Degraded.
     """
-    ready, waiting, stale = _readiness(plan, observed)
-    ready = ready and not problems
+    readiness = _readiness(plan, observed)
+    waiting, stale = readiness.waiting, readiness.stale
+    ready = readiness.ready and not problems
     summary = plan_summary(plan)
     degradations = [*problems, *anomaly_findings(anomaly)[0]]
     if degradations:
