@@ -1,9 +1,14 @@
-"""`python -m cas_operator` / `cas-operator`: run the operator against the current kubeconfig."""
+"""`python -m cas_operator` / `cas-operator`: run the operator against the current kubeconfig.
+
+`cas-operator render -f FILE [--revision-of] [-n NAMESPACE]` prints the children the operator
+would apply for a resource file instead, with no cluster (see `render.py`).
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
 import kopf
 
@@ -32,7 +37,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def parse_render_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="cas-operator render",
+        description="Print every child manifest the operator would apply (no cluster).",
+    )
+    parser.add_argument("-f", "--filename", required=True, help="resource YAML file, - for stdin")
+    parser.add_argument("-n", "--namespace", help="namespace when the file names none")
+    parser.add_argument(
+        "--revision-of", action="store_true", help="print only each resource's revision"
+    )
+    return parser.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["render"]:
+        from cas_operator import render
+
+        args = parse_render_args(argv[1:])
+        sys.exit(
+            render.main(args.filename, namespace=args.namespace, revision_only=args.revision_of)
+        )
     args = parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

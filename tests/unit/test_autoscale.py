@@ -1,8 +1,8 @@
 """Auto mode's damped replica step and the measured load that feeds the planner.
 
-Pure pieces (`autoscale/signals.py`, `autoscale/controller.py`) against hand-computed cases; then the operator's side:
-the fleet guard writes `status.autoscaler` and asks for a pass, and the reconcile applies the
-autoscaler's counts to the Deployments.
+Pure pieces (`autoscale/signals.py`, `autoscale/controller.py`) against hand-computed cases;
+then the operator's side: the fleet tick hands `status.autoscaler` to the passes and asks for
+one, and the reconcile applies the autoscaler's counts to the Deployments.
 """
 
 from __future__ import annotations

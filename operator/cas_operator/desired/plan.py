@@ -8,9 +8,12 @@ once; it never reads the cluster or the clock.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
 
 from cas_operator.api import constants as c
-from cas_operator.api.models import CodingAgentServingSpec, RatioMode
+from cas_operator.api.models import CodingAgentServingSpec, RatioMode, parse_spec
 from cas_operator.autoscale.model import ObservedSignals
 from cas_operator.desired.layersplit import (
     KvFootprint,
@@ -167,3 +170,28 @@ def build_plan(
         layer_split=resolved.layer_split,
         recommendation=recommendation,
     )
+
+
+def pydantic_errors(exc: ValidationError) -> list[SpecError]:
+    """Pydantic's errors in the user's terms: `spec.prefill.tensorParallel: ...`."""
+    errors = []
+    for err in exc.errors():
+        path = ".".join(str(p) for p in err["loc"]) or "(root)"
+        errors.append(SpecError(path, err["msg"]))
+    return errors
+
+
+def plan_raw(
+    name: str,
+    namespace: str,
+    raw_spec: dict[str, Any],
+    observed: ObservedSignals | None = None,
+    auto_replicas: tuple[int, int] | None = None,
+) -> Plan:
+    """Parse a resource's `spec` as the API server stored it, then `build_plan`; raises
+    InvalidSpec naming every bad field (schema errors included)."""
+    try:
+        spec = parse_spec(raw_spec)
+    except ValidationError as exc:
+        raise InvalidSpec(pydantic_errors(exc)) from exc
+    return build_plan(name, namespace, spec, observed, auto_replicas)

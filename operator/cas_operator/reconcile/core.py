@@ -17,15 +17,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import ValidationError
-
 from cas_operator.api import constants as c
-from cas_operator.api.models import CodingAgentServingSpec, parse_spec
 from cas_operator.autoscale.model import ObservedSignals
-from cas_operator.desired.plan import InvalidSpec, Plan, build_plan
+from cas_operator.desired.plan import InvalidSpec, Plan, plan_raw
 from cas_operator.desired.resources import build_all
 from cas_operator.desired.resources.meta import Owner
-from cas_operator.desired.validate import SpecError
 from cas_operator.kube import REVISIONED_KINDS, KindNotInstalled, Kube, NamespaceTerminating
 from cas_operator.reconcile.status import (
     ObservedWorkload,
@@ -52,15 +48,6 @@ class Outcome:
     applied: int = 0
 
 
-def pydantic_errors(exc: ValidationError) -> list[SpecError]:
-    """Pydantic's errors in the user's terms: `spec.prefill.tensorParallel: ...`."""
-    errors = []
-    for err in exc.errors():
-        path = ".".join(str(p) for p in err["loc"]) or "(root)"
-        errors.append(SpecError(path, err["msg"]))
-    return errors
-
-
 @dataclass(frozen=True)
 class Measured:
     """What the fleet tick measured and decided (None: nothing yet): the load for the planner,
@@ -77,12 +64,8 @@ class Measured:
 def plan_for(
     name: str, namespace: str, raw_spec: dict[str, Any], measured: Measured = Measured()
 ) -> Plan:
-    """Steps 1: parse + validate + plan; raises InvalidSpec naming every bad field."""
-    try:
-        spec: CodingAgentServingSpec = parse_spec(raw_spec)
-    except ValidationError as exc:
-        raise InvalidSpec(pydantic_errors(exc)) from exc
-    return build_plan(name, namespace, spec, measured.observed, measured.auto_replicas)
+    """Step 1: parse + validate + plan; raises InvalidSpec naming every bad field."""
+    return plan_raw(name, namespace, raw_spec, measured.observed, measured.auto_replicas)
 
 
 def observe(kube: Kube, namespace: str, name: str) -> list[ObservedWorkload]:
