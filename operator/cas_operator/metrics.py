@@ -1,7 +1,8 @@
 """The operator's own Prometheus metrics (served by `__main__` on --metrics-port).
 
-Written by `kube.py` (API requests) and `handlers.py` (reconcile passes, anomaly ticks); read
-by Prometheus, the operator-scale benchmark and anyone debugging a slow or noisy operator.
+Written by `kube.py` (API requests), `passes.py` (reconcile passes) and `handlers.py` (fleet
+ticks); read by Prometheus, the operator-scale benchmark and anyone debugging a slow or noisy
+operator.
 """
 
 from __future__ import annotations

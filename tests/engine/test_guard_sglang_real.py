@@ -3,7 +3,7 @@
 Runs SGLang's own ``SchedulerBatchResultProcessor._resolve_spec_v2_tokens`` under the patch
 with stub collaborators and CPU tensors, then feeds the abort it produced through SGLang's
 own ``TokenizerManager._handle_abort_finish_reason``. Needs torch and SGLang's Python deps
-(see the engine README); importing them takes ~20 s, hence a separate file.
+(see docs/engine.md); importing them takes ~20 s, hence a separate file.
 """
 
 from __future__ import annotations

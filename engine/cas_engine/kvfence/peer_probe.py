@@ -36,7 +36,7 @@ Why a refused connect is evidence, and its limits:
   the time it takes to transmit one send buffer to a reader that is reading (milliseconds; the
   host is reachable, it just answered the probe). The ``evidence`` x ``interval_s`` window
   between the first refusal and the verdict (1 s by default) covers that; it is an assumption,
-  not a proof (see "left" in the README).
+  not a proof (see "How a closed endpoint is confirmed" in docs/engine.md).
 - Where it is no evidence: a different process listening on the same port (a restarted peer
   reusing the port answers ACCEPTED; hence the incarnation check where the endpoint can state one;
   without it a reused port just keeps the rooms quarantined, never releases them wrongly), a

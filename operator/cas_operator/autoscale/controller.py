@@ -12,7 +12,8 @@ Data flow, once per fleet tick for a resource (driven by `fleet_tick.py`):
    of it) -> ratio bounds -> a new `AutoState`, which the caller keeps in `status.autoscaler`
    (a restarted operator continues from it); the reconcile uses its counts as the pools'
    replicas.
-`decide_replicas` runs both steps; `ScaleBounds` is the one ratio-bounds and budget check.
+`autoscale.loop.Autoscaler.step` runs both for a resource; `ScaleBounds` is the one ratio-bounds
+and budget check.
 Nothing here does I/O or reads a clock (`now` comes in).
 """
 

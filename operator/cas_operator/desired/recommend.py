@@ -1,4 +1,4 @@
-"""Adapter from a CodingAgentServing spec to the P:D ratio planner (`ratio.recommend`).
+"""Adapter from a CodingAgentServing spec to the P:D ratio planner (`autoscale.search.recommend`).
 
 Data flow: spec.workload / slo / ratio + the pools' instance shapes -> planner inputs with the
 packaged instance profile of the model (GLM-5 or DeepSeek-V3 on H200) -> `RatioRecommendation`
@@ -9,7 +9,8 @@ dividing tensorParallel) is planned in the profile's default shape and converted
 totals, rounded up.
 
 Pure and cached: the same spec gives the same answer, computed once per process (the search
-takes up to a second). Observed signals are not fed in yet (see the issue notes).
+takes up to a second). The fleet tick's measured load (`observed`) replaces or rescales
+the spec's estimates.
 """
 
 from __future__ import annotations

@@ -169,7 +169,8 @@ def compute_status(
     """The full desired status (without conditions' transition times).
 
     `problems` (failed applies, missing APIs) make the resource Degraded and not Ready; the
-    anomaly loop's findings (`status.anomaly`, written by its own timer) only make it Degraded.
+    fleet tick's findings (`status.anomaly`, handed to the pass that writes this status) only make
+    it Degraded.
     """
     readiness = _readiness(plan, observed)
     waiting, stale = readiness.waiting, readiness.stale
