@@ -85,3 +85,24 @@ def test_wilson_interval_brackets_the_rate() -> None:
     lo2, hi2 = wilson_interval(50, 100_000)
     assert hi2 - lo2 < hi - lo
     assert wilson_interval(0, 0) == (0.0, 0.0)
+
+
+def test_engine_package_never_imports_the_bench_harness() -> None:
+    """Regression: the race harness is benchmark code; the engine image must not depend on it."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "engine" / "cas_engine"
+    offenders = []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0] == "bench"]
+    assert offenders == []
+    assert not (root / "kvfence" / "race.py").exists()
