@@ -79,6 +79,9 @@ class PodSnapshot:
     def delete(self, kind: str, namespace: str, name: str) -> None:
         self.kube.delete(kind, namespace, name)
 
+    def evict(self, namespace: str, name: str, uid: str | None) -> bool:
+        return self.kube.evict(namespace, name, uid)
+
 
 @dataclass
 class Prefetched:

@@ -176,14 +176,39 @@ class Kube:
             raise
         return found
 
-    def delete(self, kind: str, namespace: str, name: str) -> None:
-        """Delete with background propagation; a missing object is not an error."""
-        body = {"propagationPolicy": "Background"}
+    def delete(self, kind: str, namespace: str, name: str, uid: str | None = None) -> None:
+        """Delete with background propagation; a missing object is not an error. With `uid`,
+        only that incarnation (a precondition: LWS leader pods keep their names)."""
+        body: Manifest = {"propagationPolicy": "Background"}
+        if uid:
+            body["preconditions"] = {"uid": uid}
         try:
             self._call("DELETE", f"{KINDS[kind].base_path(namespace)}/{name}", body=body)
         except ApiException as exc:
-            if exc.status != 404:
+            if exc.status not in (404, 409):  # gone, or a newer pod has the name now
                 raise
+
+    def evict(self, namespace: str, name: str, uid: str | None) -> bool:
+        """Remove a pod through the Eviction API, so PodDisruptionBudgets hold and its
+        preStop hook and grace period run. `uid` is a precondition: a newer pod under the same
+        name is never hit. True once the pod is going (or gone); False while a disruption
+        budget refuses (429: try again later)."""
+        body: Manifest = {
+            "apiVersion": "policy/v1",
+            "kind": "Eviction",
+            "metadata": {"name": name, "namespace": namespace},
+        }
+        if uid:
+            body["deleteOptions"] = {"preconditions": {"uid": uid}}
+        try:
+            self._call("POST", f"{KINDS['Pod'].base_path(namespace)}/{name}/eviction", body=body)
+        except ApiException as exc:
+            if exc.status == 429:
+                return False
+            if exc.status in (404, 409):
+                return True
+            raise
+        return True
 
     def patch(self, kind: str, namespace: str, name: str, patch: Manifest) -> Manifest:
         """JSON merge patch (used for labels and status of objects we own)."""
@@ -232,7 +257,10 @@ class Kube:
 def _kind_of(path: str) -> str:
     """The plural resource name of an API path (the segment after the namespace)."""
     parts = path.split("/")
-    return parts[parts.index("namespaces") + 2] if "namespaces" in parts[:-2] else parts[-1]
+    if "namespaces" in parts[:-2]:
+        kind = parts[parts.index("namespaces") + 2]
+        return f"{kind}/eviction" if parts[-1] == "eviction" else kind
+    return parts[-1]
 
 
 def _is_missing_kind(exc: ApiException) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from cas_operator.anomaly.act import LoopState, anomaly_tick
@@ -44,6 +45,7 @@ class MemoryPods:
     def __init__(self, pods: list[dict[str, Any]]) -> None:
         self.pods = {p["metadata"]["name"]: p for p in pods}
         self.calls: list[tuple[str, str]] = []
+        self.budget_refuses: set[str] = set()  # pods a PodDisruptionBudget protects
 
     def list(self, kind: str, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
         assert kind == "Pod"
@@ -59,8 +61,14 @@ class MemoryPods:
         return self.pods[name]
 
     def delete(self, kind: str, namespace: str, name: str) -> None:
-        self.calls.append(("delete", name))
+        raise AssertionError("pods leave through the Eviction API, never a bare DELETE")
+
+    def evict(self, namespace: str, name: str, uid: str | None) -> bool:
+        self.calls.append(("evict", name))
+        if name in self.budget_refuses:
+            return False
         self.pods.pop(name, None)
+        return True
 
 
 def engine_pod(name: str, role: str = "decode", **annotations: str) -> dict[str, Any]:
@@ -143,9 +151,28 @@ def test_corrupted_pod_is_taken_out_of_rotation_then_replaced() -> None:
     assert "d2" in api.pods
     source.by_name["d2"] = PodSignals(checked=0, trips_low_accept=0, trips_high_accept=0, running=0)
     done = tick(api, source, state, 35)
-    assert "d2" not in api.pods and ("delete", "d2") in api.calls
+    assert "d2" not in api.pods and ("evict", "d2") in api.calls
     assert any(e[1] == "PodReplaced" and "no running requests" in e[2] for e in done.events)
     assert done.draining == []
+
+
+def test_a_disruption_budget_keeps_a_drained_pod_until_it_allows_the_eviction() -> None:
+    """Drains and replacements go through the Eviction API, so PodDisruptionBudgets hold: a
+    refused eviction leaves the pod out of rotation, marks it once (one Warning event, shown
+    in status.draining) and is retried every tick until the budget allows it."""
+    api, source, state = fleet(), CannedSource(), LoopState()
+    source.by_name["d2"] = replace(CORRUPT, running=0.0)
+    api.budget_refuses.add("d2")
+    blocked = []
+    for t in (0, 5, 25, 30):
+        result = tick(api, source, state, t)
+        blocked += [(t, e[1]) for e in result.events if e[1] == "EvictionBlocked"]
+    assert "d2" in api.pods and api.calls.count(("evict", "d2")) == 2  # at 25 s and 30 s
+    assert blocked == [(25, "EvictionBlocked")]  # once, at the first refusal
+    assert result.draining[0]["evictionBlockedSince"] == rfc3339(T0 + 25)
+    api.budget_refuses.clear()
+    tick(api, source, state, 35)
+    assert "d2" not in api.pods
 
 
 def test_grace_period_bounds_the_wait() -> None:
@@ -157,6 +184,8 @@ def test_grace_period_bounds_the_wait() -> None:
     assert next_step(pod, 0.0, GuardAction.REPLACE, T0 + 16, policy) == "delete"
     assert next_step(pod, 2.0, GuardAction.REPLACE, T0 + 100, policy) == "wait"
     assert next_step(pod, None, GuardAction.REPLACE, T0 + 100, policy) == "wait"
+    # Regression: an unknown running count (metrics missing) was removed once the grace ended.
+    assert next_step(pod, None, GuardAction.REPLACE, T0 + 10_000, policy) == "wait"
     assert next_step(pod, 2.0, GuardAction.REPLACE, T0 + 121, policy) == "delete"
     assert next_step(engine_pod("d1"), 0.0, GuardAction.REPLACE, T0, policy) == "none"
 

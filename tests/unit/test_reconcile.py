@@ -260,3 +260,30 @@ def test_a_fleet_wide_finding_and_its_condition_come_in_one_status() -> None:
     assert degraded is not None and degraded["reason"] == c.REASON_FLEET_ANOMALY
     assert outcome.status["anomaly"]["fleetWide"] == "most decode pods elevated"
     assert outcome.status["draining"] == []
+
+
+def test_kube_evicts_through_the_eviction_api_with_the_pods_uid() -> None:
+    """Drains and replacements POST an Eviction (PodDisruptionBudgets hold) with the pod's uid
+    as a precondition (LWS leader pods keep their names: a DELETE by name could hit the new
+    pod). A budget's refusal (429) is "not now"; a missing pod or another uid is done."""
+    sent: list[tuple[str, str, Any]] = []
+    answers = iter([None, ApiException(status=429), ApiException(status=409),
+                    ApiException(status=500)])  # fmt: skip
+
+    def call(method: str, path: str, *, body: Any = None, **_: Any) -> Any:
+        sent.append((method, path, body))
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    kube = Kube.__new__(Kube)
+    kube._call = call  # type: ignore[method-assign,assignment]
+    assert kube.evict("ns", "d0", "uid-1") is True
+    method, path, body = sent[0]
+    assert (method, path) == ("POST", "/api/v1/namespaces/ns/pods/d0/eviction")
+    assert body["kind"] == "Eviction" and body["deleteOptions"]["preconditions"] == {"uid": "uid-1"}
+    assert kube.evict("ns", "d0", "uid-1") is False
+    assert kube.evict("ns", "d0", "uid-1") is True
+    with pytest.raises(ApiException):
+        kube.evict("ns", "d0", "uid-1")

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from cas_operator.anomaly.detect import AnomalyDecision, GuardState, Policy, decide
 from cas_operator.anomaly.drain import (
     ANNOTATION_DRAIN_STATE,
+    ANNOTATION_EVICTION_BLOCKED,
     STATE_HELD,
     DrainPolicy,
     _drained_why,
@@ -36,7 +37,7 @@ from cas_operator.api import constants as c
 from cas_operator.api.models import AnomalyGuardSpec, GuardAction
 from cas_operator.observe.types import MetricsSource, Observation, PodView
 from cas_operator.routers import HttpRouters, Routers, router_pod_urls
-from cas_operator.types import Event, Manifest
+from cas_operator.types import Event, Manifest, rfc3339
 
 
 class PodApi(Protocol):
@@ -47,6 +48,8 @@ class PodApi(Protocol):
     def patch(self, kind: str, namespace: str, name: str, patch: Manifest) -> Manifest: ...
 
     def delete(self, kind: str, namespace: str, name: str) -> None: ...
+
+    def evict(self, namespace: str, name: str, uid: str | None) -> bool: ...
 
 
 @dataclass
@@ -101,19 +104,34 @@ def advance_drains(
     now: float,
     policy: DrainPolicy,
 ) -> tuple[list[Event], set[str]]:
-    """Move every draining pod one step; returns events and the names deleted this tick."""
+    """Move every draining pod one step; returns events and the names removed this tick.
+
+    A pod is removed through the Eviction API with its uid as a precondition; while a
+    PodDisruptionBudget refuses, it stays (out of rotation) and is tried again next tick, and
+    the refusal is recorded once on the pod (`cas.dev/eviction-blocked`) with one event."""
     events: list[Event] = []
-    deleted: set[str] = set()
+    removed: set[str] = set()
     for pod in pods:
         meta = _meta(pod)
         signals = observation.signals.get(meta["name"])
         running = signals.running if signals is not None and signals.error is None else None
         step = next_step(pod, running, action, now, policy)
         if step == "delete":
-            api.delete("Pod", meta["namespace"], meta["name"])
-            deleted.add(meta["name"])
-            why = "held long enough" if _held(pod) else _drained_why(running)
-            events.append(("Normal", "PodReplaced", f"pod {meta['name']} deleted ({why})"))
+            if api.evict(meta["namespace"], meta["name"], meta.get("uid")):
+                removed.add(meta["name"])
+                why = "held long enough" if _held(pod) else _drained_why(running)
+                events.append(("Normal", "PodReplaced", f"pod {meta['name']} evicted ({why})"))
+            elif ANNOTATION_EVICTION_BLOCKED not in meta.get("annotations", {}):
+                mark = {"metadata": {"annotations": {ANNOTATION_EVICTION_BLOCKED: rfc3339(now)}}}
+                api.patch("Pod", meta["namespace"], meta["name"], mark)
+                meta.setdefault("annotations", {}).update(mark["metadata"]["annotations"])
+                events.append(
+                    (
+                        "Warning",
+                        "EvictionBlocked",
+                        f"pod {meta['name']}: a PodDisruptionBudget refuses its eviction; retrying",
+                    )
+                )
         elif step == "hold":
             patch = {"metadata": {"annotations": {ANNOTATION_DRAIN_STATE: STATE_HELD}}}
             api.patch("Pod", meta["namespace"], meta["name"], patch)
@@ -121,7 +139,7 @@ def advance_drains(
             events.append(
                 ("Normal", "PodHeld", f"pod {meta['name']} drained, held out of rotation")
             )
-    return events, deleted
+    return events, removed
 
 
 def deregister_draining(pods: list[Manifest], routers: Routers) -> list[Event]:

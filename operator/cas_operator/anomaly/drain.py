@@ -1,14 +1,16 @@
 """The drain state machine of the anomaly loop (pure): what a pod out of rotation needs next.
 
-Drain, as the pods record it (level-based: every step is re-derived from the pods each tick, so
-a restarted operator resumes drains in progress from what it observes, never from memory):
+Drain, as the pods record it:
 
-    in rotation --start_drain--> Draining --running == 0 or grace over--> Replace: deleted
-    (label cas.dev/serving=true)  (label removed; annotations     |        (its controller makes
-                                   draining-since, drain-reason)   |         a fresh pod)
-                                                                   +-----> Drain: Held (state
-                                                                            annotation), deleted
-                                                                            after hold_seconds
+    in rotation --start_drain--> Draining --running == 0, or grace over--> Replace: evicted
+    (label cas.dev/serving=true)  (label removed; annotations |    with a known count    (its
+                                   draining-since, drain-reason) |                  controller
+                                                                 |                  makes a new pod)
+                                                                 +-----> Drain: Held (state
+                                                                          annotation), evicted
+                                                                          after hold_seconds
+Removal goes through the Eviction API (PodDisruptionBudgets hold; uid precondition); a pod
+whose running count is unknown is never removed on the grace timer alone.
 Every step is re-derived from the pods each tick (level-based), so a restarted operator
 resumes drains in progress from what it observes, never from memory. This module reads pods
 (`view_of`, `target_of`, `draining_since`) and decides (`next_step`, `draining_status`);
@@ -32,6 +34,7 @@ ANNOTATION_DRAIN_REASON: Final = "cas.dev/drain-reason"
 
 ANNOTATION_DRAIN_STATE: Final = "cas.dev/drain-state"
 
+ANNOTATION_EVICTION_BLOCKED: Final = "cas.dev/eviction-blocked"
 STATE_DRAINING: Final = "Draining"
 
 STATE_HELD: Final = "Held"
@@ -107,7 +110,11 @@ def view_of(pod: Manifest, signals: PodSignals | None) -> PodView:
 def next_step(
     pod: Manifest, running: float | None, action: GuardAction, now: float, policy: DrainPolicy
 ) -> str:
-    """What a draining pod needs now: "wait", "hold", "delete" or "none" (pure)."""
+    """What a draining pod needs now: "wait", "hold", "delete" or "none" (pure).
+
+    A pod whose running count is unknown (`running` None: its metrics are missing) is never
+    removed on the grace timer alone: it waits, out of rotation, until a reading says 0 or
+    shows what it runs (then the grace bounds the wait as usual)."""
     since = draining_since(pod)
     if since is None:
         return "none"
@@ -116,7 +123,9 @@ def next_step(
         return "delete" if now - since >= policy.hold_seconds else "none"
     if now - since < policy.min_wait_seconds:
         return "wait"
-    if (running is None or running > 0) and now - since < policy.grace_seconds:
+    if running is None:
+        return "wait"
+    if running > 0 and now - since < policy.grace_seconds:
         return "wait"
     return "hold" if action == GuardAction.DRAIN else "delete"
 
@@ -147,5 +156,9 @@ def draining_status(pods: list[Manifest], observation: Observation) -> list[dict
         }
         if signals is not None and signals.error is None and signals.running is not None:
             entry["runningRequests"] = int(signals.running)
+        else:
+            entry["stalled"] = "running requests unknown: not removed until they are measured"
+        if ANNOTATION_EVICTION_BLOCKED in ann:
+            entry["evictionBlockedSince"] = ann[ANNOTATION_EVICTION_BLOCKED]
         entries.append(entry)
     return sorted(entries, key=lambda e: (e["since"], e["pod"]))
