@@ -80,6 +80,21 @@ class HostStreams:
         return contextlib.nullcontext()
 
 
+@pytest.fixture(autouse=True)
+def upstream_classes(monkeypatch):
+    """Run on upstream's methods even if the plugin patched them earlier in this process."""
+    from cas_engine.sglang.hicache_check import ORIGINAL_ATTR
+
+    for cls, name in [
+        (LayerSplitDSATokenToKVPool, "prefetch_kv_buffer"),
+        (SWAKVPool, "get_index_k_with_scale_buffer"),
+        (SWAKVPool, "get_index_k_scale_buffer"),
+    ]:
+        original = getattr(cls.__dict__[name], ORIGINAL_ATTR, None)
+        if original is not None:
+            monkeypatch.setattr(cls, name, original)
+
+
 def _counter() -> LayerDoneCounter:
     counter = object.__new__(LayerDoneCounter)
     counter.num_layers = LAYERS

@@ -260,10 +260,13 @@ def patch_swa_index_getters(cls: type, originals: dict[tuple[type, str], Any]) -
 def install_ordering_patches(
     *, layer_split_cls: type | None = None, swa_cls: type | None = None
 ) -> OrderingPatch:
-    """Install both fixes on the real classes (or the given ones); idempotence is refused."""
+    """Install both fixes on the real classes (or the given ones); a second call is a no-op."""
     layer_split_cls = layer_split_cls or _load(LAYER_SPLIT_MODULE, LAYER_SPLIT_CLASS)
     swa_cls = swa_cls or _load(SWA_MODULE, SWA_CLASS)
     originals: dict[tuple[type, str], Any] = {}
+    installed = getattr(layer_split_cls.__dict__.get("prefetch_kv_buffer"), ORIGINAL_ATTR, None)
+    if installed is not None:
+        return OrderingPatch({})  # already installed in this process (the plugin ran)
     try:
         patch_layer_split_prefetch(layer_split_cls, originals)
         patch_swa_index_getters(swa_cls, originals)
