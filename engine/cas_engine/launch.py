@@ -328,6 +328,11 @@ def sglang_plugin() -> None:
         kv_metrics = KvFenceMetrics(registry=REGISTRY)
         install_strict_reclaim(metrics=kv_metrics)
         install_prefill_pin(metrics=kv_metrics)
+    from cas_engine.sglang import hicache_check
+
+    # HiCache load-use ordering fixes the start-up check credits (hicache.source_check.PATCHED);
+    # no-ops while no layer counter is registered (HiCache off)
+    hicache_check.install_ordering_patches()
     if os.environ.get(HICACHE_DETECTOR_ENV) == "true":
         from cas_engine.sglang.hicache_check import install_read_detector
 

@@ -200,3 +200,123 @@ def test_cuda_streams_read_before_ready(wait: bool) -> None:
         assert (result.violations, result.stale_layers) == (0, 0)
     else:
         assert result.violations >= 1 and result.stale_layers >= 1
+
+
+# ---- the source check on mutated copies of the real source (a check that can fail) ----
+
+
+def _real_sources() -> dict[str, str]:
+    from cas_engine.hicache.source_check import read_sources
+
+    sources = read_sources(_real_sglang_root())
+    if len(sources) < 8:
+        pytest.skip("sglang source incomplete")
+    return sources
+
+
+def _mutate(sources: dict[str, str], rel: str, old: str, new: str) -> dict[str, str]:
+    assert sources[rel].count(old) == 1, f"mutation anchor not unique in {rel}: {old!r}"
+    return {**sources, rel: sources[rel].replace(old, new)}
+
+
+LS = "srt/mem_cache/dsa_cache_layer_split.py"
+LS_INDEX_WAIT = """        if self.pool.layer_transfer_counter is not None:
+            self.pool.layer_transfer_counter.wait_until(
+                layer_id - self.pool.start_layer
+            )
+        return self.get_broadcastable_buffer(layer_id)"""
+LS_KV_WAIT = """        if self.layer_transfer_counter is not None:
+            self.layer_transfer_counter.wait_until(layer_id - self.start_layer)
+
+        kv_buffer = self._get_broadcastable_kv_buffer(layer_id)
+        if self.store_dtype != self.dtype:
+            return kv_buffer.view(self.dtype)"""
+
+
+def test_real_source_passes_with_cas_patches_and_names_the_upstream_gaps() -> None:
+    """Regression: 0.5.23 passes only thanks to our patches; without them exactly 3 gaps."""
+    from cas_engine.hicache.source_check import check_sources
+
+    sources = _real_sources()
+    verdict = check_sources(sources, "0.5.23")
+    assert verdict.ok, verdict.message
+    assert {"LayerSplitDSATokenToKVPool", "PageInterleaveDSATokenToKVPool", "SWAKVPool",
+            "DeepSeekV4TokenToKVPool", "HiSparseDSATokenToKVPool"} <= set(verdict.pools)
+    assert verdict.getters["LayerSplitDSATokenToKVPool.get_broadcastable_index_k_with_scale_buffer"]
+    bare = check_sources(sources, "0.5.23", patched={})
+    assert not bare.ok
+    assert sorted(k for k, ok in bare.getters.items() if not ok) == [
+        "LayerSplitDSATokenToKVPool.prefetch_kv_buffer",
+        "SWAKVPool.get_index_k_scale_buffer",
+        "SWAKVPool.get_index_k_with_scale_buffer",
+    ]
+    assert "dsa_cache_layer_split.py:282" in bare.problems["LayerSplitDSATokenToKVPool.prefetch_kv_buffer"]
+
+
+def test_layer_split_index_getter_with_wait_moved_after_the_read_fails() -> None:
+    """Regression: the wait after the owner broadcast (the read) must be caught."""
+    from cas_engine.hicache.source_check import check_sources
+
+    moved = LS_INDEX_WAIT.replace(
+        "        return self.get_broadcastable_buffer(layer_id)", ""
+    ).replace("        if self.pool", "        buf = self.get_broadcastable_buffer(layer_id)\n        if self.pool")
+    verdict = check_sources(_mutate(_real_sources(), LS, LS_INDEX_WAIT, moved + "\n        return buf"))
+    assert not verdict.ok
+    bad = sorted(k for k, ok in verdict.getters.items() if not ok)
+    assert "LayerSplitDSATokenToKVPool.get_broadcastable_index_k_with_scale_buffer" in bad
+    assert "LayerSplitDSATokenToKVPool.get_index_k_scale_buffer" in bad
+
+
+def test_layer_split_kv_getter_with_wait_removed_fails() -> None:
+    """Regression: get_key_buffer without its wait (the broadcast reads first) must fail."""
+    from cas_engine.hicache.source_check import check_sources
+
+    removed = LS_KV_WAIT.split("\n", 2)[2]
+    verdict = check_sources(_mutate(_real_sources(), LS, LS_KV_WAIT, removed))
+    assert verdict.getters["LayerSplitDSATokenToKVPool.get_key_buffer"] is False
+    assert not verdict.ok
+
+
+def test_dsv4_and_page_interleave_without_their_waits_fail() -> None:
+    """Regression: the DSV4 wrapper's wait and the page-interleave gather's wait are both seen."""
+    from cas_engine.hicache.source_check import check_sources
+
+    sources = _real_sources()
+    dsv4 = _mutate(
+        sources,
+        "srt/mem_cache/deepseek_v4_memory_pool.py",
+        "            self.layer_transfer_counter.wait_until(layer_id - self.start_layer)\n\n"
+        "    def get_attention_compress_states",
+        "            pass\n\n    def get_attention_compress_states",
+    )
+    verdict = check_sources(dsv4)
+    assert verdict.getters["DeepSeekV4TokenToKVPool.get_index_k_with_scale_buffer"] is False
+    pi = _mutate(
+        sources,
+        "srt/mem_cache/page_interleave_pool.py",
+        "                self.layer_transfer_counter.wait_until(local_layer)",
+        "                pass",
+    )
+    verdict = check_sources(pi)
+    assert verdict.getters["PageInterleaveDSATokenToKVPool._prefetch_layer"] is False
+    assert verdict.getters["PageInterleaveDSATokenToKVPool.get_key_buffer"] is False
+
+
+def test_upstream_style_fixes_pass_without_cas_patches() -> None:
+    """Regression: an SGLang that fixes the gaps itself passes with no patch credited."""
+    from cas_engine.hicache.source_check import check_sources
+
+    sources = _mutate(
+        _real_sources(),
+        LS,
+        "        if self.remote_kv_layer_id == layer_id:\n            return\n        if self.pending",
+        "        if self.layer_transfer_counter is not None:\n"
+        "            self.layer_transfer_counter.wait_until(layer_id - self.start_layer)\n"
+        "        if self.remote_kv_layer_id == layer_id:\n            return\n        if self.pending",
+    )
+    swa = "srt/mem_cache/swa_memory_pool.py"
+    for name in ("get_index_k_with_scale_buffer(self, layer_id: int) -> torch.Tensor:",
+                 "get_index_k_scale_buffer(self, layer_id: int, *args, **kwargs):"):
+        sources = _mutate(sources, swa, name, name + "\n        self._wait_for_layer(layer_id)")
+    verdict = check_sources(sources, "0.5.23", patched={})
+    assert verdict.ok, verdict.message
