@@ -240,8 +240,13 @@ def test_real_source_passes_with_cas_patches_and_names_the_upstream_gaps() -> No
     sources = _real_sources()
     verdict = check_sources(sources, "0.5.23")
     assert verdict.ok, verdict.message
-    assert {"LayerSplitDSATokenToKVPool", "PageInterleaveDSATokenToKVPool", "SWAKVPool",
-            "DeepSeekV4TokenToKVPool", "HiSparseDSATokenToKVPool"} <= set(verdict.pools)
+    assert {
+        "LayerSplitDSATokenToKVPool",
+        "PageInterleaveDSATokenToKVPool",
+        "SWAKVPool",
+        "DeepSeekV4TokenToKVPool",
+        "HiSparseDSATokenToKVPool",
+    } <= set(verdict.pools)
     assert verdict.getters["LayerSplitDSATokenToKVPool.get_broadcastable_index_k_with_scale_buffer"]
     bare = check_sources(sources, "0.5.23", patched={})
     assert not bare.ok
@@ -250,7 +255,10 @@ def test_real_source_passes_with_cas_patches_and_names_the_upstream_gaps() -> No
         "SWAKVPool.get_index_k_scale_buffer",
         "SWAKVPool.get_index_k_with_scale_buffer",
     ]
-    assert "dsa_cache_layer_split.py:282" in bare.problems["LayerSplitDSATokenToKVPool.prefetch_kv_buffer"]
+    assert (
+        "dsa_cache_layer_split.py:282"
+        in bare.problems["LayerSplitDSATokenToKVPool.prefetch_kv_buffer"]
+    )
 
 
 def test_layer_split_index_getter_with_wait_moved_after_the_read_fails() -> None:
@@ -259,8 +267,13 @@ def test_layer_split_index_getter_with_wait_moved_after_the_read_fails() -> None
 
     moved = LS_INDEX_WAIT.replace(
         "        return self.get_broadcastable_buffer(layer_id)", ""
-    ).replace("        if self.pool", "        buf = self.get_broadcastable_buffer(layer_id)\n        if self.pool")
-    verdict = check_sources(_mutate(_real_sources(), LS, LS_INDEX_WAIT, moved + "\n        return buf"))
+    ).replace(
+        "        if self.pool",
+        "        buf = self.get_broadcastable_buffer(layer_id)\n        if self.pool",
+    )
+    verdict = check_sources(
+        _mutate(_real_sources(), LS, LS_INDEX_WAIT, moved + "\n        return buf")
+    )
     assert not verdict.ok
     bad = sorted(k for k, ok in verdict.getters.items() if not ok)
     assert "LayerSplitDSATokenToKVPool.get_broadcastable_index_k_with_scale_buffer" in bad
@@ -309,14 +322,18 @@ def test_upstream_style_fixes_pass_without_cas_patches() -> None:
     sources = _mutate(
         _real_sources(),
         LS,
-        "        if self.remote_kv_layer_id == layer_id:\n            return\n        if self.pending",
+        "        if self.remote_kv_layer_id == layer_id:\n"
+        "            return\n        if self.pending",
         "        if self.layer_transfer_counter is not None:\n"
         "            self.layer_transfer_counter.wait_until(layer_id - self.start_layer)\n"
-        "        if self.remote_kv_layer_id == layer_id:\n            return\n        if self.pending",
+        "        if self.remote_kv_layer_id == layer_id:\n"
+        "            return\n        if self.pending",
     )
     swa = "srt/mem_cache/swa_memory_pool.py"
-    for name in ("get_index_k_with_scale_buffer(self, layer_id: int) -> torch.Tensor:",
-                 "get_index_k_scale_buffer(self, layer_id: int, *args, **kwargs):"):
+    for name in (
+        "get_index_k_with_scale_buffer(self, layer_id: int) -> torch.Tensor:",
+        "get_index_k_scale_buffer(self, layer_id: int, *args, **kwargs):",
+    ):
         sources = _mutate(sources, swa, name, name + "\n        self._wait_for_layer(layer_id)")
     verdict = check_sources(sources, "0.5.23", patched={})
     assert verdict.ok, verdict.message

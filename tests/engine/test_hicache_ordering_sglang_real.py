@@ -110,7 +110,9 @@ def _pool(counter: LayerDoneCounter, dedicated_comm: bool) -> LayerSplitDSAToken
     pool.layer_shard_rank, pool.layer_shard_size = 0, 2
     pool.layer_num, pool.start_layer = LAYERS, 0
     pool.store_dtype = pool.dtype = torch.float32
-    pool.kv_buffer = [torch.zeros(8, 1, 4) if i < 2 else torch.zeros(0, 1, 4) for i in range(LAYERS)]
+    pool.kv_buffer = [
+        torch.zeros(8, 1, 4) if i < 2 else torch.zeros(0, 1, 4) for i in range(LAYERS)
+    ]
     pool.remote_kv_buffer = torch.zeros(8, 1, 4)
     pool.remote_kv_layer_id = None
     pool.pending_remote_kv_layer_id = None
@@ -144,7 +146,9 @@ def _layer0_then_prefetch(monkeypatch, dedicated_comm: bool):
     monkeypatch.setattr(
         split_mod,
         "get_parallel",
-        lambda: SimpleNamespace(attn_cp_group=SimpleNamespace(pynccl_comm=FakeComm(), cpu_group=None)),
+        lambda: SimpleNamespace(
+            attn_cp_group=SimpleNamespace(pynccl_comm=FakeComm(), cpu_group=None)
+        ),
     )
     monkeypatch.setattr(dsa_utils, "dsa_use_prefill_cp", lambda batch: True)
     monkeypatch.setattr(dsa_utils, "get_token_to_kv_pool", lambda: pool)
@@ -170,14 +174,15 @@ def test_patched_prefetch_waits_for_the_layer_it_reads(monkeypatch, dedicated_co
     """Regression: with the cas patch the prefetch of L+1 waits for L+1's load and reads it."""
     patch = install_ordering_patches()
     try:
-        counter, pool, read = _layer0_then_prefetch(monkeypatch, dedicated_comm)
+        counter, _pool, read = _layer0_then_prefetch(monkeypatch, dedicated_comm)
     finally:
         patch.uninstall()
     assert read.eq(LOADED).all()
     assert counter.events[0].waited[:2] == [0, 1]  # the prefetch's wait for layer 1
-    assert LayerSplitDSATokenToKVPool.prefetch_kv_buffer is patch.originals[
-        (LayerSplitDSATokenToKVPool, "prefetch_kv_buffer")
-    ]
+    assert (
+        LayerSplitDSATokenToKVPool.prefetch_kv_buffer
+        is patch.originals[(LayerSplitDSATokenToKVPool, "prefetch_kv_buffer")]
+    )
 
 
 @pytest.mark.parametrize("patched", [False, True])

@@ -95,7 +95,9 @@ MAX_DEPTH = 8
 # without a prefix the scratch holds this batch's own chunk writes)
 NO_LOAD_GUARDS = ("_block_pages",)
 
-CLEAN, WAITED = ("clean",), ("waited",)
+State = tuple[str, ...]  # CLEAN, WAITED, or ("read", where): one path's state
+CLEAN: State = ("clean",)
+WAITED: State = ("waited",)
 
 
 @dataclass(frozen=True)
@@ -179,6 +181,13 @@ def _resolve(
         if name in classes[c].methods:
             return c, classes[c].methods[name]
     return None
+
+
+def _guards_no_load(chain: list[str] | None) -> bool:
+    """`if self.<attr>:` with an attribute that is false when no rows were loaded."""
+    return (
+        chain is not None and len(chain) == 2 and chain[0] == "self" and chain[1] in NO_LOAD_GUARDS
+    )
 
 
 def _attr_chain(node: ast.AST) -> list[str] | None:
@@ -281,11 +290,13 @@ class _Analyzer:
         if isinstance(arg, ast.Name):
             return arg.id in aliases
         chain = _attr_chain(arg)  # `layer.layer_id` passed on from a `layer` parameter
-        return bool(chain) and len(chain) == 2 and chain[0] in aliases and chain[1] == "layer_id"
+        return (
+            chain is not None and len(chain) == 2 and chain[0] in aliases and chain[1] == "layer_id"
+        )
 
     # ---- the abstract interpreter --------------------------------------------------------
 
-    def method(self, ctx: _Ctx, owner: str, fn: ast.FunctionDef, top: bool) -> set[tuple]:
+    def method(self, ctx: _Ctx, owner: str, fn: ast.FunctionDef, top: bool) -> set[State]:
         """Path states at the exits of ``fn`` entered CLEAN (raising paths dropped)."""
         key = (ctx.cls, owner, fn.name, ctx.same_layer)
         if key in self.stack or len(self.stack) > MAX_DEPTH:
@@ -297,8 +308,16 @@ class _Analyzer:
         finally:
             self.stack.pop()
 
-    def _block(self, stmts, states, ctx, owner, fn, top) -> tuple[set[tuple], set[tuple]]:
-        returned: set[tuple] = set()
+    def _block(
+        self,
+        stmts: list[ast.stmt],
+        states: set[State],
+        ctx: _Ctx,
+        owner: str,
+        fn: ast.FunctionDef,
+        top: bool,
+    ) -> tuple[set[State], set[State]]:
+        returned: set[State] = set()
         for stmt in stmts:
             if not states:
                 break
@@ -306,15 +325,21 @@ class _Analyzer:
             returned |= ret
         return states, returned
 
-    def _stmt(self, stmt, states, ctx, owner, fn, top) -> tuple[set[tuple], set[tuple]]:
+    def _stmt(
+        self,
+        stmt: ast.stmt,
+        states: set[State],
+        ctx: _Ctx,
+        owner: str,
+        fn: ast.FunctionDef,
+        top: bool,
+    ) -> tuple[set[State], set[State]]:
         if isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             return states, set()
         if isinstance(stmt, ast.Return):
             if stmt.value is not None:
                 states = self._expr(stmt.value, states, ctx, owner, fn)
-                if top and not (
-                    isinstance(stmt.value, ast.Constant) and stmt.value.value is None
-                ):
+                if top and not (isinstance(stmt.value, ast.Constant) and stmt.value.value is None):
                     states = self._read(states, owner, stmt, "returned to the caller")
             return set(), states
         if isinstance(stmt, ast.Raise):
@@ -323,7 +348,7 @@ class _Analyzer:
             states = self._expr(stmt.test, states, ctx, owner, fn)
             body, r1 = self._block(stmt.body, set(states), ctx, owner, fn, top)
             if _is_counter_guard(stmt.test) or (
-                not stmt.orelse and _attr_chain(stmt.test) in (["self", a] for a in NO_LOAD_GUARDS)
+                not stmt.orelse and _guards_no_load(_attr_chain(stmt.test))
             ):
                 return body, r1  # no counter (HiCache off) or no loaded rows: nothing to order
             other, r2 = self._block(stmt.orelse, set(states), ctx, owner, fn, top)
@@ -357,12 +382,14 @@ class _Analyzer:
                 states = self._expr(child, states, ctx, owner, fn)
         return states, set()
 
-    def _read(self, states: set[tuple], owner: str, node: ast.AST, what: str) -> set[tuple]:
+    def _read(self, states: set[State], owner: str, node: ast.AST, what: str) -> set[State]:
         path = self.classes[owner].path if owner in self.classes else "?"
         where = ("read", f"{owner}.{path}:{getattr(node, 'lineno', '?')} ({what})")
         return {where if s == CLEAN else s for s in states}
 
-    def _expr(self, node: ast.expr, states, ctx, owner, fn) -> set[tuple]:
+    def _expr(
+        self, node: ast.expr, states: set[State], ctx: _Ctx, owner: str, fn: ast.FunctionDef
+    ) -> set[State]:
         """Evaluate ``node`` in (approximately) Python's order; calls after their arguments."""
         if isinstance(node, ast.Lambda):
             return states
@@ -377,7 +404,9 @@ class _Analyzer:
             states = self._expr(arg, states, ctx, owner, fn)
         return self._call(node, states, ctx, owner, fn)
 
-    def _call(self, call: ast.Call, states, ctx, owner, fn) -> set[tuple]:
+    def _call(
+        self, call: ast.Call, states: set[State], ctx: _Ctx, owner: str, fn: ast.FunctionDef
+    ) -> set[State]:
         if _is_counter_wait(call):
             if not ctx.same_layer:
                 return states  # a wait for another layer orders nothing here
@@ -404,7 +433,12 @@ class _Analyzer:
             callee_ctx, after = ctx, owner
         elif chain == ["self", "pool"] and ctx.cls != ctx.pool:
             callee_ctx = _Ctx(ctx.pool, ctx.pool, ctx.same_layer)
-        elif chain is not None and len(chain) == 2 and chain[0] == "self" and chain[1] in HELPER_ATTRS:
+        elif (
+            chain is not None
+            and len(chain) == 2
+            and chain[0] == "self"
+            and chain[1] in HELPER_ATTRS
+        ):
             helper = self.helper_class(ctx.pool)
             callee_ctx = _Ctx(helper, ctx.pool, ctx.same_layer)
         if callee_ctx is not None:
@@ -419,7 +453,7 @@ class _Analyzer:
                 return states  # works on another layer: neither orders nor reads this one
             sub = _Ctx(callee_ctx.cls, callee_ctx.pool, ctx.same_layer)
             outs = self.method(sub, c_owner, c_fn, top=False)
-            result: set[tuple] = set()
+            result: set[State] = set()
             for s in states:
                 if s != CLEAN:
                     result.add(s)
@@ -430,8 +464,10 @@ class _Analyzer:
             return {WAITED if s == CLEAN else s for s in states}
         if name in READ_OPS:
             return self._read(states, owner, call, f".{name}()")
-        if chain is not None and chain[0] == "self" and (
-            name.startswith(("get_", "_get_")) or "buffer" in name
+        if (
+            chain is not None
+            and chain[0] == "self"
+            and (name.startswith(("get_", "_get_")) or "buffer" in name)
         ):
             # another object's getter (an inner pool, whose counter a wrapper sets to None)
             return self._read(states, owner, call, f"{'.'.join(chain)}.{name}()")

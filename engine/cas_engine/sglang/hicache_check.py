@@ -143,7 +143,11 @@ def install_read_detector(
     patch = DetectorPatch(
         counter_cls, read_cls, {(cls, name): getattr(cls, name) for cls, name in targets}
     )
-    broadcast = patch.originals.get((layer_split_cls, "_broadcast_tensor_from_owner"))
+    broadcast = (
+        patch.originals.get((layer_split_cls, "_broadcast_tensor_from_owner"))
+        if layer_split_cls is not None
+        else None
+    )
 
     def _set_consumer(self: Any, index: int) -> Any:
         out = set_consumer(self, index)
@@ -170,7 +174,9 @@ def install_read_detector(
             det.record_read(layer)
         return out
 
-    def _broadcast_tensor_from_owner(self: Any, tensor: Any, layer_id: int, *a: Any, **kw: Any) -> Any:
+    def _broadcast_tensor_from_owner(
+        self: Any, tensor: Any, layer_id: int, *a: Any, **kw: Any
+    ) -> Any:
         # record before the call: the owner's copy and the broadcast are enqueued inside it
         det = patch.detector
         if det is not None:
