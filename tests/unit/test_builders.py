@@ -161,6 +161,8 @@ def test_hicache_flags() -> None:
     local = plan_of(hicache={"enabled": True, "hostMemoryRatio": 2})
     assert flag(engine_args(local, local.prefill), "--hicache-ratio") == "2"
     assert "--hicache-storage-backend" not in engine_args(local, local.prefill)
+    # Regression: SGLang disables the radix cache on PD decode and then refuses HiCache.
+    assert "--enable-hierarchical-cache" not in engine_args(plan, plan.decode)
 
 
 def test_speculative_flags() -> None:

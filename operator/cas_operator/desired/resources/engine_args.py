@@ -81,9 +81,12 @@ def parallel_args(plan: Plan, pool: PoolPlan) -> list[str]:
     return args
 
 
-def hicache_args(plan: Plan) -> list[str]:
+def hicache_args(plan: Plan, pool: PoolPlan) -> list[str]:
+    """HiCache on prefill pods only: it is a tier of the radix (prefix) cache, which SGLang
+    0.5.23 turns off on PD decode workers (srt/arg_groups/pd_disaggregation_hook.py:120-126)
+    and then refuses HiCache (kv_cache_hook.py:393-397)."""
     hicache = plan.spec.hicache
-    if not hicache.enabled:
+    if not hicache.enabled or pool.role != c.ROLE_PREFILL:
         return []
     args = [
         "--enable-hierarchical-cache",
@@ -148,7 +151,7 @@ def engine_args(plan: Plan, pool: PoolPlan) -> list[str]:
         *server_args(plan),
         *disaggregation_args(plan, pool),
         *parallel_args(plan, pool),
-        *hicache_args(plan),
+        *hicache_args(plan, pool),
         *speculative_args(plan),
         *cas_args(plan, pool),
         *(plan.spec.engine.args or []),
