@@ -160,10 +160,14 @@ def specs(draw: st.DrawFn) -> dict[str, Any]:
     model: dict[str, Any] = {"name": MODEL_NAMES[fixture]}
     if fixture == "qwen3-coder" and draw(st.booleans()):
         model["numLayers"] = MODEL_CONFIGS[fixture]["num_hidden_layers"]
+    tp = draw(st.sampled_from([1, 2, 4, 8, 16]))
+    # Mostly a divisor of tp (the specs worth running), sometimes any size (the refusals).
+    cp_choices = [d for d in (1, 2, 4, 8, 16) if tp % d == 0]
+    cp = draw(st.sampled_from(cp_choices) | st.sampled_from([1, 2, 4, 8, 16]))
     prefill: dict[str, Any] = {
         "replicas": 1,
-        "tensorParallel": draw(st.sampled_from([1, 2, 4, 8, 16])),
-        "contextParallel": draw(st.sampled_from([1, 2, 4, 8, 16])),
+        "tensorParallel": tp,
+        "contextParallel": cp,
         "gpusPerNode": draw(st.sampled_from([4, 8])),
     }
     layer_split = draw(st.sampled_from([None, True, False]))
@@ -215,6 +219,26 @@ def test_generated_specs_agree_with_sglang(
         assert exc.errors and all(e.field for e in exc.errors)
         CHECKED["generated_refused"] += 1
         return
+    CHECKED["generated"] += assert_sglang_accepts(plan, model_dirs)
+
+
+@pytest.mark.parametrize("model", ["zai-org/GLM-5-FP8", "deepseek-ai/DeepSeek-V3.2"])
+@pytest.mark.parametrize(("tp", "cp"), [(2, 2), (4, 4), (8, 2), (8, 4), (8, 8)])
+@pytest.mark.parametrize("hicache", [False, True])
+def test_dsa_layer_split_grid(
+    model: str, tp: int, cp: int, hicache: bool, model_dirs: dict[str, Path]
+) -> None:
+    """Every DSA CP shape the operator accepts, LayerSplit on by default, with NEXTN and with
+    and without HiCache (the generated specs reach LayerSplit only rarely)."""
+    raw = {
+        "model": {"name": model},
+        "engine": {"speculative": {"algorithm": "NEXTN"}},
+        "prefill": {"replicas": 1, "tensorParallel": tp, "contextParallel": cp},
+        "decode": {"replicas": 1},
+        "hicache": {"enabled": hicache, "storageBackend": "mooncake" if hicache else "none"},
+    }
+    plan = plan_raw("x", "ns", raw)
+    assert plan.layer_split and plan.cp_strategy == "interleave"
     CHECKED["generated"] += assert_sglang_accepts(plan, model_dirs)
 
 
