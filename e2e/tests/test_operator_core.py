@@ -269,6 +269,18 @@ def test_a_deleted_pool_is_recreated_from_its_delete_event(
 SCHEMA_REJECTIONS = [
     ({"prefill": {"tensorParallel": 8, "contextParallel": 3}}, "contextParallel must divide"),
     ({"prefill": {"layerSplit": True}}, "layerSplit requires contextParallel > 1"),
+    ({"prefill": {"contextParallel": 2, "layerSplit": True}}, "requires a model with a DSA"),
+    (
+        {
+            "model": {"name": "zai-org/GLM-5-FP8"},
+            "prefill": {"tensorParallel": 16, "contextParallel": 2},
+        },
+        "must be at most 8 with contextParallel > 1",
+    ),
+    (
+        {"model": {"name": "deepseek-ai/DeepSeek-V3"}, "prefill": {"contextParallel": 2}},
+        "must equal tensorParallel for an MLA model",
+    ),
     ({"decode": {"tensorParallel": 12}}, "multiple of gpusPerNode"),
     ({"ratio": {"min": 3, "max": 1}}, "ratio.min must be <= max"),
     ({"engine": {"kvReclaim": "Sometimes"}}, "spec.engine.kvReclaim"),
@@ -305,11 +317,13 @@ def test_long_name_is_rejected(operator: OperatorProcess, kubectl: Kubectl, name
 def test_operator_reports_invalid_spec_once(
     operator: OperatorProcess, kubectl: Kubectl, namespace: str
 ) -> None:
-    """Regression: a spec the schema accepts but the planner cannot (unknown model, LayerSplit,
-    no numLayers) must end in Degraded/InvalidSpec naming the field, not a retry loop."""
+    """Regression: a spec the schema accepts but the planner cannot (LayerSplit over more
+    context-parallel ranks than layers) must end in Degraded/InvalidSpec naming the field, not
+    a retry loop."""
     manifest = small(
-        "minimal.yaml", model={"name": "acme/unknown-coder"}, prefill={"contextParallel": 2}
-    )
+        "minimal.yaml", model={"name": "zai-org/GLM-5-FP8", "numLayers": 2},
+        prefill={"contextParallel": 4},
+    )  # fmt: skip
     apply(kubectl, namespace, manifest)
 
     def degraded() -> dict[str, Any] | None:
@@ -317,7 +331,7 @@ def test_operator_reports_invalid_spec_once(
         return cond if cond.get("reason") == "InvalidSpec" else None
 
     cond = wait_until("Degraded/InvalidSpec", degraded, timeout=60)
-    assert cond["status"] == "True" and "model.numLayers" in cond["message"]
+    assert cond["status"] == "True" and "prefill.contextParallel" in cond["message"]
     assert not children(kubectl, namespace, "deploy", "minimal")
     time.sleep(12)  # a guard tick and more: the condition stays, nothing is created
     assert degraded() is not None and not children(kubectl, namespace, "deploy", "minimal")

@@ -138,8 +138,10 @@ def test_parallel_flags_cp_and_layersplit_only_on_prefill() -> None:
     """Regression: LayerSplit flags on decode would crash it; CP flags need cp > 1."""
     plan = plan_of(prefill={"contextParallel": 4})
     prefill, decode = engine_args(plan, plan.prefill), engine_args(plan, plan.decode)
-    assert flag(prefill, "--tp") == "8" and flag(decode, "--tp") == "8"
+    assert flag(prefill, "--tp-size") == "8" and flag(decode, "--tp-size") == "8"
     assert flag(prefill, "--attn-cp-size") == "4"
+    assert flag(prefill, "--cp-strategy") == "interleave"  # SGLang refuses CP without one
+    assert "--cp-strategy" not in decode
     assert "--enable-prefill-cp" in prefill and "--enable-dsa-cache-layer-split" in prefill
     assert "--attn-cp-size" not in decode and "--enable-dsa-cache-layer-split" not in decode
     off = plan_of(prefill={"contextParallel": 4, "layerSplit": False})
@@ -159,6 +161,8 @@ def test_hicache_flags() -> None:
     local = plan_of(hicache={"enabled": True, "hostMemoryRatio": 2})
     assert flag(engine_args(local, local.prefill), "--hicache-ratio") == "2"
     assert "--hicache-storage-backend" not in engine_args(local, local.prefill)
+    # Regression: SGLang disables the radix cache on PD decode and then refuses HiCache.
+    assert "--enable-hierarchical-cache" not in engine_args(plan, plan.decode)
 
 
 def test_speculative_flags() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 from typing import Any
 
 import pytest
@@ -69,16 +70,26 @@ def test_layer_shards_reject_more_ranks_than_layers() -> None:
 
 
 def test_kv_footprint_glm5_cp4() -> None:
-    """LayerSplit keeps 20 of 78 layers' KV per rank plus the replicated indexer (hand-computed)."""
+    """LayerSplit keeps 20 of 78 layers of KV *and* indexer per rank, plus one scratch layer of
+    each (SGLang 0.5.23 splits the indexer cache by layer too; hand-computed)."""
     footprint = kv_bytes_per_token_per_rank(KNOWN_MODELS["glm-5"], 4)
     assert footprint.replicated == 78 * (656 + 132)  # 61,464 B: the ~61 KB/token published
-    assert footprint.layer_split == 20 * 656 + 78 * 132  # 23,416 B
-    assert 0.6 < footprint.saving < 0.65
+    assert footprint.layer_split == (20 + 1) * (656 + 132)  # 16,548 B
+    assert 0.73 < footprint.saving < 0.74
 
 
-def test_kv_footprint_without_indexer_scales_with_cp() -> None:
-    footprint = kv_bytes_per_token_per_rank(KNOWN_MODELS["deepseek-v3"], 61)
-    assert footprint.layer_split * 61 == footprint.replicated
+def test_kv_footprint_matches_sglang_cell_size_formula() -> None:
+    """Guards the model against SGLang's own sizing: (ceil(L / cp) + 1) layers of KV
+    (cp/utils.py:76-91) and of indexer (pool_configurator.py:605-626) per rank."""
+    for cp in (2, 3, 4, 8):
+        footprint = kv_bytes_per_token_per_rank(KNOWN_MODELS["deepseek-v3.2"], cp)
+        assert footprint.layer_split == (-(-61 // cp) + 1) * (656 + 132)
+
+
+def test_kv_footprint_without_dsa_has_no_layer_split() -> None:
+    """Regression: SGLang refuses LayerSplit without a DSA indexer, so it buys nothing."""
+    footprint = kv_bytes_per_token_per_rank(KNOWN_MODELS["deepseek-v3"], 8)
+    assert footprint.layer_split == footprint.replicated == 61 * 1152
 
 
 def test_lookup_model_prefers_explicit_layers() -> None:
@@ -147,11 +158,51 @@ def test_each_rule_names_its_field(overrides: dict[str, Any], field: str) -> Non
         build_plan("x", "ns", spec_of(**overrides))
 
 
-def test_unknown_model_with_layersplit_needs_num_layers() -> None:
-    raw = {"model": {"name": "acme/coder"}, "prefill": {"contextParallel": 2}}
-    assert [e.field for e in validate(parse_spec(raw))] == ["model.numLayers"]
-    raw["model"]["numLayers"] = 40  # type: ignore[index]
-    assert validate(parse_spec(raw)) == []
+def test_layersplit_only_for_dsa_models() -> None:
+    """Regression: SGLang refuses --enable-dsa-cache-layer-split without a DSA indexer
+    (model_hook.py:187-191); the default is off there, an explicit true names the field."""
+    for name in ("acme/coder", "deepseek-ai/DeepSeek-V3", "moonshotai/Kimi-K2-Instruct"):
+        raw: dict[str, Any] = {"model": {"name": name, "numLayers": 40}}
+        raw["prefill"] = {"contextParallel": 8}
+        assert validate(parse_spec(raw)) == []
+        assert not build_plan("x", "ns", parse_spec(raw)).layer_split
+        raw["prefill"]["layerSplit"] = True
+        assert [e.field for e in validate(parse_spec(raw))] == ["prefill.layerSplit"]
+    assert build_plan("x", "ns", spec_of(prefill={"contextParallel": 2})).layer_split
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"prefill": {"tensorParallel": 16, "contextParallel": 2}}, "prefill.tensorParallel"),
+        (
+            {"prefill": {"contextParallel": 2, "layerSplit": True},
+             "engine": {"transferBackend": "nixl"}},
+            "engine.transferBackend",
+        ),
+        (
+            {"model": {"name": "deepseek-ai/DeepSeek-V3"}, "prefill": {"contextParallel": 4}},
+            "prefill.contextParallel",
+        ),
+    ],
+)  # fmt: skip
+def test_context_parallel_rules_sglang_enforces(overrides: dict[str, Any], field: str) -> None:
+    """Regression: DSA CP is single-node (tp <= 8), LayerSplit is mooncake-only, and MLA
+    without DSA runs one CP rank per GPU; each is refused naming the field."""
+    assert [e.field for e in validate(spec_of(**overrides))] == [field]
+
+
+def test_cp_strategy_follows_the_model() -> None:
+    """Regression: SGLang refuses --enable-prefill-cp without --cp-strategy; DSA models get
+    interleave (LayerSplit needs it), the others zigzag."""
+    assert build_plan("x", "ns", spec_of()).cp_strategy is None
+    assert build_plan("x", "ns", spec_of(prefill={"contextParallel": 4})).cp_strategy == (
+        "interleave"
+    )
+    ds = spec_of(model={"name": "deepseek-ai/DeepSeek-V3"}, prefill={"contextParallel": 8})
+    assert build_plan("x", "ns", ds).cp_strategy == "zigzag"
+    nixl = spec_of(prefill={"contextParallel": 2}, engine={"transferBackend": "nixl"})
+    assert not build_plan("x", "ns", nixl).layer_split  # the default follows the backend
 
 
 def test_gpu_budget_and_ratio_bounds() -> None:
@@ -180,3 +231,29 @@ def test_layersplit_defaults_on_with_cp() -> None:
     assert plan.layout is not None and plan.layout.enabled
     plan = build_plan("x", "ns", spec_of(prefill={"contextParallel": 2, "layerSplit": False}))
     assert plan.layout is not None and not plan.layout.enabled
+
+
+def _cel_regex(rule: str) -> str:
+    return rule.split(".matches('", 1)[1].split("')", 1)[0]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "zai-org/GLM-5-FP8", "GLM-5", "deepseek-ai/DeepSeek-V3.2-Exp", "deepseek-ai/DeepSeek-V3",
+        "deepseek-ai/DeepSeek-V3.1", "deepseek-ai/DeepSeek-R1-0528", "moonshotai/Kimi-K2-Instruct",
+        "Qwen/Qwen3-Coder-30B-A3B-Instruct", "acme/glm-5-tuned", "glm-5/other", "org/deepseek-v3x2",
+    ],
+)  # fmt: skip
+def test_cel_model_families_mirror_the_table(name: str) -> None:
+    """Regression: the CEL rules classify a model name (DSA, MLA without DSA) exactly as
+    `lookup_model` does, so the API server and the planner refuse the same specs."""
+    from cas_operator.api import models as m
+
+    assert {k for k, v in KNOWN_MODELS.items() if v.dsa} == set(m.DSA_MODELS)
+    assert {k for k, v in KNOWN_MODELS.items() if v.mla and not v.dsa} == set(m.MLA_MODELS)
+    profile = lookup_model(name, None)
+    dsa = re.search(_cel_regex(m.IS_DSA), name.lower()) is not None
+    mla_only = dsa is False and re.search(_cel_regex(m.IS_MLA_WITHOUT_DSA), name.lower())
+    assert dsa == (profile is not None and profile.dsa)
+    assert bool(mla_only) == (profile is not None and profile.mla and not profile.dsa)

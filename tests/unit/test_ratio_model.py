@@ -125,13 +125,15 @@ def test_kv_need_uses_p95_not_mean() -> None:
 
 
 def test_layer_split_capacity_factor() -> None:
-    """Guards LayerSplit capacity: cp=8 with a 1/8 replicated indexer caches 1/(7/64+1/8) =
-    4.27x one rank; without LayerSplit a CP group caches no more than one rank."""
-    assert pf.layer_split_capacity_factor(8, 0.125) == pytest.approx(1 / (0.875 / 8 + 0.125))
-    assert pf.layer_split_capacity_factor(1, 0.125) == 1.0
+    """Guards LayerSplit capacity: GLM-5's 78 layers over cp=8 leave 10 layers of KV and indexer
+    plus one scratch layer per rank (SGLang 0.5.23 splits the indexer too), 78/11 = 7.09x one
+    rank; without LayerSplit a CP group caches no more than one rank."""
+    assert pf.layer_split_capacity_factor(8, 78) == pytest.approx(78 / 11)
+    assert pf.layer_split_capacity_factor(4, 78) == pytest.approx(78 / 21)
+    assert pf.layer_split_capacity_factor(1, 78) == 1.0
     ls = pf.prefill_profile(SPEC, cp=8, layer_split=True)
     no = pf.prefill_profile(SPEC, cp=8, layer_split=False)
-    assert ls.kv_capacity_tokens / no.kv_capacity_tokens == pytest.approx(4.2667, rel=1e-3)
+    assert ls.kv_capacity_tokens / no.kv_capacity_tokens == pytest.approx(7.0909, rel=1e-3)
 
 
 def test_prefill_profile_puts_cp_inside_tp_like_the_crd() -> None:

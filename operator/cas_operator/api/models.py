@@ -47,6 +47,31 @@ class Spec(BaseModel):
 
 
 # ---------------------------------------------------------------------------------------------
+# Model families SGLang 0.5.23 treats differently under prefill context parallelism
+# ---------------------------------------------------------------------------------------------
+
+# Keys of `desired.layersplit.KNOWN_MODELS` (matched, like there, against the lowercased last
+# path segment of `model.name` by prefix); a unit test keeps both in step. DSA: a DeepSeek
+# Sparse Attention indexer (GLM-5, DeepSeek-V3.2). MLA_MODELS: MLA without DSA.
+DSA_MODELS = ("glm-5", "deepseek-v3.2")
+MLA_MODELS = ("deepseek-v3", "deepseek-r1", "kimi-k2")
+MAX_MODEL_NAME_LENGTH = 256  # bounds the CEL regex cost below
+# SGLang refuses DSA prefill CP above 8 GPUs (model_overrides/deepseek_v2.py:123).
+MAX_DSA_CP_TENSOR_PARALLEL = 8
+
+
+def _name_matches(prefixes: tuple[str, ...]) -> str:
+    # `[.]`, not a backslash: a CEL string literal has no backslash-dot escape.
+    alternatives = "|".join(p.replace(".", "[.]") for p in prefixes)
+    return f"self.model.name.lowerAscii().matches('^(.*/)?({alternatives})[^/]*$')"
+
+
+IS_DSA = _name_matches(DSA_MODELS)
+IS_MLA_WITHOUT_DSA = f"({_name_matches(MLA_MODELS)} && !{IS_DSA})"
+PREFILL_CP = "(has(self.prefill) && self.prefill.contextParallel > 1)"
+LAYER_SPLIT_SET = "(has(self.prefill) && has(self.prefill.layerSplit) && self.prefill.layerSplit)"
+
+# ---------------------------------------------------------------------------------------------
 # Enums
 # ---------------------------------------------------------------------------------------------
 
@@ -137,7 +162,11 @@ class EnvVar(Spec):
 class ModelSpec(Spec):
     """What to serve. `numLayers` overrides the built-in table used to plan LayerSplit shards."""
 
-    name: str = Field(min_length=1, description="Model name, e.g. zai-org/GLM-5-FP8.")
+    name: str = Field(
+        min_length=1,
+        max_length=MAX_MODEL_NAME_LENGTH,
+        description="Model name, e.g. zai-org/GLM-5-FP8.",
+    )
     path: str | None = Field(default=None, description="Path inside the pod (defaults to name).")
     served_model_name: str | None = None
     num_layers: int | None = Field(default=None, ge=1, le=1024)
@@ -328,7 +357,39 @@ class RolloutSpec(Spec):
 
 
 class CodingAgentServingSpec(Spec):
-    """The whole spec. Sections with defaults are defaulted by the API server (default {})."""
+    """The whole spec. Sections with defaults are defaulted by the API server (default {}).
+
+    The rules here join the model (by name, see DSA_MODELS) with the prefill pool: what SGLang
+    0.5.23 refuses, or silently changes, under prefill context parallelism."""
+
+    model_config = _config(
+        cel(
+            f"!{LAYER_SPLIT_SET} || {IS_DSA}",
+            "prefill.layerSplit requires a model with a DSA indexer (GLM-5, DeepSeek-V3.2); "
+            "SGLang refuses --enable-dsa-cache-layer-split for other models",
+            ".prefill.layerSplit",
+        ),
+        cel(
+            f"!{LAYER_SPLIT_SET} || !has(self.engine) || self.engine.transferBackend == 'mooncake'",
+            "prefill.layerSplit requires engine.transferBackend mooncake",
+            ".engine.transferBackend",
+        ),
+        cel(
+            f"!{PREFILL_CP} || !{IS_DSA} "
+            f"|| self.prefill.tensorParallel <= {MAX_DSA_CP_TENSOR_PARALLEL}",
+            f"prefill.tensorParallel must be at most {MAX_DSA_CP_TENSOR_PARALLEL} with "
+            "contextParallel > 1 for a DSA model (SGLang runs DSA context parallelism on one "
+            "node only)",
+            ".prefill.tensorParallel",
+        ),
+        cel(
+            f"!{PREFILL_CP} || !{IS_MLA_WITHOUT_DSA} "
+            "|| self.prefill.contextParallel == self.prefill.tensorParallel",
+            "prefill.contextParallel must equal tensorParallel for an MLA model without DSA "
+            "(DeepSeek-V3/R1, Kimi-K2): SGLang runs one context-parallel rank per GPU",
+            ".prefill.contextParallel",
+        ),
+    )
 
     model: ModelSpec
     engine: EngineSpec = Field(default_factory=EngineSpec)

@@ -70,6 +70,7 @@ class Plan:
     replicas: ReplicaPlan
     layout: LayerLayout | None
     layer_split: bool = False  # the prefill pool runs LayerSplit (`resolve`)
+    cp_strategy: str | None = None  # the prefill pool's `--cp-strategy` (`resolve`)
     recommendation: Recommendation | None = None
 
     @property
@@ -168,6 +169,7 @@ def build_plan(
         replicas=replicas,
         layout=_layout(spec, resolved),
         layer_split=resolved.layer_split,
+        cp_strategy=resolved.cp_strategy,
         recommendation=recommendation,
     )
 

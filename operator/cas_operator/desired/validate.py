@@ -10,10 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cas_operator.api.models import (
+    DSA_MODELS,
+    MAX_DSA_CP_TENSOR_PARALLEL,
     CodingAgentServingSpec,
     PoolSpec,
     PrefillPoolSpec,
     SpeculativeAlgorithm,
+    TransferBackend,
 )
 from cas_operator.desired.resolve import Resolved, resolve
 
@@ -50,19 +53,59 @@ def _layer_split_errors(spec: CodingAgentServingSpec, resolved: Resolved) -> lis
     if not resolved.layer_split:
         return []
     profile = resolved.model
-    if profile is None:
-        return [
+    errors = []
+    if spec.engine.transfer_backend != TransferBackend.MOONCAKE:
+        # SGLang 0.5.23 srt/arg_groups/model_hook.py:391-400
+        errors.append(
             SpecError(
-                "model.numLayers",
-                f"unknown layer count for model {spec.model.name!r}; set model.numLayers "
-                "to plan LayerSplit",
+                "engine.transferBackend",
+                f"prefill.layerSplit needs mooncake, not {spec.engine.transfer_backend.value}",
             )
+        )
+    if profile is None or not profile.dsa:
+        # SGLang 0.5.23 srt/arg_groups/model_hook.py:187-191 (`is_deepseek_dsa`)
+        return [
+            *errors,
+            SpecError(
+                "prefill.layerSplit",
+                f"model {spec.model.name!r} is not a DSA (sparse-attention indexer) model; "
+                f"LayerSplit needs one of {', '.join(DSA_MODELS)}",
+            ),
         ]
     if profile.num_layers < spec.prefill.context_parallel:
-        return [
+        errors.append(
             SpecError(
                 "prefill.contextParallel",
                 f"{spec.prefill.context_parallel} ranks exceed the {profile.num_layers} layers",
+            )
+        )
+    return errors
+
+
+def _context_parallel_errors(spec: CodingAgentServingSpec, resolved: Resolved) -> list[SpecError]:
+    """What SGLang 0.5.23 refuses, or silently changes, for the model's family under prefill CP
+    (the CEL rules on `CodingAgentServingSpec` say the same by model name)."""
+    pool = spec.prefill
+    profile = resolved.model
+    if pool.context_parallel <= 1 or profile is None:
+        return []
+    if profile.dsa and pool.tensor_parallel > MAX_DSA_CP_TENSOR_PARALLEL:
+        # srt/arg_groups/model_overrides/deepseek_v2.py:123-125 asserts tp_size <= 8
+        return [
+            SpecError(
+                "prefill.tensorParallel",
+                f"{pool.tensor_parallel} is above {MAX_DSA_CP_TENSOR_PARALLEL}: SGLang runs DSA "
+                "context parallelism on one node only",
+            )
+        ]
+    if profile.mla and not profile.dsa and pool.context_parallel != pool.tensor_parallel:
+        # srt/arg_groups/model_overrides/deepseek_v2.py:209-210 sets attn_cp_size = tp_size
+        return [
+            SpecError(
+                "prefill.contextParallel",
+                f"{pool.context_parallel} must equal tensorParallel {pool.tensor_parallel} for "
+                f"model {spec.model.name!r} (MLA without DSA): SGLang runs one "
+                "context-parallel rank per GPU",
             )
         ]
     return []
@@ -115,6 +158,7 @@ def validate(spec: CodingAgentServingSpec, resolved: Resolved | None = None) -> 
         *_pool_errors("prefill", spec.prefill),
         *_pool_errors("decode", spec.decode),
         *_layer_split_errors(spec, resolved),
+        *_context_parallel_errors(spec, resolved),
         *_ratio_errors(spec),
         *_engine_errors(spec),
         *_hicache_errors(spec),

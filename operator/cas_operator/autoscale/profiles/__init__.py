@@ -12,9 +12,12 @@ instance is ``dp`` GPUs with DP attention. So one planner instance is one resour
 whenever the shapes match, and ``recommend.py`` maps counts 1:1.
 
 LayerSplit: without it every context-parallel rank holds every layer's KV, so a CP group caches
-no more tokens than one rank. With it each rank holds a contiguous block of layers plus a replica
-of the indexer cache (share ``indexer_share`` of the per-token KV), so per-rank bytes per token are
-``B * ((1 - s) / cp + s)`` and capacity grows by ``1 / ((1 - s) / cp + s)``.
+no more tokens than one rank. With it each rank holds a contiguous block of ``ceil(L / cp)`` of
+the ``L`` layers of both the latent KV and the DSA indexer cache, plus one scratch layer of each
+for the layer being broadcast (SGLang 0.5.23: srt/layers/cp/utils.py:76-91 and
+srt/model_executor/pool_configurator.py:605-626; see ``cas_operator.desired.layersplit``), so
+per-rank bytes per token are ``B * (ceil(L / cp) + 1) / L`` and capacity grows by
+``L / (ceil(L / cp) + 1)``.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ class ProfileSpec:
     model: str
     gpu: str
     kv_bytes_per_token: float
-    indexer_share: float
+    num_layers: int
     hbm_bytes_per_gpu: float
     mem_fraction_static: float
     weight_bytes_per_gpu: float
@@ -91,11 +94,12 @@ def load_spec(name: str) -> ProfileSpec:
     return ProfileSpec(**{k: raw[k] for k in names})
 
 
-def layer_split_capacity_factor(cp: int, indexer_share: float) -> float:
-    """How many more tokens a CP group caches with LayerSplit than one rank (1.0 at cp=1)."""
+def layer_split_capacity_factor(cp: int, num_layers: int) -> float:
+    """How many more tokens a CP group caches with LayerSplit than one rank (1.0 at cp=1): each
+    rank holds ``ceil(num_layers / cp)`` layers plus one scratch layer of KV and indexer."""
     if cp <= 1:
         return 1.0
-    return 1.0 / ((1.0 - indexer_share) / cp + indexer_share)
+    return num_layers / (-(-num_layers // cp) + 1)
 
 
 def prefill_profile(
@@ -113,7 +117,7 @@ def prefill_profile(
         raise ValueError(f"context parallel size {cp} must divide tensor parallel size {gpus}")
     nodes = gpus / spec.gpus_per_node
     per_rank_tokens = spec.kv_bytes_per_gpu / spec.kv_bytes_per_token
-    factor = layer_split_capacity_factor(cp, spec.indexer_share) if layer_split else 1.0
+    factor = layer_split_capacity_factor(cp, spec.num_layers) if layer_split else 1.0
     eff = spec.prefill_cp_efficiency if cp > 1 else 1.0
     speedup = nodes * eff
     return InstanceProfile(

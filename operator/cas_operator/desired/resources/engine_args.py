@@ -49,9 +49,15 @@ def disaggregation_args(plan: Plan, pool: PoolPlan) -> list[str]:
 
 
 def parallel_args(plan: Plan, pool: PoolPlan) -> list[str]:
-    """TP always; multi-node rendezvous through the LWS leader; CP and LayerSplit on prefill."""
+    """TP always; multi-node rendezvous through the LWS leader; CP and LayerSplit on prefill.
+
+    Full option names only: SGLang's parser allows prefixes (`--tp` for `--tp-size`), which a
+    new SGLang option can make ambiguous. CP needs a `--cp-strategy` (SGLang 0.5.23
+    srt/arg_groups/parallel_hook.py:151-154), interleave for DSA models (LayerSplit requires
+    it, model_hook.py:381-387), zigzag otherwise (`desired.resolve.cp_strategy`).
+    """
     shape = pool.shape
-    args = ["--tp", str(shape.tensor_parallel)]
+    args = ["--tp-size", str(shape.tensor_parallel)]
     if shape.multi_node:
         args += [
             "--nnodes",
@@ -62,15 +68,25 @@ def parallel_args(plan: Plan, pool: PoolPlan) -> list[str]:
             f"{LWS_LEADER_ADDRESS}:{c.DIST_INIT_PORT}",
         ]
     if pool.role == c.ROLE_PREFILL and shape.context_parallel > 1:
-        args += ["--attn-cp-size", str(shape.context_parallel), "--enable-prefill-cp"]
+        assert plan.cp_strategy is not None  # resolve sets it whenever cp > 1
+        args += [
+            "--attn-cp-size",
+            str(shape.context_parallel),
+            "--enable-prefill-cp",
+            "--cp-strategy",
+            plan.cp_strategy,
+        ]
         if plan.layer_split:
             args.append("--enable-dsa-cache-layer-split")
     return args
 
 
-def hicache_args(plan: Plan) -> list[str]:
+def hicache_args(plan: Plan, pool: PoolPlan) -> list[str]:
+    """HiCache on prefill pods only: it is a tier of the radix (prefix) cache, which SGLang
+    0.5.23 turns off on PD decode workers (srt/arg_groups/pd_disaggregation_hook.py:120-126)
+    and then refuses HiCache (kv_cache_hook.py:393-397)."""
     hicache = plan.spec.hicache
-    if not hicache.enabled:
+    if not hicache.enabled or pool.role != c.ROLE_PREFILL:
         return []
     args = [
         "--enable-hierarchical-cache",
@@ -135,7 +151,7 @@ def engine_args(plan: Plan, pool: PoolPlan) -> list[str]:
         *server_args(plan),
         *disaggregation_args(plan, pool),
         *parallel_args(plan, pool),
-        *hicache_args(plan),
+        *hicache_args(plan, pool),
         *speculative_args(plan),
         *cas_args(plan, pool),
         *(plan.spec.engine.args or []),
