@@ -70,8 +70,11 @@ class Fleet:
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
 
-    def start(self, timeout: float = 30.0) -> Fleet:
-        """Start workers and router; return once the router serves a request (or raise)."""
+    def start(self, timeout: float = 90.0) -> Fleet:
+        """Start workers and router; return once the router serves a request (or raise).
+
+        `timeout` only bounds each wait (it returns as soon as the fleet answers): 30 s failed
+        on a 2-core machine at load average 8, where a router took longer to come up."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         bootstrap: list[int] = []
         for i in range(self.prefills):
