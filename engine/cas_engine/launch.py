@@ -41,6 +41,8 @@ PLUGIN_GROUP = "sglang.srt.plugins"
 PLUGIN_NAME = "cas_engine"
 ENABLE_ENV = "CAS_ENGINE_PATCHES"
 KV_RECLAIM_ENV = "CAS_KV_RECLAIM"
+KV_QUARANTINE_ENV = "CAS_KV_QUARANTINE_ROOMS"
+DEFAULT_QUARANTINE_ROOMS = 64
 HICACHE_DETECTOR_ENV = "CAS_HICACHE_DETECTOR"
 HICACHE_CHECK_ENV = "CAS_HICACHE_CHECK"
 KV_RECLAIM_MODES = ("strict", "upstream")
@@ -59,6 +61,7 @@ class LaunchPlan:
 
     guard: GuardConfig
     kv_reclaim: str
+    kv_quarantine_rooms: int
     hicache_detector: bool
     hicache_check: str
     sglang_argv: list[str] = field(default_factory=list)
@@ -98,6 +101,15 @@ def build_cas_parser() -> argparse.ArgumentParser:
         "default strict)",
     )
     group.add_argument(
+        "--cas-kv-quarantine-rooms",
+        type=int,
+        default=None,
+        metavar="N",
+        help="strict: aborted requests' KV rooms a decode may hold awaiting prefill's "
+        f"answer before it reports unhealthy (env {KV_QUARANTINE_ENV}, default "
+        f"{DEFAULT_QUARANTINE_ROOMS})",
+    )
+    group.add_argument(
         "--cas-hicache-detector",
         type=_bool,
         default=None,
@@ -134,6 +146,14 @@ def plan_launch(argv: Sequence[str], env: Mapping[str, str] | None = None) -> La
         parser.error(f"{KV_RECLAIM_ENV} must be one of {KV_RECLAIM_MODES}, got {kv!r}")
     if check not in HICACHE_CHECK_MODES:
         parser.error(f"{HICACHE_CHECK_ENV} must be one of {HICACHE_CHECK_MODES}, got {check!r}")
+    rooms = ns.cas_kv_quarantine_rooms
+    if rooms is None:
+        try:
+            rooms = int(env.get(KV_QUARANTINE_ENV, DEFAULT_QUARANTINE_ROOMS))
+        except ValueError:
+            parser.error(f"{KV_QUARANTINE_ENV} must be a whole number")
+    if rooms < 1:
+        parser.error(f"--cas-kv-quarantine-rooms must be at least 1, got {rooms}")
     detector = ns.cas_hicache_detector
     if detector is None:
         try:
@@ -144,6 +164,7 @@ def plan_launch(argv: Sequence[str], env: Mapping[str, str] | None = None) -> La
     return LaunchPlan(
         guard=guard,
         kv_reclaim=kv,
+        kv_quarantine_rooms=rooms,
         hicache_detector=detector,
         hicache_check=check,
         sglang_argv=rest,
@@ -237,6 +258,7 @@ def export_env(plan: LaunchPlan, environ: MutableMapping[str, str]) -> None:
             str(value).lower() if isinstance(value, bool) else str(value)
         )
     environ[KV_RECLAIM_ENV] = plan.kv_reclaim
+    environ[KV_QUARANTINE_ENV] = str(plan.kv_quarantine_rooms)
     if plan.kv_reclaim == "strict":
         reclaim = importlib.import_module("cas_engine.sglang.reclaim")
         for key, value in reclaim.strict_env().items():
@@ -304,30 +326,53 @@ def main(argv: Sequence[str] | None = None) -> int:
 # ---- inside every SGLang process ----------------------------------------------------------------
 
 
+PLUGIN_FAILED_EXIT = 70  # EX_SOFTWARE: a worker that cannot install its patches stops
+
+
 def sglang_plugin() -> None:
     """SGLang general-plugin entry point: install our patches from the environment.
 
     Does nothing unless the launcher set ``CAS_ENGINE_PATCHES=1`` (so merely installing
-    cas_engine next to SGLang changes nothing). SGLang logs, but does not stop on, an
-    exception raised here; the launcher's pre-flight already refused anything that would fail.
+    cas_engine next to SGLang changes nothing). SGLang catches and only logs an ``Exception``
+    from a plugin (sglang/srt/plugins/__init__.py:131-136), which would leave that one process
+    running upstream's 30 s timer release while the others are strict; so a failed install
+    raises ``SystemExit`` (not an ``Exception``: it escapes that handler) and the process
+    stops, which takes the engine down instead of serving unprotected.
     """
     if os.environ.get(ENABLE_ENV) != "1":
         return
+    try:
+        install_patches()
+    except Exception as exc:
+        logger.critical(
+            "cas_engine: installing the patches failed in process %d; stopping it rather than "
+            "serving without them: %s",
+            os.getpid(),
+            exc,
+            exc_info=True,
+        )
+        raise SystemExit(PLUGIN_FAILED_EXIT) from exc
+
+
+def install_patches() -> None:
+    """Strict reclaim first (its absence silently reopens the KV race), then the optional
+    parts: the quality gate, the HiCache ordering fixes, the read detector."""
     from prometheus_client import REGISTRY
 
-    from cas_engine.guard import GuardMetrics
-    from cas_engine.sglang.guard_patch import install_guard_patch
-
-    config = GuardConfig.from_env()
-    install_guard_patch(config, metrics=GuardMetrics.create(REGISTRY, config))
     if os.environ.get(KV_RECLAIM_ENV, "strict") == "strict":
         from cas_engine.kvfence.metrics import KvFenceMetrics
         from cas_engine.sglang.prefill_pin import install_prefill_pin
         from cas_engine.sglang.reclaim import install_strict_reclaim
 
         kv_metrics = KvFenceMetrics(registry=REGISTRY)
-        install_strict_reclaim(metrics=kv_metrics)
+        rooms = int(os.environ.get(KV_QUARANTINE_ENV, DEFAULT_QUARANTINE_ROOMS))
+        install_strict_reclaim(metrics=kv_metrics, quarantine_budget_rooms=rooms)
         install_prefill_pin(metrics=kv_metrics)
+    from cas_engine.guard import GuardMetrics
+    from cas_engine.sglang.guard_patch import install_guard_patch
+
+    config = GuardConfig.from_env()
+    install_guard_patch(config, metrics=GuardMetrics.create(REGISTRY, config))
     from cas_engine.sglang import hicache_check
 
     # HiCache load-use ordering fixes the start-up check credits (hicache.source_check.PATCHED);

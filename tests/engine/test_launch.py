@@ -88,6 +88,7 @@ def _plan(*sglang: str, **kw) -> LaunchPlan:
     base = dict(
         guard=GuardConfig(),
         kv_reclaim="strict",
+        kv_quarantine_rooms=64,
         hicache_detector=False,
         hicache_check="enforce",
         sglang_argv=list(sglang),
@@ -328,3 +329,60 @@ def test_plugin_installs_patches_configured_by_the_environment(
     monkeypatch.setattr(prometheus_client, "REGISTRY", prometheus_client.CollectorRegistry())
     launch.sglang_plugin()
     assert "detector" not in calls and "guard" in calls
+
+
+def test_strict_reclaim_gets_its_quarantine_budget_and_is_installed_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regression: the plugin installed strict reclaim without a quarantine budget, so a
+    decode holding rooms forever never reported unhealthy; and it installed the optional
+    guard first. The operator's budget (--cas-kv-quarantine-rooms, env) reaches the patch."""
+    import prometheus_client
+
+    from cas_engine.sglang import guard_patch, hicache_check, prefill_pin, reclaim
+
+    order: list[tuple[str, object]] = []
+    monkeypatch.setattr(prometheus_client, "REGISTRY", prometheus_client.CollectorRegistry())
+    monkeypatch.setattr(
+        reclaim,
+        "install_strict_reclaim",
+        lambda metrics, quarantine_budget_rooms: order.append(("reclaim", quarantine_budget_rooms)),
+    )
+    monkeypatch.setattr(
+        prefill_pin, "install_prefill_pin", lambda metrics: order.append(("pin", 0))
+    )
+    monkeypatch.setattr(
+        guard_patch, "install_guard_patch", lambda config, metrics: order.append(("guard", 0))
+    )
+    monkeypatch.setattr(hicache_check, "install_ordering_patches", lambda: None)
+    plan = plan_launch(["--cas-kv-quarantine-rooms", "12"], env={})
+    env: dict[str, str] = {}
+    export_env(plan, env)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    launch.sglang_plugin()
+    assert order == [("reclaim", 12), ("pin", 0), ("guard", 0)]
+    assert plan_launch([], env={}).kv_quarantine_rooms == launch.DEFAULT_QUARANTINE_ROOMS
+    with pytest.raises(SystemExit):
+        plan_launch(["--cas-kv-quarantine-rooms", "0"], env={})
+
+
+def test_a_failed_install_stops_the_process_instead_of_serving_unpatched(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regression: SGLang catches and logs an Exception from a plugin
+    (sglang/srt/plugins/__init__.py:131-136), so one worker whose install failed ran
+    upstream's timer release silently. The plugin now raises SystemExit, which SGLang's
+    `except Exception` does not catch."""
+    from cas_engine.sglang import reclaim
+
+    def broken(**_: object) -> None:
+        raise RuntimeError("DecodeTransferQueue.resolve_deferred_releases is gone")
+
+    monkeypatch.setattr(reclaim, "install_strict_reclaim", broken)
+    monkeypatch.setenv("CAS_ENGINE_PATCHES", "1")
+    monkeypatch.setenv("CAS_KV_RECLAIM", "strict")
+    with pytest.raises(SystemExit) as stopped:
+        launch.sglang_plugin()
+    assert stopped.value.code == launch.PLUGIN_FAILED_EXIT
+    assert not isinstance(stopped.value, Exception)  # escapes SGLang's handler

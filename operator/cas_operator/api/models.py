@@ -201,6 +201,14 @@ class EngineSpec(Spec):
         default=KvReclaim.STRICT,
         description="Strict: decode reuses an aborted request's KV only after prefill acks.",
     )
+    kv_quarantine_rooms: int = Field(
+        default=64,
+        ge=1,
+        le=100_000,
+        description="Strict reclaim: how many aborted requests' KV rooms a decode instance may "
+        "hold waiting for prefill's safe-to-reclaim answer; past it the pod reports unhealthy "
+        "(cas_kv_unhealthy_by_quarantine) and the anomaly loop drains and replaces it.",
+    )
     transfer_backend: TransferBackend = TransferBackend.MOONCAKE
     speculative: SpeculativeSpec | None = None
 

@@ -130,6 +130,8 @@ def cas_args(plan: Plan, pool: PoolPlan) -> list[str]:
     guard = plan.spec.anomaly_guard
     if pool.role != c.ROLE_DECODE:
         return args
+    if reclaim == "strict":  # decode holds the rooms of aborted requests
+        args += ["--cas-kv-quarantine-rooms", str(plan.spec.engine.kv_quarantine_rooms)]
     if not guard.enabled or plan.spec.engine.speculative is None:
         return [*args, "--cas-guard-enabled", "false"]
     return [
