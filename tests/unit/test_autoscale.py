@@ -24,6 +24,7 @@ from cas_operator.autoscale.model import ObservedSignals, SloInputs
 from cas_operator.autoscale.signals import histogram_quantile, observed_signals, quantized
 from cas_operator.observe.types import PodSignals, PodView
 from cas_operator.reconcile.core import Measured, reconcile
+from tests.fakes import MemoryKube
 
 SLO = SloInputs(ttft_s=2.0, itl_ms=50.0)
 QUIET = ObservedSignals()
@@ -231,32 +232,6 @@ def test_state_round_trips_through_status() -> None:
 # --------------------------------------------------------------- the reconcile applies it
 
 
-class Applied:
-    """Records applies; every workload reports ready."""
-
-    def __init__(self) -> None:
-        self.objects: dict[tuple[str, str], dict[str, Any]] = {}
-
-    def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
-        obj = {**manifest, "metadata": {**manifest["metadata"], "generation": 1}}
-        obj["status"] = {
-            "observedGeneration": 1,
-            "readyReplicas": manifest.get("spec", {}).get("replicas", 0),
-        }
-        self.objects[(manifest["kind"], manifest["metadata"]["name"])] = obj
-        return obj
-
-    def list(self, kind: str, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
-        return [
-            o
-            for (k, _), o in self.objects.items()
-            if k == kind and all(o["metadata"]["labels"].get(a) == b for a, b in selector.items())
-        ]
-
-    def delete(self, kind: str, namespace: str, name: str) -> None:
-        self.objects.pop((kind, name), None)
-
-
 AUTO_SPEC = {
     "model": {"name": "glm-5"},
     "ratio": {"mode": "Auto", "gpuBudget": 64},
@@ -264,7 +239,7 @@ AUTO_SPEC = {
 }
 
 
-def pool_replicas(kube: Applied) -> dict[str, int]:
+def pool_replicas(kube: MemoryKube) -> dict[str, int]:
     pools = [o for (k, _), o in kube.objects.items() if k == "Deployment"]
     return {
         o["metadata"]["labels"][c.LABEL_ROLE]: o["spec"]["replicas"]
@@ -274,7 +249,7 @@ def pool_replicas(kube: Applied) -> dict[str, int]:
 
 
 def test_reconcile_applies_the_autoscalers_counts_and_says_who_owns_them() -> None:
-    kube = Applied()
+    kube = MemoryKube()
     out = reconcile(
         kube,  # type: ignore[arg-type]
         name="demo",
@@ -292,7 +267,7 @@ def test_reconcile_applies_the_autoscalers_counts_and_says_who_owns_them() -> No
 
 def test_autoscaler_counts_beyond_the_budget_fall_back_to_the_spec() -> None:
     """A stale status.autoscaler (e.g. the budget was lowered since) never breaks a bound."""
-    kube = Applied()
+    kube = MemoryKube()
     reconcile(
         kube,  # type: ignore[arg-type]
         name="demo",

@@ -1,13 +1,12 @@
 """The act step and the whole tick over an in-memory pod API and a canned metrics source.
 
 The real API server and real pods are exercised in e2e/tests; here the seam is `PodApi`
-(list / merge patch / delete on pods) and `MetricsSource` (an Observation per tick).
+(list / merge patch / eviction of pods) and `MetricsSource` (an Observation per tick), both
+from tests/fakes.py.
 """
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -22,53 +21,11 @@ from cas_operator.anomaly.drain import (
 from cas_operator.api import constants as c
 from cas_operator.api.models import AnomalyGuardSpec, GuardAction
 from cas_operator.autoscale.controller import PoolCounts, PressureState, ScaleBounds, suggest_scale
-from cas_operator.observe.types import Observation, PodSignals, PodTarget
+from cas_operator.observe.types import PodSignals
 from cas_operator.types import rfc3339
+from tests.fakes import CannedMetrics, MemoryPods, RecordingRouters
 
 T0 = 1_800_000_000.0  # wall-clock epoch seconds
-
-
-def merge(target: dict[str, Any], patch: dict[str, Any]) -> None:
-    """RFC 7386 JSON merge patch, as the API server applies it."""
-    for key, value in patch.items():
-        if value is None:
-            target.pop(key, None)
-        elif isinstance(value, dict):
-            merge(target.setdefault(key, {}), value)
-        else:
-            target[key] = value
-
-
-class MemoryPods:
-    """Pods by name with merge-patch and delete; records every call."""
-
-    def __init__(self, pods: list[dict[str, Any]]) -> None:
-        self.pods = {p["metadata"]["name"]: p for p in pods}
-        self.calls: list[tuple[str, str]] = []
-        self.budget_refuses: set[str] = set()  # pods a PodDisruptionBudget protects
-
-    def list(self, kind: str, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
-        assert kind == "Pod"
-        return [
-            copy.deepcopy(p)
-            for p in self.pods.values()
-            if all(p["metadata"]["labels"].get(k) == v for k, v in selector.items())
-        ]
-
-    def patch(self, kind: str, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
-        self.calls.append(("patch", name))
-        merge(self.pods[name], patch)
-        return self.pods[name]
-
-    def delete(self, kind: str, namespace: str, name: str) -> None:
-        raise AssertionError("pods leave through the Eviction API, never a bare DELETE")
-
-    def evict(self, namespace: str, name: str, uid: str | None) -> bool:
-        self.calls.append(("evict", name))
-        if name in self.budget_refuses:
-            return False
-        self.pods.pop(name, None)
-        return True
 
 
 def engine_pod(name: str, role: str = "decode", **annotations: str) -> dict[str, Any]:
@@ -90,22 +47,6 @@ def engine_pod(name: str, role: str = "decode", **annotations: str) -> dict[str,
     }
 
 
-class CannedSource:
-    """Returns the signals set for each pod name; healthy decode numbers by default."""
-
-    def __init__(self) -> None:
-        self.by_name: dict[str, PodSignals] = {}
-        self.error: str | None = None
-        self.asked: list[list[str]] = []
-
-    def observe(self, targets: Sequence[PodTarget], window_seconds: float) -> Observation:
-        self.asked.append([t.name for t in targets])
-        if self.error:
-            return Observation.outage(targets, self.error)
-        healthy = PodSignals(checked=2000, trips_low_accept=0, trips_high_accept=1, running=3)
-        return Observation({t.name: self.by_name.get(t.name, healthy) for t in targets})
-
-
 CORRUPT = PodSignals(checked=2000, trips_low_accept=80, trips_high_accept=0, running=4)
 
 
@@ -115,7 +56,7 @@ def fleet(n: int = 6) -> MemoryPods:
 
 def tick(
     api: MemoryPods,
-    source: CannedSource,
+    source: CannedMetrics,
     state: LoopState,
     t: float,
     spec: AnomalyGuardSpec | None = None,
@@ -134,24 +75,24 @@ def tick(
 def test_corrupted_pod_is_taken_out_of_rotation_then_replaced() -> None:
     """Regression: the full act sequence - label removed with reason and time, wait while it
     still runs requests, delete once they reach zero - with an event for each step."""
-    api, source, state = fleet(), CannedSource(), LoopState()
+    api, source, state = fleet(), CannedMetrics(), LoopState()
     source.by_name["d2"] = CORRUPT
     first = tick(api, source, state, 0)
     assert first.draining == [] and ("patch", "d2") not in api.calls  # hysteresis: 1 tick
     second = tick(api, source, state, 5)
-    pod = api.pods["d2"]["metadata"]
+    pod = api.pod("d2")["metadata"]
     assert c.LABEL_SERVING not in pod["labels"]
     assert pod["annotations"][ANNOTATION_DRAINING_SINCE] == rfc3339(T0 + 5)
     assert pod["annotations"][ANNOTATION_DRAIN_REASON] == "low_accept_length"
     assert [e[1] for e in second.events].count("PodDraining") == 1
     assert second.draining[0]["pod"] == "d2" and second.draining[0]["state"] == "Draining"
-    assert api.pods["d3"]["metadata"]["labels"][c.LABEL_SERVING] == "true"
+    assert api.pod("d3")["metadata"]["labels"][c.LABEL_SERVING] == "true"
 
     tick(api, source, state, 30)  # still 4 running: wait
-    assert "d2" in api.pods
+    assert api.has("d2")
     source.by_name["d2"] = PodSignals(checked=0, trips_low_accept=0, trips_high_accept=0, running=0)
     done = tick(api, source, state, 35)
-    assert "d2" not in api.pods and ("evict", "d2") in api.calls
+    assert not api.has("d2") and ("evict", "d2") in api.calls
     assert any(e[1] == "PodReplaced" and "no running requests" in e[2] for e in done.events)
     assert done.draining == []
 
@@ -160,19 +101,19 @@ def test_a_disruption_budget_keeps_a_drained_pod_until_it_allows_the_eviction() 
     """Drains and replacements go through the Eviction API, so PodDisruptionBudgets hold: a
     refused eviction leaves the pod out of rotation, marks it once (one Warning event, shown
     in status.draining) and is retried every tick until the budget allows it."""
-    api, source, state = fleet(), CannedSource(), LoopState()
+    api, source, state = fleet(), CannedMetrics(), LoopState()
     source.by_name["d2"] = replace(CORRUPT, running=0.0)
     api.budget_refuses.add("d2")
     blocked = []
     for t in (0, 5, 25, 30):
         result = tick(api, source, state, t)
         blocked += [(t, e[1]) for e in result.events if e[1] == "EvictionBlocked"]
-    assert "d2" in api.pods and api.calls.count(("evict", "d2")) == 2  # at 25 s and 30 s
+    assert api.has("d2") and api.calls.count(("evict", "d2")) == 2  # at 25 s and 30 s
     assert blocked == [(25, "EvictionBlocked")]  # once, at the first refusal
     assert result.draining[0]["evictionBlockedSince"] == rfc3339(T0 + 25)
     api.budget_refuses.clear()
     tick(api, source, state, 35)
-    assert "d2" not in api.pods
+    assert not api.has("d2")
 
 
 def test_grace_period_bounds_the_wait() -> None:
@@ -193,20 +134,20 @@ def test_grace_period_bounds_the_wait() -> None:
 def test_drain_action_holds_the_pod_for_inspection_then_releases_it() -> None:
     """Regression: action Drain must keep the pod (out of rotation) instead of deleting it,
     report it once as held, and delete it only after the hold cap."""
-    api, source, state = fleet(), CannedSource(), LoopState()
+    api, source, state = fleet(), CannedMetrics(), LoopState()
     spec = AnomalyGuardSpec(action=GuardAction.DRAIN)
     source.by_name["d1"] = CORRUPT
     for t in (0, 5):
         tick(api, source, state, t, spec)
     source.by_name["d1"] = PodSignals(checked=0, trips_low_accept=0, trips_high_accept=0, running=0)
     held = tick(api, source, state, 30, spec)
-    assert "d1" in api.pods
-    assert api.pods["d1"]["metadata"]["annotations"][ANNOTATION_DRAIN_STATE] == "Held"
+    assert api.has("d1")
+    assert api.pod("d1")["metadata"]["annotations"][ANNOTATION_DRAIN_STATE] == "Held"
     assert [e[1] for e in held.events] == ["PodHeld"]
     again = tick(api, source, state, 60, spec)
     assert "PodHeld" not in [e[1] for e in again.events] and again.draining[0]["state"] == "Held"
     tick(api, source, state, 5 + 3600, spec)
-    assert "d1" not in api.pods
+    assert not api.has("d1")
 
 
 def test_restarted_operator_resumes_drains_from_the_pods() -> None:
@@ -214,10 +155,12 @@ def test_restarted_operator_resumes_drains_from_the_pods() -> None:
     the pod's annotations, counted against the breaker, and never started twice."""
     api = fleet(4)
     since = rfc3339(T0 - 60)
-    api.pods["d0"] = engine_pod(
-        "d0", **{ANNOTATION_DRAINING_SINCE: since, ANNOTATION_DRAIN_REASON: "low_accept_length"}
+    api.add(
+        engine_pod(
+            "d0", **{ANNOTATION_DRAINING_SINCE: since, ANNOTATION_DRAIN_REASON: "low_accept_length"}
+        )
     )
-    source = CannedSource()
+    source = CannedMetrics()
     source.by_name["d0"] = PodSignals(checked=0, trips_low_accept=0, trips_high_accept=0, running=2)
     source.by_name["d1"] = CORRUPT
     state = LoopState()
@@ -228,13 +171,13 @@ def test_restarted_operator_resumes_drains_from_the_pods() -> None:
     assert "circuit breaker" in second.decision.blocked["d1"]
     source.by_name["d0"] = PodSignals(checked=0, trips_low_accept=0, trips_high_accept=0, running=0)
     tick(api, source, state, 10)
-    assert "d0" not in api.pods and [n for op, n in api.calls if op == "patch"] == []
+    assert not api.has("d0") and [n for op, n in api.calls if op == "patch"] == []
 
 
 def test_observe_action_and_outage_touch_nothing() -> None:
     """Regression: Observe must not write to pods; a metrics outage must not write either and
     must surface as 'signal unavailable'."""
-    api, source = fleet(), CannedSource()
+    api, source = fleet(), CannedMetrics()
     source.by_name["d2"] = CORRUPT
     state = LoopState()
     spec = AnomalyGuardSpec(action=GuardAction.OBSERVE)
@@ -252,7 +195,7 @@ def test_observe_action_and_outage_touch_nothing() -> None:
 
 def test_fleet_incident_reports_degraded_and_drains_nothing() -> None:
     """Regression: most pods bad together -> Degraded with a reason, no pod touched."""
-    api, source, state = fleet(), CannedSource(), LoopState()
+    api, source, state = fleet(), CannedMetrics(), LoopState()
     for i in range(5):
         source.by_name[f"d{i}"] = CORRUPT
     for t in (0, 5, 10):
@@ -263,8 +206,8 @@ def test_fleet_incident_reports_degraded_and_drains_nothing() -> None:
 
 def test_terminating_pods_are_ignored() -> None:
     """Regression: a pod already being deleted must be neither observed nor acted on."""
-    api, source = fleet(2), CannedSource()
-    api.pods["d0"]["metadata"]["deletionTimestamp"] = rfc3339(T0)
+    api, source = fleet(2), CannedMetrics()
+    api.pod("d0")["metadata"]["deletionTimestamp"] = rfc3339(T0)
     tick(api, source, LoopState(), 0)
     assert source.asked == [["d1", "p0"]]
 
@@ -273,7 +216,7 @@ def test_tick_views_feed_a_prefill_scale_hint_under_sustained_prefill_queueing()
     """Regression: pressure must carry across ticks and the caller must get a prefill scale-up
     hint once prefill queueing with idle decode is sustained. The anomaly tick hands over the
     pods with their signals; the replica controller (autoscale) keeps the streaks."""
-    api, source, state = fleet(4), CannedSource(), LoopState()
+    api, source, state = fleet(4), CannedMetrics(), LoopState()
     source.by_name["p0"] = PodSignals(queued=9.0, aborted=0.0, running=8.0)
     for i in range(4):
         source.by_name[f"d{i}"] = PodSignals(
@@ -304,25 +247,12 @@ def test_tick_views_feed_a_prefill_scale_hint_under_sustained_prefill_queueing()
     assert api.calls == []
 
 
-class RecordingRouters:
-    """Router replicas that list every worker once; records deregistrations."""
-
-    def __init__(self) -> None:
-        self.removed: list[str] = []
-
-    def deregister(self, worker_url: str) -> list[str]:
-        if worker_url in self.removed:
-            return []
-        self.removed.append(worker_url)
-        return [f"{worker_url} removed from router r0"]
-
-
 def test_draining_pods_are_deregistered_from_routers_until_gone() -> None:
     """Regression: the SGLang router keeps a worker whose pod only lost the label; every tick
     must make sure no router lists a draining pod (and say so once), healthy pods untouched."""
-    api, source, state, routers = fleet(), CannedSource(), LoopState(), RecordingRouters()
+    api, source, state, routers = fleet(), CannedMetrics(), LoopState(), RecordingRouters()
     source.by_name["d2"] = CORRUPT
-    api.pods["d2"]["status"]["podIP"] = "127.10.0.3"
+    api.pod("d2")["status"]["podIP"] = "127.10.0.3"
     results = [
         anomaly_tick(
             api,
@@ -359,14 +289,14 @@ def test_multi_node_instances_are_judged_and_replaced_by_their_leader() -> None:
     like instances. Now only leaders are observed; a bad instance's leader is drained and
     deleted (LWS then recreates the whole group) and its workers are never touched."""
     api = MemoryPods([p for i in range(4) for p in lws_group(i)])
-    source, state = CannedSource(), LoopState()
+    source, state = CannedMetrics(), LoopState()
     source.by_name["g1"] = CORRUPT
     tick(api, source, state, 0)
     assert source.asked[-1] == ["g0", "g1", "g2", "g3"]
     tick(api, source, state, 5)
-    assert c.LABEL_SERVING not in api.pods["g1"]["metadata"]["labels"]
+    assert c.LABEL_SERVING not in api.pod("g1")["metadata"]["labels"]
     source.by_name["g1"] = PodSignals(checked=0, trips_low_accept=0, trips_high_accept=0, running=0)
     tick(api, source, state, 30)
-    assert "g1" not in api.pods
-    assert all(f"g1-{w}" in api.pods for w in (1, 2, 3))
+    assert not api.has("g1")
+    assert all(api.has(f"g1-{w}") for w in (1, 2, 3))
     assert {name for kind, name in api.calls} == {"g1"}

@@ -8,7 +8,6 @@ the real API server runs it in e2e/tests (the operator process).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -16,9 +15,9 @@ from cas_operator.anomaly.drain import ANNOTATION_DRAINING_SINCE
 from cas_operator.api import constants as c
 from cas_operator.autoscale.loop import Autoscaler
 from cas_operator.fleet_tick import FleetTick, PodSnapshot
-from cas_operator.observe.types import Observation, PodSignals, PodTarget
+from cas_operator.observe.types import PodSignals
+from tests.fakes import HEALTHY, CannedMetrics, MemoryPods
 
-HEALTHY = PodSignals(checked=2000, trips_low_accept=0, trips_high_accept=1, running=3)
 CORRUPT = PodSignals(checked=2000, trips_low_accept=80, trips_high_accept=0, running=4)
 T0 = 1_800_000_000.0
 
@@ -44,65 +43,7 @@ def resource(name: str, namespace: str = "ns", status: dict[str, Any] | None = N
     }
 
 
-class PodStore:
-    """Pods keyed by (namespace, name); counts LISTs; records status patches."""
-
-    def __init__(self, pods: list[dict[str, Any]]) -> None:
-        self.pods = {(p["metadata"]["namespace"], p["metadata"]["name"]): p for p in pods}
-        self.lists: list[str] = []
-        self.status_patches: list[tuple[str, dict[str, Any]]] = []
-        self.fail_status_for: set[str] = set()
-
-    def list_labelled(
-        self, kind: str, namespace: str, label: str, keep: Any = lambda p: p
-    ) -> list[dict[str, Any]]:
-        self.lists.append(namespace)
-        return [
-            keep(p)
-            for (ns, _), p in self.pods.items()
-            if ns == namespace and label in p["metadata"]["labels"]
-        ]
-
-    def list(self, kind: str, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
-        raise AssertionError("the loop must read pods from its snapshot, not list per resource")
-
-    def patch(self, kind: str, namespace: str, name: str, patch: dict[str, Any]) -> Any:
-        meta = self.pods[(namespace, name)]["metadata"]
-        for key, value in patch["metadata"].get("labels", {}).items():
-            if value is None:
-                meta["labels"].pop(key, None)
-        meta["annotations"].update(patch["metadata"].get("annotations", {}))
-        return self.pods[(namespace, name)]
-
-    def delete(self, kind: str, namespace: str, name: str) -> None:
-        self.pods.pop((namespace, name), None)
-
-    def patch_status(self, kind: str, namespace: str, name: str, status: dict[str, Any]) -> Any:
-        if name in self.fail_status_for:
-            raise RuntimeError("API server said no")
-        self.status_patches.append((name, status))
-        return {}
-
-
-class Canned:
-    def __init__(self) -> None:
-        self.by_name: dict[str, PodSignals] = {}
-        self.calls: list[tuple[float, list[str]]] = []
-        self.error: str | None = None
-
-    def observe(self, targets: Sequence[PodTarget], window_seconds: float) -> Observation:
-        self.calls.append((window_seconds, sorted(t.name for t in targets)))
-        if self.error is not None:
-            return Observation.outage(targets, self.error)
-        return Observation({t.name: self.by_name.get(t.name, HEALTHY) for t in targets})
-
-
-class NoRouters:
-    def deregister(self, worker_url: str) -> list[str]:
-        return []
-
-
-def guard(store: PodStore, source: Canned) -> tuple[FleetTick, list[tuple[str, Any]]]:
+def guard(store: MemoryPods, source: CannedMetrics) -> tuple[FleetTick, list[tuple[str, Any]]]:
     posted: list[tuple[str, Any]] = []
     g = FleetTick(
         store,  # type: ignore[arg-type]
@@ -119,18 +60,18 @@ def sections(tick: FleetTick, name: str) -> dict[str, Any]:
     return found
 
 
-def fleets() -> PodStore:
+def fleets() -> MemoryPods:
     pods = [
         pod(owner, ns, f"{owner}-d{i}")
         for owner, ns in (("a", "ns"), ("b", "ns"), ("c", "other"))
         for i in range(5)
     ]
-    return PodStore(pods)
+    return MemoryPods(pods, forbid_list=True)
 
 
 def test_one_pod_list_per_namespace_for_any_number_of_resources() -> None:
     """Regression: a kopf timer per resource listed pods per resource (20 LISTs/s at N=200)."""
-    store, source = fleets(), Canned()
+    store, source = fleets(), CannedMetrics()
     g, _ = guard(store, source)
     g.tick([resource("a"), resource("b"), resource("c", "other")], now=T0)
     assert sorted(store.lists) == ["ns", "other"]
@@ -140,7 +81,7 @@ def test_the_metrics_source_is_asked_once_per_tick_and_window() -> None:
     """Regression: each resource queried Prometheus itself (12 PromQL queries per resource per
     tick: ~2,400 per tick at N=200). One batched observation per window serves every resource,
     each reading only its own pods."""
-    store, source = fleets(), Canned()
+    store, source = fleets(), CannedMetrics()
     source.by_name["b-d1"] = CORRUPT
     g, _ = guard(store, source)
     slow = resource("c", "other")
@@ -153,7 +94,7 @@ def test_the_metrics_source_is_asked_once_per_tick_and_window() -> None:
 
 
 def test_a_failed_batch_reads_as_signal_unavailable_for_every_resource() -> None:
-    store, source = fleets(), Canned()
+    store, source = fleets(), CannedMetrics()
     source.error = "prometheus unavailable: refused"
     g, _ = guard(store, source)
     g.tick([resource("a"), resource("b")], now=T0)
@@ -163,7 +104,7 @@ def test_a_failed_batch_reads_as_signal_unavailable_for_every_resource() -> None
 def test_a_pass_is_asked_for_only_when_the_findings_changed() -> None:
     """Regression: an unchanged anomaly status must not be rewritten every tick per resource
     (the passes write status; the tick asks for one only when its findings changed)."""
-    store, source = fleets(), Canned()
+    store, source = fleets(), CannedMetrics()
     g, _ = guard(store, source)
     resources = [resource("a"), resource("b")]
     assert g.tick(resources, now=T0) == 2
@@ -176,7 +117,7 @@ def test_a_lagging_status_copy_does_not_ask_for_the_same_pass_again() -> None:
     """Regression (bench-operator N=200: 12.8 status writes per resource in 13 ticks): the
     resource copy the tick reads lags the passes' writes under load; the tick compares with
     its own last findings, not with that copy."""
-    store, source = fleets(), Canned()
+    store, source = fleets(), CannedMetrics()
     g, _ = guard(store, source)
     stale = [resource("a")]  # the watch has not delivered the pass's write yet
     assert g.tick(stale, now=T0) == 1
@@ -186,7 +127,7 @@ def test_a_lagging_status_copy_does_not_ask_for_the_same_pass_again() -> None:
 def test_a_corrupted_pod_is_drained_only_in_its_own_resource() -> None:
     """The per-resource decision still holds inside one shared snapshot: b's bad pod is
     drained after the hysteresis ticks; a's pods (same namespace) are untouched."""
-    store, source = fleets(), Canned()
+    store, source = fleets(), CannedMetrics()
     source.by_name["b-d3"] = CORRUPT
     g, posted = guard(store, source)
     for t in (0, 5):
@@ -206,7 +147,7 @@ def test_a_corrupted_pod_is_drained_only_in_its_own_resource() -> None:
 def test_a_failing_event_post_does_not_cost_the_findings() -> None:
     """Regression: kopf.event raised outside kopf's handlers (no event queue) before the status
     patch, so every tick with events (a drain start, a deletion) wrote no status."""
-    store, source = fleets(), Canned()
+    store, source = fleets(), CannedMetrics()
     source.by_name["b-d3"] = CORRUPT
 
     def refuse(body: Any, event: Any) -> None:
@@ -220,7 +161,7 @@ def test_a_failing_event_post_does_not_cost_the_findings() -> None:
 
 def test_one_failing_resource_does_not_stop_the_others() -> None:
     """Regression guard: an exception in one resource's tick is logged, the rest proceed."""
-    store, source = fleets(), Canned()
+    store, source = fleets(), CannedMetrics()
 
     class Failing(Autoscaler):
         def step(self, uid: str, *args: Any, **kwargs: Any) -> Any:
@@ -238,7 +179,7 @@ def test_a_changed_anomaly_asks_for_a_pass_with_the_finding_in_memory() -> None:
     """Regression: conditions fold status.anomaly in; a pass reading the event's stale copy
     kept Degraded/FleetWideAnomaly wrong until the 30 s timer. The loop now hands its finding
     over in memory and asks for a pass when it changed (and not when it did not)."""
-    store, source = fleets(), Canned()
+    store, source = fleets(), CannedMetrics()
     changed: list[str] = []
     g, _ = guard(store, source)
     g.on_change = lambda r: changed.append(r["metadata"]["name"])
@@ -250,7 +191,7 @@ def test_a_changed_anomaly_asks_for_a_pass_with_the_finding_in_memory() -> None:
 
 
 def test_state_of_deleted_resources_is_forgotten() -> None:
-    store, source = fleets(), Canned()
+    store, source = fleets(), CannedMetrics()
     g, _ = guard(store, source)
     g.tick([resource("a"), resource("b")], now=T0)
     assert set(g.states) == {"uid-a", "uid-b"}
@@ -273,13 +214,13 @@ AUTO = {
 }
 
 
-def pd_fleet() -> tuple[PodStore, Canned]:
+def pd_fleet() -> tuple[MemoryPods, CannedMetrics]:
     pods = [pod("a", "ns", "a-p0", "prefill"), pod("a", "ns", "a-d0"), pod("a", "ns", "a-d1")]
-    source = Canned()
+    source = CannedMetrics()
     source.by_name["a-p0"] = PodSignals(prompt_tokens=1000.0, cached_tokens=800.0, queued=0.0)
     for name in ("a-d0", "a-d1"):
         source.by_name[name] = replace(HEALTHY, requests=60.0, token_usage=0.4)
-    return PodStore(pods), source
+    return MemoryPods(pods, forbid_list=True), source
 
 
 def test_auto_mode_measures_load_steps_replicas_and_asks_for_a_pass() -> None:

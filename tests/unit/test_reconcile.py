@@ -10,41 +10,10 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 
 from cas_operator.api import constants as c
-from cas_operator.kube import KindNotInstalled, Kube, NamespaceTerminating
+from cas_operator.kube import Kube, NamespaceTerminating
 from cas_operator.reconcile.core import Measured, observe, reconcile
 from cas_operator.reconcile.status import find_condition
-
-
-class MemoryKube:
-    """A fake of `Kube`'s four calls: objects keyed by (kind, name); workloads become ready."""
-
-    def __init__(self, *, lws: bool = True, ready: bool = True) -> None:
-        self.objects: dict[tuple[str, str], dict[str, Any]] = {}
-        self.applies: list[tuple[str, str]] = []
-        self.deleted: list[tuple[str, str]] = []
-        self.lws, self.ready = lws, ready
-
-    def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
-        kind, name = manifest["kind"], manifest["metadata"]["name"]
-        if kind == "LeaderWorkerSet" and not self.lws:
-            raise KindNotInstalled(kind)
-        obj = {**manifest, "metadata": {**manifest["metadata"], "generation": 1}}
-        replicas = manifest.get("spec", {}).get("replicas", 0)
-        obj["status"] = {"observedGeneration": 1, "readyReplicas": replicas if self.ready else 0}
-        self.objects[(kind, name)] = obj
-        self.applies.append((kind, name))
-        return obj
-
-    def list(self, kind: str, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
-        return [
-            obj
-            for (k, _), obj in self.objects.items()
-            if k == kind and all(obj["metadata"]["labels"].get(a) == b for a, b in selector.items())
-        ]
-
-    def delete(self, kind: str, namespace: str, name: str) -> None:
-        self.objects.pop((kind, name), None)
-        self.deleted.append((kind, name))
+from tests.fakes import MemoryKube
 
 
 def run(kube: MemoryKube, spec: dict[str, Any], *, full: bool = True, generation: int = 1) -> Any:
@@ -146,16 +115,6 @@ def test_old_revision_is_retired_only_once_the_new_one_is_ready(ready: bool) -> 
         assert find_condition(outcome.status, c.COND_PROGRESSING)["reason"] == c.REASON_ROLLING
 
 
-class CountingKube(MemoryKube):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lists = 0
-
-    def list(self, kind: str, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
-        self.lists += 1
-        return super().list(kind, namespace, selector)
-
-
 def watched(kube: MemoryKube, *, full: bool, observed: list[Any], apply_missing: bool) -> Any:
     return reconcile(
         kube,  # type: ignore[arg-type]
@@ -173,7 +132,7 @@ def watched(kube: MemoryKube, *, full: bool, observed: list[Any], apply_missing:
 def test_a_watched_pass_takes_workloads_from_the_apply_answers_not_a_list() -> None:
     """Regression (bench-operator N=200: 3.5 LISTs per resource): with the caller's watch-fed
     copy, a full pass builds its status from the server's apply answers."""
-    kube = CountingKube()
+    kube = MemoryKube()
     outcome = watched(kube, full=True, observed=[], apply_missing=True)
     assert kube.lists == 0 and ready_of(outcome) == "True"
 
@@ -182,7 +141,7 @@ def test_a_workload_the_watch_has_not_delivered_yet_is_not_reapplied() -> None:
     """Regression (bench-operator N=200: 10 Deployment applies per resource, 3 Deployments):
     a child event right after the create found the other Deployments not yet indexed and
     re-applied them. Missing ones are applied only when the caller allows it (deleted)."""
-    kube = CountingKube()
+    kube = MemoryKube()
     run(kube, SPEC)
     everything = observe(kube, "ns", "demo")  # type: ignore[arg-type]
     partial = [w for w in everything if w.role == c.ROLE_PREFILL]

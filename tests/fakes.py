@@ -1,0 +1,163 @@
+"""The unit tests' fakes, defined once: the API (`MemoryKube` for workloads, `MemoryPods` for
+pods), a canned metrics source and a recording router registry.
+
+Each fakes only the calls of `cas_operator.kube.Kube`, `observe.types.MetricsSource` and
+`routers.Routers` that the code under test makes, with the API server's semantics where they
+matter (RFC 7386 merge patches, workloads that report ready, a PodDisruptionBudget that refuses
+an eviction). The real ones are exercised in e2e/tests.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from cas_operator.kube import KindNotInstalled
+from cas_operator.observe.types import Observation, PodSignals, PodTarget
+
+Manifest = dict[str, Any]
+HEALTHY = PodSignals(checked=2000, trips_low_accept=0, trips_high_accept=1, running=3)
+
+
+def merge(target: Manifest, patch: Manifest) -> None:
+    """RFC 7386 JSON merge patch, as the API server applies it."""
+    for key, value in patch.items():
+        if value is None:
+            target.pop(key, None)
+        elif isinstance(value, dict):
+            merge(target.setdefault(key, {}), value)
+        else:
+            target[key] = value
+
+
+def _matches(obj: Manifest, selector: dict[str, str]) -> bool:
+    labels = obj["metadata"].get("labels", {})
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+class MemoryKube:
+    """Workloads and other children keyed by (kind, name): apply, list, delete. Applied
+    workloads report ready (unless `ready=False`); without `lws` the LeaderWorkerSet kind is
+    not served. Records applies, deletes and LISTs."""
+
+    def __init__(self, *, lws: bool = True, ready: bool = True) -> None:
+        self.objects: dict[tuple[str, str], Manifest] = {}
+        self.applies: list[tuple[str, str]] = []
+        self.deleted: list[tuple[str, str]] = []
+        self.lists = 0
+        self.lws, self.ready = lws, ready
+
+    def apply(self, manifest: Manifest) -> Manifest:
+        kind, name = manifest["kind"], manifest["metadata"]["name"]
+        if kind == "LeaderWorkerSet" and not self.lws:
+            raise KindNotInstalled(kind)
+        obj = {**manifest, "metadata": {**manifest["metadata"], "generation": 1}}
+        replicas = manifest.get("spec", {}).get("replicas", 0)
+        obj["status"] = {"observedGeneration": 1, "readyReplicas": replicas if self.ready else 0}
+        self.objects[(kind, name)] = obj
+        self.applies.append((kind, name))
+        return obj
+
+    def list(self, kind: str, namespace: str, selector: dict[str, str]) -> list[Manifest]:
+        self.lists += 1
+        return [o for (k, _), o in self.objects.items() if k == kind and _matches(o, selector)]
+
+    def delete(self, kind: str, namespace: str, name: str) -> None:
+        self.objects.pop((kind, name), None)
+        self.deleted.append((kind, name))
+
+
+class MemoryPods:
+    """Pods keyed by (namespace, name) with merge-patch and eviction; records every call.
+
+    Pods leave only through `evict` (a bare DELETE fails the test); a pod in `budget_refuses`
+    is protected by a PodDisruptionBudget. With `forbid_list`, a per-resource LIST fails the
+    test (the fleet tick must read pods from its one snapshot, `list_labelled`)."""
+
+    def __init__(self, pods: list[Manifest], *, forbid_list: bool = False) -> None:
+        self.pods = {(p["metadata"]["namespace"], p["metadata"]["name"]): p for p in pods}
+        self.calls: list[tuple[str, str]] = []
+        self.lists: list[str] = []  # namespaces of list_labelled calls
+        self.budget_refuses: set[str] = set()
+        self.status_patches: list[tuple[str, Manifest]] = []
+        self.forbid_list = forbid_list
+
+    def pod(self, name: str, namespace: str = "ns") -> Manifest:
+        return self.pods[(namespace, name)]
+
+    def has(self, name: str, namespace: str = "ns") -> bool:
+        return (namespace, name) in self.pods
+
+    def add(self, pod: Manifest) -> None:
+        self.pods[(pod["metadata"]["namespace"], pod["metadata"]["name"])] = pod
+
+    def list(self, kind: str, namespace: str, selector: dict[str, str]) -> list[Manifest]:
+        assert not self.forbid_list, "read pods from the tick's snapshot, not a LIST each"
+        assert kind == "Pod"
+        return [
+            copy.deepcopy(p)
+            for (ns, _), p in self.pods.items()
+            if ns == namespace and _matches(p, selector)
+        ]
+
+    def list_labelled(
+        self, kind: str, namespace: str, label: str, keep: Callable[[Manifest], Manifest] = dict
+    ) -> list[Manifest]:
+        self.lists.append(namespace)
+        return [
+            keep(p)
+            for (ns, _), p in self.pods.items()
+            if ns == namespace and label in p["metadata"]["labels"]
+        ]
+
+    def patch(self, kind: str, namespace: str, name: str, patch: Manifest) -> Manifest:
+        self.calls.append(("patch", name))
+        merge(self.pods[(namespace, name)], patch)
+        return self.pods[(namespace, name)]
+
+    def delete(self, kind: str, namespace: str, name: str) -> None:
+        raise AssertionError("pods leave through the Eviction API, never a bare DELETE")
+
+    def evict(self, namespace: str, name: str, uid: str | None) -> bool:
+        self.calls.append(("evict", name))
+        if name in self.budget_refuses:
+            return False
+        self.pods.pop((namespace, name), None)
+        return True
+
+    def patch_status(self, kind: str, namespace: str, name: str, status: Manifest) -> Manifest:
+        self.status_patches.append((name, status))
+        return {}
+
+
+class CannedMetrics:
+    """A metrics source answering the signals set per pod name (`HEALTHY` by default), or an
+    outage while `error` is set. Records what it was asked: `asked` (pod names in the order
+    given) and `calls` (window, sorted names)."""
+
+    def __init__(self) -> None:
+        self.by_name: dict[str, PodSignals] = {}
+        self.error: str | None = None
+        self.asked: list[list[str]] = []
+        self.calls: list[tuple[float, list[str]]] = []
+
+    def observe(self, targets: Sequence[PodTarget], window_seconds: float) -> Observation:
+        self.asked.append([t.name for t in targets])
+        self.calls.append((window_seconds, sorted(t.name for t in targets)))
+        if self.error is not None:
+            return Observation.outage(targets, self.error)
+        return Observation({t.name: self.by_name.get(t.name, HEALTHY) for t in targets})
+
+
+class RecordingRouters:
+    """Router replicas that list every worker once; records deregistrations."""
+
+    def __init__(self) -> None:
+        self.removed: list[str] = []
+
+    def deregister(self, worker_url: str) -> list[str]:
+        if worker_url in self.removed:
+            return []
+        self.removed.append(worker_url)
+        return [f"{worker_url} removed from router r0"]
