@@ -53,6 +53,7 @@ class Bins:
     kube_controller_manager: Path
     kube_scheduler: Path
     kubectl: Path
+    kube_proxy: Path
     etcd: Path
     kwok: Path
     kwok_stages: Path
@@ -81,6 +82,7 @@ def resolve(root: Path | None = None) -> Bins:
         kube_controller_manager=kube / "kube-controller-manager",
         kube_scheduler=kube / "kube-scheduler",
         kubectl=kube / "kubectl",
+        kube_proxy=kube / "kube-proxy",
         etcd=base / f"etcd-{v['ETCD_VERSION']}" / "etcd",
         kwok=kwok / "kwok",
         kwok_stages=kwok / "stages",

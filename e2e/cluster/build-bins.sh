@@ -57,12 +57,49 @@ wrapper_module() {
   (cd "${work}" && go mod init "${name}" >/dev/null 2>&1)
 }
 
-# ---- Kubernetes: apiserver, controller-manager, scheduler, kubectl -------------------------
+# ---- Kubernetes: apiserver, controller-manager, scheduler, kubectl, kube-proxy --------------
+# A complete cache that lacks a binary added later (kube-proxy) builds just that one, in the
+# wrapper module it was resolved in.
 build_kubernetes() {
   local v=${KUBERNETES_VERSION} out="${BIN_DIR}/kubernetes-${KUBERNETES_VERSION}"
-  local bins=(kube-apiserver kube-controller-manager kube-scheduler kubectl)
+  local bins=(kube-apiserver kube-controller-manager kube-scheduler kubectl kube-proxy)
   if have "${out}" "${bins[@]}"; then log "kubernetes ${v}: cached in ${out}"; return; fi
-  local work="${BUILD_DIR}/kubernetes-${v}"
+  local work="${BUILD_DIR}/kubernetes-${v}" need=() b
+  if [[ -f "${out}/.complete" && -f "${work}/go.sum" ]]; then
+    for b in "${bins[@]}"; do [[ -x "${out}/${b}" ]] || need+=("${b}"); done
+    log "kubernetes ${v}: cached except ${need[*]}"
+  else
+    need=("${bins[@]}")
+    rm -f "${out}/.complete"
+    resolve_kubernetes "${work}"
+  fi
+  local minor=${v#v1.}; minor=${minor%%.*}
+  # buildDate: the release time the module proxy records (reproducible), else now.
+  local date info
+  info=$(go mod download -json "k8s.io/kubernetes@${v}" \
+    | sed -n 's/^[[:space:]]*"Info": "\(.*\)",\{0,1\}$/\1/p')
+  date=$(sed -n 's/.*"Time":"\([^"]*\)".*/\1/p' "${info}" 2>/dev/null || true)
+  [[ -n "${date}" ]] || date=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+  local ld="-s -w" key val
+  for kv in "gitVersion=${v}" "gitMajor=1" "gitMinor=${minor}" "gitTreeState=clean" \
+            "buildDate=${date}"; do
+    key=${kv%%=*}; val=${kv#*=}
+    ld+=" -X k8s.io/component-base/version.${key}=${val}"
+    ld+=" -X k8s.io/client-go/pkg/version.${key}=${val}"
+  done
+  mkdir -p "${out}"
+  for b in "${need[@]}"; do
+    log "kubernetes ${v}: building ${b}"
+    (cd "${work}" && "${GOBUILD[@]}" -ldflags "${ld}" -o "${out}/${b}" "k8s.io/kubernetes/cmd/${b}")
+    log "kubernetes ${v}: ${b} done"
+  done
+  touch "${out}/.complete"; BUILT=1
+}
+
+# resolve_kubernetes <workdir>: the wrapper module requiring k8s.io/kubernetes, with the staging
+# modules its go.mod replaces by ./staging/... replaced by their published versions.
+resolve_kubernetes() {
+  local v=${KUBERNETES_VERSION} work=$1
   wrapper_module "${work}" casbuild/kubernetes
   log "kubernetes ${v}: resolving the module and its staging replacements"
   local gomod
@@ -84,29 +121,7 @@ build_kubernetes() {
     echo ")"
   } >>"${work}/go.mod"
   log "kubernetes ${v}: $(echo "${mods}" | wc -l) staging modules replaced by ${staging_v}"
-  local b
   (cd "${work}" && quiet "${work}/resolve.log" go get "k8s.io/kubernetes@${v}")
-  local minor=${v#v1.}; minor=${minor%%.*}
-  # buildDate: the release time the module proxy records (reproducible), else now.
-  local date info
-  info=$(go mod download -json "k8s.io/kubernetes@${v}" \
-    | sed -n 's/^[[:space:]]*"Info": "\(.*\)",\{0,1\}$/\1/p')
-  date=$(sed -n 's/.*"Time":"\([^"]*\)".*/\1/p' "${info}" 2>/dev/null || true)
-  [[ -n "${date}" ]] || date=$(date -u +%Y-%m-%dT%H:%M:%SZ)
-  local ld="-s -w" key val
-  for kv in "gitVersion=${v}" "gitMajor=1" "gitMinor=${minor}" "gitTreeState=clean" \
-            "buildDate=${date}"; do
-    key=${kv%%=*}; val=${kv#*=}
-    ld+=" -X k8s.io/component-base/version.${key}=${val}"
-    ld+=" -X k8s.io/client-go/pkg/version.${key}=${val}"
-  done
-  mkdir -p "${out}"
-  for b in "${bins[@]}"; do
-    log "kubernetes ${v}: building ${b}"
-    (cd "${work}" && "${GOBUILD[@]}" -ldflags "${ld}" -o "${out}/${b}" "k8s.io/kubernetes/cmd/${b}")
-    log "kubernetes ${v}: ${b} done"
-  done
-  touch "${out}/.complete"; BUILT=1
 }
 
 # ---- etcd: a wrapper main around etcdmain (the root module carries replace directives) -----
