@@ -60,6 +60,8 @@ class Bins:
     lws_controller: Path
     lws_crds: Path
     lws_webhook: Path
+    traefik: Path
+    gateway_crds: Path
 
     def missing(self) -> list[str]:
         """Names of the entries that do not exist on disk (empty when the build is complete)."""
@@ -77,6 +79,7 @@ def resolve(root: Path | None = None) -> Bins:
     kube = base / f"kubernetes-{v['KUBERNETES_VERSION']}"
     kwok = base / f"kwok-{v['KWOK_VERSION']}"
     lws = base / f"lws-{v['LWS_VERSION']}"
+    traefik = base / f"traefik-{v['TRAEFIK_VERSION']}"
     return Bins(
         kube_apiserver=kube / "kube-apiserver",
         kube_controller_manager=kube / "kube-controller-manager",
@@ -89,6 +92,8 @@ def resolve(root: Path | None = None) -> Bins:
         lws_controller=lws / "lws-controller-manager",
         lws_crds=lws / "crds",
         lws_webhook=lws / "webhook",
+        traefik=traefik / "traefik",
+        gateway_crds=traefik / "gateway-crds",
     )
 
 

@@ -207,6 +207,40 @@ build_lws() {
   touch "${out}/.complete"; BUILT=1
 }
 
+# ---- Traefik (Gateway API implementation) and the Gateway API CRDs ----------------------------
+# Traefik's go.mod carries replace directives, so it is built as the main module from a writable
+# copy of its module source. The CRDs (standard channel) come from the module cache too, at the
+# sigs.k8s.io/gateway-api version Traefik requires (checked against versions.env).
+build_traefik() {
+  local v=${TRAEFIK_VERSION} gv=${GATEWAY_API_VERSION} out="${BIN_DIR}/traefik-${TRAEFIK_VERSION}"
+  if have "${out}" traefik gateway-crds/gateway.networking.k8s.io_httproutes.yaml; then
+    log "traefik ${v}: cached in ${out}"; return
+  fi
+  local work="${BUILD_DIR}/traefik-${v}" src gw
+  log "traefik ${v}: resolving"
+  src=$(go mod download -json "github.com/traefik/traefik/v3@${v}" \
+    | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",\{0,1\}$/\1/p')
+  [[ -d "${src}" ]] || { echo "build-bins: no source for traefik ${v}" >&2; exit 1; }
+  grep -q "sigs.k8s.io/gateway-api ${gv}\$" "${src}/go.mod" || {
+    echo "build-bins: traefik ${v} does not require sigs.k8s.io/gateway-api ${gv}" >&2; exit 1; }
+  if [[ ! -f "${work}/go.mod" ]]; then
+    rm -rf "${work}" && cp -r "${src}" "${work}" && chmod -R u+w "${work}"
+  fi
+  log "traefik ${v}: building traefik"
+  mkdir -p "${out}"
+  (cd "${work}" && "${GOBUILD[@]}" \
+    -ldflags "-s -w -X github.com/traefik/traefik/v3/pkg/version.Version=${v}" \
+    -o "${out}/traefik" ./cmd/traefik)
+  log "traefik ${v}: traefik done"
+  gw=$(go mod download -json "sigs.k8s.io/gateway-api@${gv}" \
+    | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",\{0,1\}$/\1/p')
+  rm -rf "${out}/gateway-crds" && mkdir -p "${out}/gateway-crds"
+  cp "${gw}"/config/crd/standard/*.yaml "${out}/gateway-crds/"
+  chmod u+w "${out}"/gateway-crds/*.yaml
+  log "gateway-api ${gv}: copied $(ls "${out}/gateway-crds" | wc -l) standard-channel CRDs"
+  touch "${out}/.complete"; BUILT=1
+}
+
 main() {
   mkdir -p "${BIN_DIR}" "${BUILD_DIR}"
   log "binaries in ${BIN_DIR} (go $(go env GOVERSION))"
@@ -214,6 +248,7 @@ main() {
   build_kwok
   build_lws
   build_kubernetes
+  build_traefik
   local total=$(( $(date +%s) - START ))
   if [[ ${BUILT} == 1 ]]; then
     log "build finished: total build time ${total}s"

@@ -3,13 +3,15 @@
 Data flow (``up``): pinned binaries (:mod:`e2e.cluster.bins`) + fresh certificates
 (:mod:`e2e.cluster.pki`) -> etcd -> kube-apiserver -> kube-controller-manager, kube-scheduler ->
 KWOK + fake GPU nodes (:mod:`e2e.cluster.manifests`) -> kube-proxy -> LWS CRDs, LWS controller
-and its webhooks. Before any process, the pod network (:mod:`e2e.cluster.podnet`: one network
-namespace per node, or loopback mode where that is impossible) is made and recorded in
-``<run>/podnet.json``; ``down`` removes exactly what it made. Every process is started
-detached by :mod:`e2e.cluster.procs`; their records, ports and the admin kubeconfig path are
-written to ``<run>/state.json`` as each starts, so ``down`` (from any process) stops exactly
-those pids, even after a failed ``up``. ``<run>`` is ``$CAS_RUN_DIR`` or ``run/cluster`` in the
-repository; logs are in ``<run>/logs/<component>.log``.
+and its webhooks -> Gateway API CRDs, Traefik (the Gateway API implementation) and the shared
+Gateway ``default/cas-gateway`` (kube-proxy and the Gateway with the pod network only). Before
+any process, the pod network (:mod:`e2e.cluster.podnet`: one network namespace per node, or
+loopback mode where that is impossible) is made and recorded in ``<run>/podnet.json``; ``down``
+removes exactly what it made. Every process is started detached by :mod:`e2e.cluster.procs`;
+their records, ports and the admin kubeconfig path are written to ``<run>/state.json`` as each
+starts, so ``down`` (from any process) stops exactly those pids, even after a failed ``up``.
+``<run>`` is ``$CAS_RUN_DIR`` or ``run/cluster`` in the repository; logs are in
+``<run>/logs/<component>.log``.
 
 Importable: :func:`start_cluster` returns a :class:`ClusterHandle` (``.kubeconfig``, ``.stop()``,
 ``.crashed()``); :func:`load_cluster` finds a running one.
@@ -58,7 +60,16 @@ PORT_NAMES = (
     "lws_health",
     "kube_proxy_healthz",
     "kube_proxy_metrics",
+    "gateway_web",
+    "gateway_ping",
 )
+# The Gateway API implementation (Traefik, a host process) and the one shared Gateway it serves:
+# HTTPRoutes of any namespace attach to it with parentRefs [{namespace: default, name: ...}].
+GATEWAY_CLASS = "cas-traefik"
+GATEWAY_CONTROLLER = "traefik.io/gateway-controller"
+GATEWAY_NAMESPACE = "default"
+GATEWAY_NAME = "cas-gateway"
+GATEWAY_CRDS = ("gatewayclasses", "gateways", "httproutes", "referencegrants")
 
 
 class ClusterError(RuntimeError):
@@ -84,6 +95,14 @@ class ClusterHandle:
     ports: dict[str, int]
     records: list[procs.ProcRecord] = field(default_factory=list)
     kubectl_path: Path | None = None
+
+    @property
+    def gateway_url(self) -> str | None:
+        """``http://<host side>:<port>`` of the shared Gateway (None without the pod network)."""
+        net = self.network
+        if net is None or not net.enabled or "gateway_web" not in self.ports:
+            return None
+        return f"http://{net.host_ip}:{self.ports['gateway_web']}"
 
     @property
     def network(self) -> podnet.PodNetwork | None:
@@ -483,6 +502,69 @@ class _Starter:
         url = f"http://127.0.0.1:{self.ports['kube_proxy_healthz']}/healthz"
         self.wait("kube-proxy /healthz", lambda: http_ok(url), timeout=60)
 
+    def gateway(self) -> None:
+        """Gateway API CRDs (standard channel), Traefik's Kubernetes Gateway provider as a host
+        process, a GatewayClass for it and the shared Gateway (netns mode only: the Gateway
+        routes to Service endpoints, pod IPs). Its HTTP entry point listens on the host side
+        address, so hosts and pods reach it; the ping endpoint on loopback is its health."""
+        if not self.net.enabled:
+            return
+        api = Api(self.api.server, self.api.ctx, timeout=CRD_APPLY_TIMEOUT_S)
+        for path in sorted(self.bins.gateway_crds.glob("*.yaml")):
+            for crd in yaml.safe_load_all(path.read_text()):
+                if crd:
+                    api.create_or_apply(
+                        "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd
+                    )
+        for plural in GATEWAY_CRDS:
+            name = f"{plural}.gateway.networking.k8s.io"
+            self.wait(f"CRD {name} established",
+                      functools.partial(self._crd_established, name), 60)  # fmt: skip
+        web, ping = self.ports["gateway_web"], self.ports["gateway_ping"]
+        self.spawn(
+            "traefik",
+            [
+                str(self.bins.traefik),
+                f"--entryPoints.web.address={self.net.host_ip}:{web}",
+                f"--entryPoints.ping.address=127.0.0.1:{ping}",
+                "--ping=true",
+                "--ping.entryPoint=ping",
+                "--providers.kubernetesgateway=true",
+                f"--providers.kubernetesgateway.statusAddress.ip={self.net.host_ip}",
+                "--providers.kubernetesgateway.throttleDuration=0s",
+                "--global.checkNewVersion=false",
+                "--global.sendAnonymousUsage=false",
+                "--log.level=INFO",
+            ],
+            env={"KUBECONFIG": str(self.handle.kubeconfig)},
+        )
+        self.wait("traefik /ping", lambda: http_ok(f"http://127.0.0.1:{ping}/ping"), 60)
+        api.apply(
+            f"/apis/gateway.networking.k8s.io/v1/gatewayclasses/{GATEWAY_CLASS}",
+            {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "GatewayClass",
+             "metadata": {"name": GATEWAY_CLASS},
+             "spec": {"controllerName": GATEWAY_CONTROLLER}},
+        )  # fmt: skip
+        gateway_path = (f"/apis/gateway.networking.k8s.io/v1/namespaces/{GATEWAY_NAMESPACE}"
+                        f"/gateways/{GATEWAY_NAME}")  # fmt: skip
+        api.apply(
+            gateway_path,
+            {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "Gateway",
+             "metadata": {"name": GATEWAY_NAME, "namespace": GATEWAY_NAMESPACE},
+             "spec": {"gatewayClassName": GATEWAY_CLASS,
+                      "listeners": [{"name": "http", "protocol": "HTTP", "port": web,
+                                     "allowedRoutes": {"namespaces": {"from": "All"}}}]}},
+        )  # fmt: skip
+        self.wait(
+            f"Gateway {GATEWAY_NAME} Programmed",
+            lambda: condition(self.api.get(gateway_path) or {}, "Programmed") == "True",
+            60,
+        )
+
+    def _crd_established(self, name: str) -> bool:
+        crd = self.api.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}")
+        return condition(crd or {}, "Established") == "True"
+
     def lws_crds(self) -> None:
         """Create the LWS CRDs as shipped (server-side apply over an existing one)."""
         api = Api(self.api.server, self.api.ctx, timeout=CRD_APPLY_TIMEOUT_S)
@@ -616,6 +698,7 @@ def start_cluster(
             crds.result(timeout=CRD_APPLY_TIMEOUT_S)
         starter.lws()
         starter.default_service_account()
+        starter.gateway()
     except BaseException:
         say("start failed; stopping what was started")
         handle.stop()

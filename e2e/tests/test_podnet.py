@@ -1,6 +1,7 @@
 """End-to-end checks of the pod network (issue 14): Services over sim pods have ready endpoints,
 their ClusterIPs answer from the host and from inside a node namespace (kube-proxy, nftables),
-and a pod that leaves readiness leaves the EndpointSlice and gets no new requests.
+a pod that leaves readiness leaves the EndpointSlice and gets no new requests, and an HTTPRoute
+through the Gateway API implementation (Traefik) splits requests by backendRef weight.
 
 Sim pods report their own pod name as their served model (``--served-model-name $(POD_NAME)``),
 so ``GET /v1/models`` through a Service says which pod answered. Every address used lies in the
@@ -9,11 +10,14 @@ pod network's blackholed ranges (e2e.cluster.podnet); nothing leaves the machine
 
 from __future__ import annotations
 
+import functools
+import http.client
 import ipaddress
 import json
 import subprocess
 import threading
 import time
+import urllib.parse
 import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -23,7 +27,7 @@ from typing import Any
 import pytest
 
 from e2e.cluster import manifests, podnet
-from e2e.cluster.stack import ClusterHandle
+from e2e.cluster.stack import GATEWAY_NAME, GATEWAY_NAMESPACE, ClusterHandle
 from e2e.runtime.podrunner import PodRunner, kube_pod_lister, kube_status_patcher
 from e2e.tests.conftest import in_ci
 from e2e.tests.test_cluster import apply, get_json, wait_until
@@ -187,3 +191,49 @@ def test_pod_out_of_readiness_leaves_endpointslice_and_gets_no_requests(
     time.sleep(1.0)  # kube-proxy's sync after the EndpointSlice change (min sync period 1 s)
     seen = Counter(who(url) for _ in range(60))
     assert set(seen) == {pods[1]}, seen
+
+
+def test_httproute_weights_split_requests_90_10_over_two_services(
+    kubectl: Kubectl, namespace: str, runner: PodRunner, cluster: ClusterHandle
+) -> None:
+    """Regression: nothing on the local stack routed by Service, so weighted HTTPRoutes (canary
+    splits between two fleets' entry Services) could not be tested. Through the Gateway API
+    implementation (Traefik), 1,000 requests split 90/10 within +-3 points."""
+    gateway = cluster.gateway_url
+    assert gateway is not None, "the pod network is up but no Gateway was started"
+    for name in ("stable", "canary"):
+        labels = {"app": name}
+        apply(kubectl, namespace, sim_deployment(name, 1, labels), service(name, labels))
+    for name in ("stable", "canary"):
+        ready = functools.partial(ready_endpoints, kubectl, namespace, name)
+        wait_until(f"a ready endpoint of {name}", lambda r=ready: any(r().values()), 90)
+    route = {
+        "apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute",
+        "metadata": {"name": "split"},
+        "spec": {"parentRefs": [{"name": GATEWAY_NAME, "namespace": GATEWAY_NAMESPACE}],
+                 "rules": [{"backendRefs": [{"name": "stable", "port": 80, "weight": 90},
+                                            {"name": "canary", "port": 80, "weight": 10}]}]},
+    }  # fmt: skip
+    apply(kubectl, namespace, route)
+    pods = {p["metadata"]["name"]: p["metadata"]["labels"]["app"]
+            for p in get_json(kubectl, "pods", "-n", namespace)["items"]}  # fmt: skip
+
+    def both_answer() -> bool:
+        try:
+            seen = {pods.get(who(gateway, timeout=2.0)) for _ in range(30)}
+        except OSError:
+            return False
+        return seen == {"stable", "canary"}
+
+    wait_until("the HTTPRoute to reach both Services through the Gateway", both_answer, 60)
+    counts: Counter[str] = Counter()
+    conn = http.client.HTTPConnection(urllib.parse.urlsplit(gateway).netloc, timeout=5)
+    try:
+        for _ in range(1000):  # bounded; every address is inside the pod network
+            conn.request("GET", "/v1/models")
+            body = conn.getresponse().read()
+            counts[pods.get(json.loads(body)["data"][0]["id"], "?")] += 1
+    finally:
+        conn.close()
+    assert sum(counts.values()) == 1000 and set(counts) == {"stable", "canary"}, counts
+    assert abs(counts["stable"] / 1000 - 0.90) <= 0.03, counts
