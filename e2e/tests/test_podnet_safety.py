@@ -138,3 +138,19 @@ def test_setup_refuses_a_routed_range_and_teardown_removes_exactly_what_it_made(
         leftover = podnet.PodNetwork.load(tmp_path)
         if leftover is not None:
             leftover.teardown()
+
+
+def test_loopback_fallback_makes_nothing_and_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: without network namespaces the stack must still start (loopback pod CIDRs)
+    and say why Services will have no endpoints, not fail or half-make a network."""
+    monkeypatch.setenv("CAS_POD_NETWORK", "loopback")
+    said: list[str] = []
+    net = podnet.make(tmp_path, 3, log=said.append)
+    assert not net.enabled and net.reason == "CAS_POD_NETWORK=loopback"
+    assert net.node_cidr(2) == "127.10.2.0/24" and net.api_host == "127.0.0.1"
+    assert net.made == podnet.Made() and net.netns_for_ip("127.10.2.5") is None
+    assert said and "loopback mode" in said[0] and "no endpoints" in said[0]
+    loaded = podnet.PodNetwork.load(tmp_path)
+    assert loaded is not None and loaded.teardown() == []
