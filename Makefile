@@ -60,13 +60,13 @@ image: ## Build the engine image (needs a container engine)
 
 ##@ Local stack
 
-bins: ## Build (or reuse) kube-apiserver, controller-manager, scheduler, kubectl, etcd, kwok, lws
+bins: ## Build (or reuse) kube-apiserver, controller-manager, scheduler, kubectl, kube-proxy, etcd, kwok, lws, traefik
 	e2e/cluster/build-bins.sh
 
-cluster-up: setup bins ## Start the local control plane as processes
+cluster-up: setup bins ## Start the local control plane as processes, with a pod network (netns; root)
 	$(PY) -m e2e.cluster up
 
-cluster-down: setup ## Stop exactly the processes cluster-up started
+cluster-down: setup ## Stop exactly the processes cluster-up started; remove exactly the pod network it made
 	$(PY) -m e2e.cluster down
 
 cluster-status: setup ## Processes of the local control plane; crashed ones with their log tails

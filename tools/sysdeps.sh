@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Debian packages the tests need: mooncake's CPU build links libibverbs and libnuma; prometheus
-# is the real metrics server of the anomaly-loop e2e tests. Installs only what is missing.
+# is the real metrics server of the anomaly-loop e2e tests; iproute2 and nftables make the local
+# stack's pod network (network namespaces, veths, routes, guard tables: e2e/cluster/podnet.py)
+# and kube-proxy's nftables mode works with the kernel's nf_tables; curl sends requests from
+# inside node namespaces in the e2e tests. Installs only what is missing.
 set -euo pipefail
-packages=(libibverbs1 libnuma1 openssl prometheus)
+packages=(libibverbs1 libnuma1 openssl prometheus iproute2 nftables curl)
 missing=()
 for pkg in "${packages[@]}"; do
   dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")

@@ -53,12 +53,15 @@ class Bins:
     kube_controller_manager: Path
     kube_scheduler: Path
     kubectl: Path
+    kube_proxy: Path
     etcd: Path
     kwok: Path
     kwok_stages: Path
     lws_controller: Path
     lws_crds: Path
     lws_webhook: Path
+    traefik: Path
+    gateway_crds: Path
 
     def missing(self) -> list[str]:
         """Names of the entries that do not exist on disk (empty when the build is complete)."""
@@ -76,17 +79,21 @@ def resolve(root: Path | None = None) -> Bins:
     kube = base / f"kubernetes-{v['KUBERNETES_VERSION']}"
     kwok = base / f"kwok-{v['KWOK_VERSION']}"
     lws = base / f"lws-{v['LWS_VERSION']}"
+    traefik = base / f"traefik-{v['TRAEFIK_VERSION']}"
     return Bins(
         kube_apiserver=kube / "kube-apiserver",
         kube_controller_manager=kube / "kube-controller-manager",
         kube_scheduler=kube / "kube-scheduler",
         kubectl=kube / "kubectl",
+        kube_proxy=kube / "kube-proxy",
         etcd=base / f"etcd-{v['ETCD_VERSION']}" / "etcd",
         kwok=kwok / "kwok",
         kwok_stages=kwok / "stages",
         lws_controller=lws / "lws-controller-manager",
         lws_crds=lws / "crds",
         lws_webhook=lws / "webhook",
+        traefik=traefik / "traefik",
+        gateway_crds=traefik / "gateway-crds",
     )
 
 

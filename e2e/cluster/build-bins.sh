@@ -57,12 +57,49 @@ wrapper_module() {
   (cd "${work}" && go mod init "${name}" >/dev/null 2>&1)
 }
 
-# ---- Kubernetes: apiserver, controller-manager, scheduler, kubectl -------------------------
+# ---- Kubernetes: apiserver, controller-manager, scheduler, kubectl, kube-proxy --------------
+# A complete cache that lacks a binary added later (kube-proxy) builds just that one, in the
+# wrapper module it was resolved in.
 build_kubernetes() {
   local v=${KUBERNETES_VERSION} out="${BIN_DIR}/kubernetes-${KUBERNETES_VERSION}"
-  local bins=(kube-apiserver kube-controller-manager kube-scheduler kubectl)
+  local bins=(kube-apiserver kube-controller-manager kube-scheduler kubectl kube-proxy)
   if have "${out}" "${bins[@]}"; then log "kubernetes ${v}: cached in ${out}"; return; fi
-  local work="${BUILD_DIR}/kubernetes-${v}"
+  local work="${BUILD_DIR}/kubernetes-${v}" need=() b
+  if [[ -f "${out}/.complete" && -f "${work}/go.sum" ]]; then
+    for b in "${bins[@]}"; do [[ -x "${out}/${b}" ]] || need+=("${b}"); done
+    log "kubernetes ${v}: cached except ${need[*]}"
+  else
+    need=("${bins[@]}")
+    rm -f "${out}/.complete"
+    resolve_kubernetes "${work}"
+  fi
+  local minor=${v#v1.}; minor=${minor%%.*}
+  # buildDate: the release time the module proxy records (reproducible), else now.
+  local date info
+  info=$(go mod download -json "k8s.io/kubernetes@${v}" \
+    | sed -n 's/^[[:space:]]*"Info": "\(.*\)",\{0,1\}$/\1/p')
+  date=$(sed -n 's/.*"Time":"\([^"]*\)".*/\1/p' "${info}" 2>/dev/null || true)
+  [[ -n "${date}" ]] || date=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+  local ld="-s -w" key val
+  for kv in "gitVersion=${v}" "gitMajor=1" "gitMinor=${minor}" "gitTreeState=clean" \
+            "buildDate=${date}"; do
+    key=${kv%%=*}; val=${kv#*=}
+    ld+=" -X k8s.io/component-base/version.${key}=${val}"
+    ld+=" -X k8s.io/client-go/pkg/version.${key}=${val}"
+  done
+  mkdir -p "${out}"
+  for b in "${need[@]}"; do
+    log "kubernetes ${v}: building ${b}"
+    (cd "${work}" && "${GOBUILD[@]}" -ldflags "${ld}" -o "${out}/${b}" "k8s.io/kubernetes/cmd/${b}")
+    log "kubernetes ${v}: ${b} done"
+  done
+  touch "${out}/.complete"; BUILT=1
+}
+
+# resolve_kubernetes <workdir>: the wrapper module requiring k8s.io/kubernetes, with the staging
+# modules its go.mod replaces by ./staging/... replaced by their published versions.
+resolve_kubernetes() {
+  local v=${KUBERNETES_VERSION} work=$1
   wrapper_module "${work}" casbuild/kubernetes
   log "kubernetes ${v}: resolving the module and its staging replacements"
   local gomod
@@ -84,29 +121,7 @@ build_kubernetes() {
     echo ")"
   } >>"${work}/go.mod"
   log "kubernetes ${v}: $(echo "${mods}" | wc -l) staging modules replaced by ${staging_v}"
-  local b
   (cd "${work}" && quiet "${work}/resolve.log" go get "k8s.io/kubernetes@${v}")
-  local minor=${v#v1.}; minor=${minor%%.*}
-  # buildDate: the release time the module proxy records (reproducible), else now.
-  local date info
-  info=$(go mod download -json "k8s.io/kubernetes@${v}" \
-    | sed -n 's/^[[:space:]]*"Info": "\(.*\)",\{0,1\}$/\1/p')
-  date=$(sed -n 's/.*"Time":"\([^"]*\)".*/\1/p' "${info}" 2>/dev/null || true)
-  [[ -n "${date}" ]] || date=$(date -u +%Y-%m-%dT%H:%M:%SZ)
-  local ld="-s -w" key val
-  for kv in "gitVersion=${v}" "gitMajor=1" "gitMinor=${minor}" "gitTreeState=clean" \
-            "buildDate=${date}"; do
-    key=${kv%%=*}; val=${kv#*=}
-    ld+=" -X k8s.io/component-base/version.${key}=${val}"
-    ld+=" -X k8s.io/client-go/pkg/version.${key}=${val}"
-  done
-  mkdir -p "${out}"
-  for b in "${bins[@]}"; do
-    log "kubernetes ${v}: building ${b}"
-    (cd "${work}" && "${GOBUILD[@]}" -ldflags "${ld}" -o "${out}/${b}" "k8s.io/kubernetes/cmd/${b}")
-    log "kubernetes ${v}: ${b} done"
-  done
-  touch "${out}/.complete"; BUILT=1
 }
 
 # ---- etcd: a wrapper main around etcdmain (the root module carries replace directives) -----
@@ -192,6 +207,40 @@ build_lws() {
   touch "${out}/.complete"; BUILT=1
 }
 
+# ---- Traefik (Gateway API implementation) and the Gateway API CRDs ----------------------------
+# Traefik's go.mod carries replace directives, so it is built as the main module from a writable
+# copy of its module source. The CRDs (standard channel) come from the module cache too, at the
+# sigs.k8s.io/gateway-api version Traefik requires (checked against versions.env).
+build_traefik() {
+  local v=${TRAEFIK_VERSION} gv=${GATEWAY_API_VERSION} out="${BIN_DIR}/traefik-${TRAEFIK_VERSION}"
+  if have "${out}" traefik gateway-crds/gateway.networking.k8s.io_httproutes.yaml; then
+    log "traefik ${v}: cached in ${out}"; return
+  fi
+  local work="${BUILD_DIR}/traefik-${v}" src gw
+  log "traefik ${v}: resolving"
+  src=$(go mod download -json "github.com/traefik/traefik/v3@${v}" \
+    | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",\{0,1\}$/\1/p')
+  [[ -d "${src}" ]] || { echo "build-bins: no source for traefik ${v}" >&2; exit 1; }
+  grep -q "sigs.k8s.io/gateway-api ${gv}\$" "${src}/go.mod" || {
+    echo "build-bins: traefik ${v} does not require sigs.k8s.io/gateway-api ${gv}" >&2; exit 1; }
+  if [[ ! -f "${work}/go.mod" ]]; then
+    rm -rf "${work}" && cp -r "${src}" "${work}" && chmod -R u+w "${work}"
+  fi
+  log "traefik ${v}: building traefik"
+  mkdir -p "${out}"
+  (cd "${work}" && "${GOBUILD[@]}" \
+    -ldflags "-s -w -X github.com/traefik/traefik/v3/pkg/version.Version=${v}" \
+    -o "${out}/traefik" ./cmd/traefik)
+  log "traefik ${v}: traefik done"
+  gw=$(go mod download -json "sigs.k8s.io/gateway-api@${gv}" \
+    | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",\{0,1\}$/\1/p')
+  rm -rf "${out}/gateway-crds" && mkdir -p "${out}/gateway-crds"
+  cp "${gw}"/config/crd/standard/*.yaml "${out}/gateway-crds/"
+  chmod u+w "${out}"/gateway-crds/*.yaml
+  log "gateway-api ${gv}: copied $(ls "${out}/gateway-crds" | wc -l) standard-channel CRDs"
+  touch "${out}/.complete"; BUILT=1
+}
+
 main() {
   mkdir -p "${BIN_DIR}" "${BUILD_DIR}"
   log "binaries in ${BIN_DIR} (go $(go env GOVERSION))"
@@ -199,6 +248,7 @@ main() {
   build_kwok
   build_lws
   build_kubernetes
+  build_traefik
   local total=$(( $(date +%s) - START ))
   if [[ ${BUILT} == 1 ]]; then
     log "build finished: total build time ${total}s"

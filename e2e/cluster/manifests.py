@@ -1,8 +1,9 @@
 """Pure builders of the objects and config files the local stack needs (no I/O beyond reading
 the manifests shipped next to the LWS binary).
 
-- :func:`gpu_nodes`: the fake GPU nodes KWOK manages (capacity, pool label, a pod CIDR inside
-  127.0.0.0/8 so a later process runner can bind a pod's IP on loopback).
+- :func:`gpu_nodes`: the fake GPU nodes KWOK manages (capacity, pool label, a pod CIDR: the
+  node namespace's range of :mod:`e2e.cluster.podnet`, or one inside 127.0.0.0/8 in loopback
+  mode, so the pod runner can bind a pod's IP).
 - :func:`kwok_config`: KWOK's default node and pod stages as one multi-document file, plus a
   stage that leaves pods opting in (a toleration) Running but not Ready for the pod runner.
 - :func:`lws_config`: the LWS controller's configuration (webhook server on loopback with our
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,12 +52,15 @@ def node_pod_cidr(index: int, prefix: str = "127.10") -> str:
     return f"{prefix}.{index}.0/24"
 
 
-def gpu_nodes(shape: NodeShape, kubelet_version: str) -> list[dict[str, Any]]:
-    """Node objects (with status capacity) for KWOK to take over and mark Ready."""
+def gpu_nodes(
+    shape: NodeShape, kubelet_version: str, pod_cidr: Callable[[int], str] | None = None
+) -> list[dict[str, Any]]:
+    """Node objects (with status capacity) for KWOK to take over and mark Ready; node ``i``'s
+    pod CIDR is ``pod_cidr(i)`` (the pod network's, :mod:`e2e.cluster.podnet`), else loopback."""
     nodes = []
     for i in range(shape.count):
         name = f"{shape.name_prefix}-{i}"
-        cidr = node_pod_cidr(i, shape.pod_cidr_prefix)
+        cidr = pod_cidr(i) if pod_cidr else node_pod_cidr(i, shape.pod_cidr_prefix)
         resources = {
             "cpu": shape.cpu,
             "memory": shape.memory,

@@ -99,7 +99,7 @@ CLIENT_EXT = (
 )
 
 
-def make_pki(folder: Path, *, service_ip: str) -> PKI:
+def make_pki(folder: Path, *, service_ip: str, extra_ips: list[str] | None = None) -> PKI:
     """Create the CA, serving and client certificates and the service-account keys in ``folder``.
 
     ``service_ip`` is the first address of the service range (the ``kubernetes`` Service), which
@@ -139,7 +139,7 @@ def make_pki(folder: Path, *, service_ip: str) -> PKI:
         "apiserver",
         "/CN=kube-apiserver",
         ca,
-        _server_ext(api_dns, ["127.0.0.1", service_ip]),
+        _server_ext(api_dns, list(dict.fromkeys(["127.0.0.1", service_ip, *(extra_ips or [])]))),
     )
     admin_crt, admin_key = _signed_cert(
         folder, "admin", "/O=system:masters/CN=cas-admin", ca, CLIENT_EXT

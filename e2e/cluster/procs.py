@@ -10,6 +10,7 @@ signalled. Nothing here ever kills by name.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -77,10 +78,22 @@ def is_running(rec: ProcRecord) -> bool:
 
 
 def spawn(
-    name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None
+    name: str,
+    argv: list[str],
+    log_dir: Path,
+    env: dict[str, str] | None = None,
+    netns: str | None = None,
 ) -> ProcRecord:
-    """Start ``argv`` detached in a new session, output appended to ``<log_dir>/<name>.log``."""
+    """Start ``argv`` detached in a new session, output appended to ``<log_dir>/<name>.log``;
+    with ``netns``, inside that network namespace (setns before exec, so the pid and argv are
+    the program's own, as for any other record)."""
     log_dir.mkdir(parents=True, exist_ok=True)
+    preexec = None
+    if netns is not None:
+        from e2e.cluster import podnet
+
+        podnet.preload_libc()
+        preexec = functools.partial(podnet.enter_netns, netns)
     log_path = log_dir / f"{name}.log"
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
@@ -91,6 +104,7 @@ def spawn(
             start_new_session=True,
             env={**os.environ, **(env or {})},
             close_fds=True,
+            preexec_fn=preexec,
         )
     _CHILDREN[proc.pid] = proc
     # Popen returns once exec has begun, but the kernel fills /proc/<pid>/cmdline a moment

@@ -2,12 +2,16 @@
 
 Data flow (``up``): pinned binaries (:mod:`e2e.cluster.bins`) + fresh certificates
 (:mod:`e2e.cluster.pki`) -> etcd -> kube-apiserver -> kube-controller-manager, kube-scheduler ->
-KWOK + fake GPU nodes (:mod:`e2e.cluster.manifests`) -> LWS CRDs, LWS controller and its
-webhooks. Every process is started detached by :mod:`e2e.cluster.procs`; their records, ports
-and the admin kubeconfig path are written to
-``<run>/state.json`` as each starts, so ``down`` (from any process) stops exactly those pids,
-even after a failed ``up``. ``<run>`` is ``$CAS_RUN_DIR`` or ``run/cluster`` in the repository;
-logs are in ``<run>/logs/<component>.log``.
+KWOK + fake GPU nodes (:mod:`e2e.cluster.manifests`) -> kube-proxy -> LWS CRDs, LWS controller
+and its webhooks -> Gateway API CRDs, Traefik (the Gateway API implementation) and the shared
+Gateway ``default/cas-gateway`` (kube-proxy and the Gateway with the pod network only). Before
+any process, the pod network (:mod:`e2e.cluster.podnet`: one network namespace per node, or
+loopback mode where that is impossible) is made and recorded in ``<run>/podnet.json``; ``down``
+removes exactly what it made. Every process is started detached by :mod:`e2e.cluster.procs`;
+their records, ports and the admin kubeconfig path are written to ``<run>/state.json`` as each
+starts, so ``down`` (from any process) stops exactly those pids, even after a failed ``up``.
+``<run>`` is ``$CAS_RUN_DIR`` or ``run/cluster`` in the repository; logs are in
+``<run>/logs/<component>.log``.
 
 Importable: :func:`start_cluster` returns a :class:`ClusterHandle` (``.kubeconfig``, ``.stop()``,
 ``.crashed()``); :func:`load_cluster` finds a running one.
@@ -35,13 +39,13 @@ from pathlib import Path
 import yaml
 
 from e2e.cluster import bins as binmod
-from e2e.cluster import manifests, pki, procs
+from e2e.cluster import manifests, pki, podnet, procs
 from e2e.cluster.api import Api, ApiError, condition
 from e2e.paths import REPO_ROOT
 
-SERVICE_CIDR = "10.96.0.0/16"
+SERVICE_CIDR = podnet.SERVICE_CIDR  # blackholed on the host (see e2e.cluster.podnet)
 CONTROLLER_THROUGHPUT = ("--kube-api-qps=200", "--kube-api-burst=400")
-SERVICE_IP = "10.96.0.1"
+SERVICE_IP = podnet.SERVICE_IP
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
 STATE_FILE = "state.json"
 LWS_CRD = "leaderworkersets.leaderworkerset.x-k8s.io"
@@ -54,7 +58,18 @@ PORT_NAMES = (
     "scheduler",
     "lws_webhook",
     "lws_health",
+    "kube_proxy_healthz",
+    "kube_proxy_metrics",
+    "gateway_web",
+    "gateway_ping",
 )
+# The Gateway API implementation (Traefik, a host process) and the one shared Gateway it serves:
+# HTTPRoutes of any namespace attach to it with parentRefs [{namespace: default, name: ...}].
+GATEWAY_CLASS = "cas-traefik"
+GATEWAY_CONTROLLER = "traefik.io/gateway-controller"
+GATEWAY_NAMESPACE = "default"
+GATEWAY_NAME = "cas-gateway"
+GATEWAY_CRDS = ("gatewayclasses", "gateways", "httproutes", "referencegrants")
 
 
 class ClusterError(RuntimeError):
@@ -80,6 +95,19 @@ class ClusterHandle:
     ports: dict[str, int]
     records: list[procs.ProcRecord] = field(default_factory=list)
     kubectl_path: Path | None = None
+
+    @property
+    def gateway_url(self) -> str | None:
+        """``http://<host side>:<port>`` of the shared Gateway (None without the pod network)."""
+        net = self.network
+        if net is None or not net.enabled or "gateway_web" not in self.ports:
+            return None
+        return f"http://{net.host_ip}:{self.ports['gateway_web']}"
+
+    @property
+    def network(self) -> podnet.PodNetwork | None:
+        """The pod network recorded in the run folder (None for an external cluster)."""
+        return podnet.PodNetwork.load(self.run_dir)
 
     # -- persistence ---------------------------------------------------------------------------
     def save(self) -> None:
@@ -137,6 +165,9 @@ class ClusterHandle:
     def stop(self) -> list[str]:
         """Stop every recorded process (reverse start order); idempotent. Returns messages."""
         messages = [procs.stop(rec) for rec in reversed(self.records)]
+        net = self.network
+        if net is not None:
+            messages += [f"removed {what}" for what in net.teardown()]
         state = self.run_dir / STATE_FILE
         if state.exists():
             state.replace(self.run_dir / "state.stopped.json")
@@ -279,8 +310,10 @@ class _Starter:
     handle: ClusterHandle
     bins: binmod.Bins
     pki: pki.PKI
+    net: podnet.PodNetwork
     log: Callable[[str], None]
     timings: dict[str, float] = field(default_factory=dict)
+    first_node: str = ""
 
     @property
     def run_dir(self) -> Path:
@@ -303,7 +336,7 @@ class _Starter:
 
     @property
     def api(self) -> Api:
-        return Api(f"https://127.0.0.1:{self.ports['apiserver']}", admin_ctx(self.pki))
+        return Api(f"https://{self.net.api_host}:{self.ports['apiserver']}", admin_ctx(self.pki))
 
     # -- components ----------------------------------------------------------------------------
     def etcd(self) -> None:
@@ -335,8 +368,8 @@ class _Starter:
             [
                 str(self.bins.kube_apiserver),
                 f"--etcd-servers=http://127.0.0.1:{self.ports['etcd']}",
-                "--bind-address=127.0.0.1",
-                "--advertise-address=127.0.0.1",
+                f"--bind-address={self.net.api_host}",
+                f"--advertise-address={self.net.api_host}",
                 f"--secure-port={port}",
                 f"--cert-dir={self.run_dir / 'apiserver-certs'}",
                 f"--tls-cert-file={p.apiserver_crt}",
@@ -355,7 +388,7 @@ class _Starter:
         ctx = admin_ctx(p)
         self.wait(
             "kube-apiserver /readyz",
-            lambda: http_ok(f"https://127.0.0.1:{port}/readyz", ctx),
+            lambda: http_ok(f"https://{self.net.api_host}:{port}/readyz", ctx),
             timeout=90,
         )
 
@@ -425,8 +458,10 @@ class _Starter:
             ],
         )
         version = binmod.read_versions()["KUBERNETES_VERSION"]
+        self.first_node = f"{shape.name_prefix}-0"
         api = self.api
-        for node in manifests.gpu_nodes(shape, kubelet_version=version):
+        nodes = manifests.gpu_nodes(shape, kubelet_version=version, pod_cidr=self.net.node_cidr)
+        for node in nodes:
             api.create("/api/v1/nodes", node)
         self.wait(f"{shape.count} KWOK nodes Ready", lambda: self._nodes_ready(shape.count), 60)
 
@@ -434,6 +469,101 @@ class _Starter:
         selector = f"{manifests.KWOK_NODE_LABEL}%3D{manifests.KWOK_NODE_LABEL_VALUE}"
         nodes = self.api.request("GET", f"/api/v1/nodes?labelSelector={selector}")["items"]
         return sum(condition(n, "Ready") == "True" for n in nodes) >= count
+
+    def kube_proxy(self) -> None:
+        """kube-proxy in nftables mode for the host namespace (netns mode only): ClusterIPs are
+        DNATed to endpoints for host processes (output hook) and for pods, whose node namespaces
+        route the Service CIDR to the host (prerouting hook). NodePorts only on the host side
+        address of the pod network; conntrack sysctls left as they are."""
+        if not self.net.enabled:
+            return
+        self.net.made.kube_proxy = True  # from here on, teardown removes its nft tables
+        self.net.save()
+        self.spawn(
+            "kube-proxy",
+            [
+                str(self.bins.kube_proxy),
+                f"--kubeconfig={self.handle.kubeconfig}",
+                "--proxy-mode=nftables",
+                f"--cluster-cidr={podnet.POD_CIDR}",
+                # A node that exists (kube-proxy waits for its own Node object): the first one.
+                f"--hostname-override={self.first_node}",
+                f"--bind-address={podnet.HOST_IP}",
+                f"--nodeport-addresses={podnet.HOST_IP}/32",
+                f"--healthz-bind-address=127.0.0.1:{self.ports['kube_proxy_healthz']}",
+                f"--metrics-bind-address=127.0.0.1:{self.ports['kube_proxy_metrics']}",
+                "--conntrack-max-per-core=0",
+                "--conntrack-tcp-timeout-established=0",
+                "--conntrack-tcp-timeout-close-wait=0",
+                *CONTROLLER_THROUGHPUT,
+                "--v=1",
+            ],
+        )
+        url = f"http://127.0.0.1:{self.ports['kube_proxy_healthz']}/healthz"
+        self.wait("kube-proxy /healthz", lambda: http_ok(url), timeout=60)
+
+    def gateway(self) -> None:
+        """Gateway API CRDs (standard channel), Traefik's Kubernetes Gateway provider as a host
+        process, a GatewayClass for it and the shared Gateway (netns mode only: the Gateway
+        routes to Service endpoints, pod IPs). Its HTTP entry point listens on the host side
+        address, so hosts and pods reach it; the ping endpoint on loopback is its health."""
+        if not self.net.enabled:
+            return
+        api = Api(self.api.server, self.api.ctx, timeout=CRD_APPLY_TIMEOUT_S)
+        for path in sorted(self.bins.gateway_crds.glob("*.yaml")):
+            for crd in yaml.safe_load_all(path.read_text()):
+                if crd:
+                    api.create_or_apply(
+                        "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd
+                    )
+        for plural in GATEWAY_CRDS:
+            name = f"{plural}.gateway.networking.k8s.io"
+            self.wait(f"CRD {name} established",
+                      functools.partial(self._crd_established, name), 60)  # fmt: skip
+        web, ping = self.ports["gateway_web"], self.ports["gateway_ping"]
+        self.spawn(
+            "traefik",
+            [
+                str(self.bins.traefik),
+                f"--entryPoints.web.address={self.net.host_ip}:{web}",
+                f"--entryPoints.ping.address=127.0.0.1:{ping}",
+                "--ping=true",
+                "--ping.entryPoint=ping",
+                "--providers.kubernetesgateway=true",
+                f"--providers.kubernetesgateway.statusAddress.ip={self.net.host_ip}",
+                "--providers.kubernetesgateway.throttleDuration=0s",
+                "--global.checkNewVersion=false",
+                "--global.sendAnonymousUsage=false",
+                "--log.level=INFO",
+            ],
+            env={"KUBECONFIG": str(self.handle.kubeconfig)},
+        )
+        self.wait("traefik /ping", lambda: http_ok(f"http://127.0.0.1:{ping}/ping"), 60)
+        api.apply(
+            f"/apis/gateway.networking.k8s.io/v1/gatewayclasses/{GATEWAY_CLASS}",
+            {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "GatewayClass",
+             "metadata": {"name": GATEWAY_CLASS},
+             "spec": {"controllerName": GATEWAY_CONTROLLER}},
+        )  # fmt: skip
+        gateway_path = (f"/apis/gateway.networking.k8s.io/v1/namespaces/{GATEWAY_NAMESPACE}"
+                        f"/gateways/{GATEWAY_NAME}")  # fmt: skip
+        api.apply(
+            gateway_path,
+            {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "Gateway",
+             "metadata": {"name": GATEWAY_NAME, "namespace": GATEWAY_NAMESPACE},
+             "spec": {"gatewayClassName": GATEWAY_CLASS,
+                      "listeners": [{"name": "http", "protocol": "HTTP", "port": web,
+                                     "allowedRoutes": {"namespaces": {"from": "All"}}}]}},
+        )  # fmt: skip
+        self.wait(
+            f"Gateway {GATEWAY_NAME} Programmed",
+            lambda: condition(self.api.get(gateway_path) or {}, "Programmed") == "True",
+            60,
+        )
+
+    def _crd_established(self, name: str) -> bool:
+        crd = self.api.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}")
+        return condition(crd or {}, "Established") == "True"
 
     def lws_crds(self) -> None:
         """Create the LWS CRDs as shipped (server-side apply over an existing one)."""
@@ -531,6 +661,10 @@ def start_cluster(
         raise AlreadyRunning(
             f"the local cluster in {run_dir} is already running (kubeconfig: {previous.kubeconfig})"
         )
+    stale = podnet.PodNetwork.load(run_dir)
+    if stale is not None:  # a previous start here died without `down`: remove what it made
+        for what in stale.teardown():
+            say(f"removed stale {what}")
     bins = binmod.resolve()
     missing = bins.missing()
     if missing:
@@ -545,10 +679,17 @@ def start_cluster(
         kubectl_path=bins.kubectl,
     )
     started = time.monotonic()
-    keys = pki.make_pki(run_dir / "pki", service_ip=SERVICE_IP)
-    write_kubeconfig(handle.kubeconfig, f"https://127.0.0.1:{handle.ports['apiserver']}", keys)
+    shape = shape or manifests.NodeShape()
     handle.save()
-    starter = _Starter(handle=handle, bins=bins, pki=keys, log=say)
+    try:
+        net = podnet.make(run_dir, shape.count, log=say)
+    except podnet.PodNetError as exc:
+        raise ClusterError(str(exc)) from exc
+    keys = pki.make_pki(run_dir / "pki", service_ip=SERVICE_IP, extra_ips=[net.api_host])
+    server = f"https://{net.api_host}:{handle.ports['apiserver']}"
+    write_kubeconfig(handle.kubeconfig, server, keys)
+    handle.save()
+    starter = _Starter(handle=handle, bins=bins, pki=keys, net=net, log=say)
     try:
         starter.etcd()
         starter.apiserver()
@@ -556,10 +697,12 @@ def start_cluster(
         with ThreadPoolExecutor(max_workers=1) as pool:
             crds = pool.submit(starter.lws_crds)
             starter.controllers()
-            starter.kwok_and_nodes(shape or manifests.NodeShape())
+            starter.kwok_and_nodes(shape)
+            starter.kube_proxy()
             crds.result(timeout=CRD_APPLY_TIMEOUT_S)
         starter.lws()
         starter.default_service_account()
+        starter.gateway()
     except BaseException:
         say("start failed; stopping what was started")
         handle.stop()

@@ -10,7 +10,9 @@ deregistration (router pod IPs) works as in a cluster; the runner also writes th
 targets -> start Prometheus (Debian's, scraping those targets every 5 s; skipped with a note
 when not installed) -> start `python -m cas_operator` as a process with ``CAS_PROMETHEUS_URL``
 (its anomaly loop reads PromQL) -> apply the samples -> start the load generator
-(:mod:`e2e.traffic.liveload`: coding-agent chat sessions through each resource's router pod) ->
+(:mod:`e2e.traffic.liveload`: coding-agent chat sessions through each resource's entry Service,
+its ClusterIP, with the pod network; else through a router pod) -> print the one ``curl`` that
+sends a chat request to the fleet ->
 every 2 s print the status table, pods per role, conditions, traffic (req/s, errors, TTFT p50/p90
 over 30 s) and the anomaly loop's status (rate, draining pods) -> on exit stop, in this
 order, the load, the operator, the runner's processes, Prometheus and, if this run started it,
@@ -28,6 +30,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -77,12 +80,18 @@ def served_model(manifest: dict[str, Any]) -> str:
 
 
 class RouterFinder:
-    """``http://<router pod IP>:8000`` of a resource's router pod that answers ``/readiness``
-    (the router has healthy workers), from a pod list and probes cached for `ttl_s` (the load
-    generator asks before every request)."""
+    """Where the load generator sends a resource's requests (asked before every request; probes
+    cached for `ttl_s`): with the pod network, the fleet's entry Service
+    (``http://<ClusterIP>:80``, the operator's Service named after the resource, kube-proxy
+    balancing over its ready router pods) once it answers ``/readiness``; without one (loopback
+    mode: Services have no endpoints), ``http://<router pod IP>:8000`` of a router pod that
+    answers ``/readiness`` (the router has healthy workers)."""
 
-    def __init__(self, kubeconfig: Path, namespace: str, ttl_s: float = 2.0) -> None:
+    def __init__(
+        self, kubeconfig: Path, namespace: str, ttl_s: float = 2.0, services: bool = False
+    ) -> None:
         self.list_pods = kube_pod_lister(kubeconfig, namespace)
+        self.entry_ips = entry_service_ips(kubeconfig, namespace) if services else None
         self.ttl_s = ttl_s
         self._lock = threading.Lock()
         self._ready: dict[str, str] = {}  # resource name -> router URL
@@ -92,15 +101,50 @@ class RouterFinder:
         with self._lock:
             if time.monotonic() - self._at > self.ttl_s:
                 with contextlib.suppress(Exception):  # API hiccup: keep the last answer
-                    self._ready = self._probe(self.list_pods())
+                    if self.entry_ips is not None:
+                        self._ready = self._probe_services(self.entry_ips())
+                    else:
+                        self._ready = self._probe(self.list_pods())
                 self._at = time.monotonic()
             return self._ready.get(name)
+
+    @staticmethod
+    def _probe_services(ips: dict[str, str]) -> dict[str, str]:
+        urls = {name: f"http://{ip}:80" for name, ip in ips.items()}
+        return {n: u for n, u in urls.items() if http_ok(f"{u}/readiness")}
 
     @staticmethod
     def _probe(pods: list[dict[str, Any]]) -> dict[str, str]:
         names = {(p["metadata"].get("labels") or {}).get("cas.dev/name", "") for p in pods}
         urls = {name: router_url(pods, name) for name in names}
         return {n: u for n, u in urls.items() if u and http_ok(f"{u}/readiness")}
+
+
+def entry_service_ips(kubeconfig: Path, namespace: str) -> Callable[[], dict[str, str]]:
+    """A function returning resource name -> ClusterIP of its entry Service (the Service the
+    operator names after the resource, labelled ``cas.dev/name``, with an ``http`` port 80)."""
+    from kubernetes import client, config
+
+    core = client.CoreV1Api(config.new_client_from_config(config_file=str(kubeconfig)))  # type: ignore[no-untyped-call]
+
+    def ips() -> dict[str, str]:
+        out = {}
+        for svc in core.list_namespaced_service(namespace, _request_timeout=10).items:
+            name = (svc.metadata.labels or {}).get("cas.dev/name")
+            ports = [p.port for p in svc.spec.ports or [] if p.name == "http"]
+            if name == svc.metadata.name and ports == [80] and svc.spec.cluster_ip:
+                out[name] = svc.spec.cluster_ip
+        return out
+
+    return ips
+
+
+def chat_curl(url: str, model: str) -> str:
+    """The one command a user can paste to send a chat request to the fleet at `url`."""
+    message = {"role": "user", "content": "Write a haiku about Kubernetes."}
+    body = json.dumps({"model": model, "max_tokens": 64, "messages": [message]})
+    return (f"curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' "
+            f"-d '{body}'")  # fmt: skip
 
 
 class Session:
@@ -111,6 +155,9 @@ class Session:
         self.started_cluster = started_cluster
         self.live: LiveStack | None = None
         self.load: LiveLoad | None = None
+        self.finder: RouterFinder | None = None
+        net = cluster.network
+        self.services = net is not None and net.enabled
 
     def kubectl(self, *args: str, stdin: str | None = None, check: bool = True) -> str:
         return run_kubectl(
@@ -128,8 +175,25 @@ class Session:
 
     def start_load(self, manifests: list[dict[str, Any]]) -> None:
         resources = {m["metadata"]["name"]: served_model(m) for m in manifests}
-        finder = RouterFinder(self.cluster.kubeconfig, DEMO_NAMESPACE)
+        finder = RouterFinder(self.cluster.kubeconfig, DEMO_NAMESPACE, services=self.services)
+        self.finder = finder
         self.load = LiveLoad(resources, finder).start()
+
+    def announce_entry(self, manifests: list[dict[str, Any]], timeout_s: float = 240) -> None:
+        """Once the first resource's entry point answers, print the curl to paste."""
+        if self.finder is None or not manifests:
+            return
+        name, model = manifests[0]["metadata"]["name"], served_model(manifests[0])
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            url = self.finder(name)
+            if url:
+                via = "entry Service (ClusterIP, kube-proxy)" if self.services else "router pod"
+                say(f"{name} answers at {url} ({via}); send it a chat request:")
+                print(f"\n    {chat_curl(url, model)}\n", flush=True)
+                return
+            time.sleep(2.0)
+        say(f"{name} did not answer within {timeout_s:.0f}s; no curl to print yet")
 
     def teardown(self) -> None:
         if self.load is not None:
@@ -298,7 +362,13 @@ def main(argv: list[str] | None = None) -> int:
             )
             say(f"applied {manifest['kind']} {manifest['metadata']['name']} in {DEMO_NAMESPACE}")
         session.start_load(manifests)
-        say("load generator started (coding-agent sessions through each router pod)")
+        via = "entry Service ClusterIP" if session.services else "router pod"
+        say(f"load generator started (coding-agent sessions through each resource's {via})")
+        if not session.services:
+            net = cluster.network
+            say(f"no pod network ({net.reason if net else 'external cluster'}): the entry "
+                "Services have no endpoints; traffic goes to router pod IPs")  # fmt: skip
+        session.announce_entry(manifests)
         live_view(session, args.duration, args.fault_after, manifests)
     except KeyboardInterrupt:
         print()

@@ -39,6 +39,7 @@ from cas_operator.kube import Kube
 from cas_operator.observe import MetricsSource, ScrapeSource
 from cas_operator.routers import HttpRouters, Routers
 from e2e.cluster.manifests import READINESS_TOLERATION
+from e2e.cluster.podnet import load_for_kubeconfig
 from e2e.runtime.podrunner import PodRunner, kube_pod_lister, kube_status_patcher
 from e2e.traffic.simload import REPETITION_MARK
 
@@ -202,7 +203,8 @@ class AnomalyStack:
         runner = PodRunner(kube_pod_lister(kubeconfig, namespace), log_dir, sd_file,
                            extra_args=["--sim-speedup", f"{speedup:g}"],
                            restart_backoff_s=2.0,
-                           patch_status=kube_status_patcher(kubeconfig))  # fmt: skip
+                           patch_status=kube_status_patcher(kubeconfig),
+                           network=load_for_kubeconfig(kubeconfig))  # fmt: skip
         stack = cls(kube=kube, namespace=namespace, runner=runner)
         stack._thread = threading.Thread(
             target=runner.run, args=(stack._stop_runner, 0.5), daemon=True

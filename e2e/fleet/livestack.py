@@ -36,6 +36,7 @@ import yaml
 
 from cas_operator.api import constants as c
 from e2e.cluster.manifests import READINESS_TOLERATION
+from e2e.cluster.podnet import load_for_kubeconfig
 from e2e.runtime.operator_process import OperatorProcess
 from e2e.runtime.podrunner import (
     ROUTER_SHIM,
@@ -101,6 +102,7 @@ class LiveStack:
             extra_args=self.sim_args, restart_backoff_s=2.0,
             kubeconfig=self.kubeconfig.resolve(),
             patch_status=kube_status_patcher(self.kubeconfig),
+            network=load_for_kubeconfig(self.kubeconfig),
         )  # fmt: skip
         self._thread = threading.Thread(target=self._run_pods, name="podrunner", daemon=True)
         self._thread.start()

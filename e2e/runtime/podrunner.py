@@ -4,7 +4,9 @@ KWOK only pretends to run containers; this runner makes engine pods real process
 `sync()` (level-based, one pass):
 1. lists pods (any callable returning pod dicts; :func:`kube_pod_lister` reads the API server);
 2. for each runnable pod - bound to a node, podIP inside `networks` (default 127.0.0.0/8, the
-   fake nodes' pod CIDRs), not terminating, with a container whose command runs
+   fake nodes' pod CIDRs in loopback mode; with `network` set in netns mode, the pod CIDR of
+   :mod:`e2e.cluster.podnet`, and the process runs inside its node's network namespace with the
+   pod IP added there), not terminating, with a container whose command runs
    ``cas_engine.launch_server`` or ``cas_engine.sim`` - ensures one ``python -m cas_engine.sim``
    runs with the container's args ($(VAR) expanded from its env), bound to the pod IP and its
    ``http`` container port; with ``kubeconfig`` set, router pods (a container running
@@ -46,6 +48,7 @@ from typing import Any
 
 from e2e.cluster import procs
 from e2e.cluster.manifests import PROBED_READINESS, READINESS_TOLERATION_KEY
+from e2e.cluster.podnet import PodNetwork, load_for_kubeconfig
 from e2e.paths import REPO_ROOT  # where ROUTER_SHIM's package lives
 from e2e.runtime.prometheus import write_file_sd
 
@@ -249,8 +252,15 @@ class PodRunner:
     # set: probe the readiness of pods that opt in and write it (namespace, name, merge patch)
     patch_status: Callable[[str, str, dict[str, Any]], None] | None = None
     probe: Callable[[str], bool] = field(default_factory=lambda: http_probe)
+    # set (netns mode): pods in its pod CIDR run inside their node's network namespace, with
+    # their IP added there; `networks` becomes that CIDR
+    network: PodNetwork | None = None
     running: dict[tuple[str, str], _Running] = field(default_factory=dict)
     _probe_failures: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.network is not None and self.network.enabled:
+            self.networks = self.network.networks()
 
     def sync(self) -> list[str]:
         """One pass; returns what it did (for logs and tests)."""
@@ -281,7 +291,11 @@ class PodRunner:
         if current is not None and now - current.started < self.restart_backoff_s:
             return []
         name = f"{launch.namespace}.{launch.name}"
-        record = procs.spawn(name, list(launch.argv), self.log_dir, env=dict(launch.env))
+        netns = None
+        if self.network is not None and self.network.enabled:
+            netns = self.network.add_pod_ip(launch.ip)
+        record = procs.spawn(name, list(launch.argv), self.log_dir, env=dict(launch.env),
+                             netns=netns)  # fmt: skip
         restarts = current.restarts + 1 if current is not None else 0
         self.running[key] = _Running(launch, record, now, restarts)
         verb = "restarted" if current is not None else "started"
@@ -416,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     lister = kube_pod_lister(args.kubeconfig, args.namespace)
     runner = PodRunner(lister, args.log_dir, args.sd_file, extra_args=args.sim_arg,
                        kubeconfig=args.kubeconfig.resolve() if args.routers else None,
+                       network=load_for_kubeconfig(args.kubeconfig),
                        patch_status=kube_status_patcher(args.kubeconfig))  # fmt: skip
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # stop the sims before exiting

@@ -22,6 +22,7 @@ import yaml
 
 import e2e.cluster.manifests as manifests
 from e2e.cluster.bins import read_versions
+from e2e.cluster.podnet import load_for_kubeconfig
 from e2e.runtime.podrunner import PodRunner, kube_pod_lister, kube_status_patcher
 
 pytestmark = pytest.mark.e2e
@@ -87,13 +88,15 @@ def test_apiserver_reports_pinned_version(kubectl: Kubectl) -> None:
     assert version["clientVersion"]["gitVersion"] == pinned
 
 
-def test_kwok_nodes_ready_with_gpus(kubectl: Kubectl) -> None:
-    """Regression: fake nodes not Ready, or without the GPUs / pool label / loopback pod CIDR
-    that scheduling engine pods and the later process runner depend on."""
+def test_kwok_nodes_ready_with_gpus(kubectl: Kubectl, kubeconfig: Path) -> None:
+    """Regression: fake nodes not Ready, or without the GPUs / pool label / pod CIDR (inside
+    the pod network's range, or loopback without one) that scheduling engine pods and the
+    process runner depend on."""
     selector = f"{manifests.KWOK_NODE_LABEL}={manifests.KWOK_NODE_LABEL_VALUE}"
     nodes = get_json(kubectl, "nodes", "-l", selector)["items"]
     assert len(nodes) >= manifests.NodeShape().count
-    loopback = ipaddress.IPv4Network("127.0.0.0/8")
+    net = load_for_kubeconfig(kubeconfig)
+    loopback = net.networks()[0] if net else ipaddress.IPv4Network("127.0.0.0/8")
     for node in nodes:
         conds = {c["type"]: c["status"] for c in node["status"]["conditions"]}
         assert conds.get("Ready") == "True", node["metadata"]["name"]
@@ -106,7 +109,7 @@ def test_kwok_nodes_ready_with_gpus(kubectl: Kubectl) -> None:
 
 def test_deployment_pods_become_running(kubectl: Kubectl, namespace: str) -> None:
     """Regression: scheduler or KWOK pod stages missing, so workload pods stay Pending; or pod
-    IPs outside the node's loopback pod CIDR."""
+    IPs outside the node's pod CIDR."""
     labels = {"app": "gpu-web"}
     deployment = {
         "apiVersion": "apps/v1",
@@ -235,6 +238,7 @@ def test_probed_pods_are_ready_only_while_their_process_answers(
     assert ready == "False", "KWOK marked a probed pod Ready before anything answered"
     runner = PodRunner(kube_pod_lister(kubeconfig, namespace), tmp_path / "logs",
                        patch_status=kube_status_patcher(kubeconfig),
+                       network=load_for_kubeconfig(kubeconfig),
                        restart_backoff_s=60.0)  # fmt: skip
     try:
 

@@ -188,16 +188,18 @@ def _fake_bin_dir(root: Path, broken: str) -> None:
         "kube_controller_manager",
         "kube_scheduler",
         "kubectl",
+        "kube_proxy",
         "etcd",
         "kwok",
         "lws_controller",
+        "traefik",
     ):
         path = getattr(bins, name)
         path.parent.mkdir(parents=True, exist_ok=True)
         body = "echo fatal: $0 cannot start >&2; exit 1" if name == broken else "exec sleep 30"
         path.write_text(f"#!/bin/sh\n{body}\n")
         path.chmod(0o755)
-    for folder in (bins.kwok_stages, bins.lws_crds, bins.lws_webhook):
+    for folder in (bins.kwok_stages, bins.lws_crds, bins.lws_webhook, bins.gateway_crds):
         folder.mkdir(parents=True, exist_ok=True)
 
 
@@ -207,6 +209,8 @@ def test_component_crash_at_start_is_named_and_cleaned_up(
     """Regression: a component dying during `up` shows as a generic timeout after a minute, or
     leaves the components started before it running."""
     monkeypatch.setenv("CAS_BIN_DIR", str(tmp_path / "bin"))
+    # Loopback mode: this is about crash reporting, and a live cluster may hold the pod ranges.
+    monkeypatch.setenv("CAS_POD_NETWORK", "loopback")
     _fake_bin_dir(tmp_path / "bin", broken="etcd")
     run_dir = tmp_path / "run"
     started = time.monotonic()
