@@ -52,3 +52,30 @@ def test_crd_bounds_use_openapi_v3_booleans() -> None:
     crd = build_crd()
     walk(crd)
     assert yaml.safe_load(yaml.safe_dump(crd)) == crd
+
+
+def defaults_inside_list_items(node: object, path: str = "", in_items: bool = False) -> list[str]:
+    """Schema paths (`.spec.engine.env[].x`) of every `default` below an array's `items`."""
+    if not isinstance(node, dict):
+        return []
+    found = [path] if in_items and "default" in node else []
+    for name, child in node.get("properties", {}).items():
+        found += defaults_inside_list_items(child, f"{path}.{name}", in_items)
+    if "items" in node:
+        found += defaults_inside_list_items(node["items"], f"{path}[]", True)
+    extra = node.get("additionalProperties")
+    if isinstance(extra, dict):
+        found += defaults_inside_list_items(extra, f"{path}{{}}", in_items)
+    return found
+
+
+def test_no_schema_defaults_inside_list_items() -> None:
+    """GitOps guard: a default inside a list item is filled in by the API server on every
+    item, so Argo CD's diff of the user's list against the stored one never converges
+    (perpetual OutOfSync). The walk itself is checked on a schema that has one."""
+    from cas_operator.api.crdgen import build_crd
+
+    schema = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    assert defaults_inside_list_items(schema) == []
+    planted = {"properties": {"env": {"items": {"properties": {"x": {"default": 1}}}}}}
+    assert defaults_inside_list_items(planted) == [".env[].x"]
