@@ -36,7 +36,7 @@ from cas_operator.anomaly.act import LoopState, TickResult, anomaly_tick, engine
 from cas_operator.anomaly.drain import target_of
 from cas_operator.api import constants as c
 from cas_operator.api.models import CodingAgentServingSpec, parse_spec
-from cas_operator.autoscale.controller import STATUS_KEY, AutoState, ScaleOutcome
+from cas_operator.autoscale.controller import STATUS_KEY, ScaleOutcome
 from cas_operator.autoscale.loop import Autoscaler, AutoscaleResult, PlanNumbers
 from cas_operator.autoscale.model import ObservedSignals
 from cas_operator.desired.plan import InvalidSpec, build_plan
@@ -191,10 +191,7 @@ class FleetTick:
         found = self.measured.get(uid)
         if found is not None:
             return found
-        state = AutoState.from_status(status.get(STATUS_KEY))
-        return Measured(
-            auto_replicas=state.replicas if state else None, anomaly=status.get("anomaly")
-        )
+        return Measured.kept_in(status)
 
     def tick(self, resources: list[Manifest], now: float | None = None) -> int:
         """Run both loops for every resource once; returns how many findings changed (each
@@ -244,7 +241,7 @@ class FleetTick:
                 uid,
                 spec,
                 result.views,
-                snapshot.list("Pod", namespace, engine),
+                lambda: snapshot.list("Pod", namespace, engine),
                 current,
                 plan_numbers(name, namespace, spec, before),
                 now,
@@ -278,7 +275,6 @@ def measured_from(result: TickResult, scaled: AutoscaleResult) -> Measured:
     return Measured(
         observed=scaled.observed,
         auto_replicas=scaled.auto_replicas,
-        anomaly=sections["anomaly"],
         sections=sections,
     )
 

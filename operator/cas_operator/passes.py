@@ -83,9 +83,7 @@ class Passes:
     `workloads(key)` its watch-fed workloads, for refreshes (set once the indexes exist)."""
 
     kube: Callable[[], Kube]
-    measured_for: Callable[[str, Status], Measured] = lambda uid, status: Measured(
-        anomaly=status.get("anomaly")
-    )
+    measured_for: Callable[[str, Status], Measured] = lambda uid, status: Measured.kept_in(status)
     lookup: Callable[[Key], list[Manifest]] | None = None
     workloads: Callable[[Key], list[ObservedWorkload]] | None = None
     last_full_apply: dict[str, float] = field(default_factory=dict)  # uid -> monotonic

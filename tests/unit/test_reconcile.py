@@ -204,7 +204,7 @@ def test_a_fleet_wide_finding_and_its_condition_come_in_one_status() -> None:
         "fleetWide": "most decode pods elevated",
         "signalUnavailable": None,
     }
-    measured = Measured(anomaly=anomaly, sections={"anomaly": anomaly, "draining": []})
+    measured = Measured(sections={"anomaly": anomaly, "draining": []})
     outcome = reconcile(
         MemoryKube(),
         name="demo",

@@ -69,12 +69,13 @@ class Autoscaler:
         uid: str,
         spec: CodingAgentServingSpec,
         views: list[PodView],
-        pods: list[Manifest],
+        pods: Callable[[], list[Manifest]],
         status: Status,
         plan_for: Callable[[ObservedSignals], PlanNumbers | None],
         now: float,
     ) -> AutoscaleResult:
-        """One tick for one resource; `pods` are its engine pods (terminating ones included),
+        """One tick for one resource; `pods()` reads its engine pods (terminating ones
+        included; only Auto needs them, so Fixed and Recommend never filter the snapshot),
         `status` its current status, `plan_for` plans it for a measured load."""
         counts = pool_counts(status)
         scale = None
@@ -96,7 +97,7 @@ class Autoscaler:
         numbers = plan_for(observed)
         if numbers is None:  # the spec is invalid: the reconcile reports it
             return AutoscaleResult(scale, entry, observed, auto.replicas if auto else None)
-        state = self._auto_step(uid, spec, auto, numbers, pods, observed, scale, now)
+        state = self._auto_step(uid, spec, auto, numbers, pods(), observed, scale, now)
         entry.update(state.to_status())
         return AutoscaleResult(scale, entry, observed, state.replicas)
 

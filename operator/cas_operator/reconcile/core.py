@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cas_operator.api import constants as c
+from cas_operator.autoscale.controller import STATUS_KEY, AutoState
 from cas_operator.autoscale.model import ObservedSignals
 from cas_operator.desired.plan import InvalidSpec, Plan, plan_raw
 from cas_operator.desired.resources import build_all
@@ -51,14 +52,30 @@ class Outcome:
 @dataclass(frozen=True)
 class Measured:
     """What the fleet tick measured and decided (None: nothing yet): the load for the planner,
-    Auto mode's replicas, its `status.anomaly` for the conditions, and the status sections it
-    owns (`anomaly`, `draining`, `autoscaler`), which the pass writes together with the
-    conditions derived from them."""
+    Auto mode's replicas, and the status sections it owns (`anomaly`, `draining`,
+    `autoscaler`), which the pass writes together with the conditions derived from them."""
 
     observed: ObservedSignals | None = None
     auto_replicas: tuple[int, int] | None = None
-    anomaly: dict[str, Any] | None = None
     sections: Status | None = None
+
+    @property
+    def anomaly(self) -> dict[str, Any] | None:
+        """`status.anomaly`, which the conditions fold in."""
+        found: dict[str, Any] | None = (self.sections or {}).get("anomaly")
+        return found
+
+    @classmethod
+    def kept_in(cls, status: Status) -> Measured:
+        """What a resource's status kept of the last findings, before this process measured
+        it (a restarted operator keeps Auto's replicas instead of jumping back to the
+        planner's, and the conditions keep their anomaly evidence)."""
+        state = AutoState.from_status(status.get(STATUS_KEY))
+        anomaly = status.get("anomaly")
+        return cls(
+            auto_replicas=state.replicas if state else None,
+            sections={"anomaly": anomaly} if anomaly is not None else None,
+        )
 
 
 def plan_for(
