@@ -37,15 +37,16 @@ def _matches(obj: Manifest, selector: dict[str, str]) -> bool:
 
 
 class MemoryKube:
-    """Workloads and other children keyed by (kind, name): apply, list, delete. Applied
-    workloads report ready (unless `ready=False`); without `lws` the LeaderWorkerSet kind is
-    not served. Records applies, deletes and LISTs."""
+    """Workloads and other children keyed by (kind, name): apply, list, delete, and status
+    patches of the owner. Applied workloads report ready (unless `ready=False`); without `lws`
+    the LeaderWorkerSet kind is not served. Records applies, deletes, LISTs, status patches."""
 
     def __init__(self, *, lws: bool = True, ready: bool = True) -> None:
         self.objects: dict[tuple[str, str], Manifest] = {}
         self.applies: list[tuple[str, str]] = []
         self.deleted: list[tuple[str, str]] = []
         self.lists = 0
+        self.status_patches: list[Manifest] = []
         self.lws, self.ready = lws, ready
 
     def apply(self, manifest: Manifest) -> Manifest:
@@ -66,6 +67,10 @@ class MemoryKube:
     def delete(self, kind: str, namespace: str, name: str) -> None:
         self.objects.pop((kind, name), None)
         self.deleted.append((kind, name))
+
+    def patch_status(self, kind: str, namespace: str, name: str, status: Manifest) -> Manifest:
+        self.status_patches.append(status)
+        return {}
 
 
 class MemoryPods:

@@ -21,6 +21,7 @@ from cas_operator import handlers
 from cas_operator.api import constants as c
 from cas_operator.passes import INDEX_SETTLE_SECONDS, Passes
 from cas_operator.reconcile.core import Measured, Outcome
+from tests.fakes import MemoryKube
 
 META = {"uid": "u1", "name": "demo", "namespace": "ns"}
 
@@ -120,17 +121,6 @@ def test_a_restart_does_not_reapply_every_settled_resource_at_once(
         assert time.monotonic() - handlers.FULL_APPLY_SECONDS <= last <= time.monotonic()
 
 
-class StatusKube:
-    """Records status patches."""
-
-    def __init__(self) -> None:
-        self.patches: list[dict[str, Any]] = []
-
-    def patch_status(self, kind: str, namespace: str, name: str, status: Any) -> Any:
-        self.patches.append(status)
-        return {}
-
-
 def test_missing_workloads_are_created_only_by_spec_passes_after_a_delete_or_settling(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -148,7 +138,7 @@ def test_missing_workloads_are_created_only_by_spec_passes_after_a_delete_or_set
         )
 
     monkeypatch.setattr("cas_operator.passes.reconcile", fake_reconcile)
-    kube = StatusKube()
+    kube = MemoryKube()
     passes = Passes(lambda: kube)  # type: ignore[arg-type,return-value]
     monkeypatch.setattr(passes, "queue", lambda key: None)
     meta = {**META, "generation": 1}
@@ -183,31 +173,20 @@ def test_a_pass_writes_the_fleet_ticks_finding_with_its_condition(
     that folds its finding into the conditions writes the finding in the same patch, and
     writes nothing when neither changed."""
     anomaly = {"fleetWide": "most decode pods elevated", "signalUnavailable": None}
-    measured = Measured(anomaly=anomaly, sections={"anomaly": anomaly, "draining": []})
-    kube = StatusKube()
+    measured = Measured(sections={"anomaly": anomaly, "draining": []})
+    kube = MemoryKube()
     passes = Passes(lambda: kube, measured_for=lambda uid, status: measured)  # type: ignore[arg-type,return-value]
     spec = {"model": {"name": "glm-5"}}
 
-    class NoApply:
-        def patch_status(self, *args: Any) -> Any:
-            return kube.patch_status(*args)
-
-        def apply(self, manifest: dict[str, Any]) -> Any:
-            return manifest
-
-        def list(self, *args: Any) -> list[Any]:
-            return []
-
-    passes.kube = lambda: NoApply()  # type: ignore[assignment,return-value]
     passes.locked_pass({**META, "generation": 1}, spec, {}, full=True, trigger="spec", observe=list)
-    (patch,) = kube.patches
+    (patch,) = kube.status_patches
     degraded = next(cd for cd in patch["conditions"] if cd["type"] == c.COND_DEGRADED)
     assert degraded["reason"] == c.REASON_FLEET_ANOMALY
     assert patch["anomaly"]["fleetWide"] == "most decode pods elevated"
     passes.locked_pass(
         {**META, "generation": 1}, spec, patch, full=True, trigger="timer", observe=list
     )
-    assert len(kube.patches) == 1  # unchanged: no second write
+    assert len(kube.status_patches) == 1  # unchanged: no second write
 
 
 def test_index_functions_and_the_timer_never_occupy_kopfs_executor() -> None:
