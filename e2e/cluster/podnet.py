@@ -49,6 +49,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from e2e.paths import write_json
+
 POD_CIDR = "100.96.0.0/16"
 SERVICE_CIDR = "100.97.0.0/16"
 HOST_IP = "100.96.0.1"
@@ -302,9 +304,7 @@ class PodNetwork:
         data = {"mode": self.mode, "cid": self.cid, "nodes": self.nodes, "reason": self.reason,
                 "pod_cidr": self.pod_cidr, "service_cidr": self.service_cidr,
                 "made": asdict(self.made)}  # fmt: skip
-        tmp = self.run_dir / (STATE_FILE + ".tmp")
-        tmp.write_text(json.dumps(data, indent=2))
-        tmp.replace(self.run_dir / STATE_FILE)
+        write_json(self.run_dir / STATE_FILE, data)
 
     @classmethod
     def load(cls, run_dir: Path) -> PodNetwork | None:

@@ -41,7 +41,7 @@ import yaml
 from e2e.cluster import bins as binmod
 from e2e.cluster import manifests, pki, podnet, procs
 from e2e.cluster.api import Api, ApiError, condition
-from e2e.paths import REPO_ROOT
+from e2e.paths import REPO_ROOT, write_json
 
 SERVICE_CIDR = podnet.SERVICE_CIDR  # blackholed on the host (see e2e.cluster.podnet)
 CONTROLLER_THROUGHPUT = ("--kube-api-qps=200", "--kube-api-burst=400")
@@ -118,9 +118,7 @@ class ClusterHandle:
             "kubectl": str(self.kubectl_path or ""),
             "processes": [r.to_json() for r in self.records],
         }
-        tmp = self.run_dir / (STATE_FILE + ".tmp")
-        tmp.write_text(json.dumps(state, indent=2))
-        tmp.replace(self.run_dir / STATE_FILE)
+        write_json(self.run_dir / STATE_FILE, state)
 
     @classmethod
     def load(cls, run_dir: Path) -> ClusterHandle | None:

@@ -44,11 +44,11 @@ def budget_errors(
     errors = []
     total = plan.prefill * prefill_gpus + plan.decode * decode_gpus
     budget = spec.ratio.gpu_budget
-    if not ScaleBounds(gpu_budget=budget).fits(total):
+    bounds = ScaleBounds(spec.ratio.min, spec.ratio.max, budget)
+    if not bounds.fits(total):
         errors.append(
             SpecError("ratio.gpuBudget", f"{plan.ratio} needs {total} GPUs, budget is {budget}")
         )
-    bounds = ScaleBounds(spec.ratio.min, spec.ratio.max, budget)
     broken = bounds.ratio_problem(plan.prefill, plan.decode) if plan.decode > 0 else None
     if broken == "ratio.min":
         errors.append(SpecError("ratio.min", f"P:D {plan.ratio} is below {spec.ratio.min}"))
