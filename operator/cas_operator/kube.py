@@ -176,16 +176,14 @@ class Kube:
             raise
         return found
 
-    def delete(self, kind: str, namespace: str, name: str, uid: str | None = None) -> None:
-        """Delete with background propagation; a missing object is not an error. With `uid`,
-        only that incarnation (a precondition: LWS leader pods keep their names)."""
-        body: Manifest = {"propagationPolicy": "Background"}
-        if uid:
-            body["preconditions"] = {"uid": uid}
+    def delete(self, kind: str, namespace: str, name: str) -> None:
+        """Delete with background propagation; a missing object is not an error. (Pods leave
+        through `evict`, which carries their uid as a precondition.)"""
+        body = {"propagationPolicy": "Background"}
         try:
             self._call("DELETE", f"{KINDS[kind].base_path(namespace)}/{name}", body=body)
         except ApiException as exc:
-            if exc.status not in (404, 409):  # gone, or a newer pod has the name now
+            if exc.status != 404:
                 raise
 
     def evict(self, namespace: str, name: str, uid: str | None) -> bool:
