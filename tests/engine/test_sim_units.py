@@ -333,3 +333,14 @@ async def test_pd_pair_in_process_over_http_fallback(monkeypatch: pytest.MonkeyP
     assert sd == 200 and bdecode["meta_info"]["completion_tokens"] == 20
     assert stats["kv_transport"] == "HttpTransport"
     assert stats["kv_corrupted"] == 0 and stats["kv_free_slots"] == 512
+
+
+def test_a_fleet_never_hands_out_one_port_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (a fresh-clone CI run): `free_port` closes its probe socket, so the OS
+    offered a decode the port its prefill had not bound yet ("address already in use")."""
+    from cas_engine.sim import fleet as fleet_mod
+
+    offered = iter([41000, 41000, 41001, 41000, 41002])
+    monkeypatch.setattr(fleet_mod, "free_port", lambda host="127.0.0.1": next(offered))
+    fleet = fleet_mod.Fleet(prefills=1, decodes=1)
+    assert [fleet._port() for _ in range(3)] == [41000, 41001, 41002]

@@ -65,6 +65,7 @@ class Fleet:
     decode_urls: list[str] = field(default_factory=list)
     router_url: str = ""
     _procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    _ports: set[int] = field(default_factory=set)  # handed out by `_port`
 
     @property
     def pids(self) -> list[int]:
@@ -78,7 +79,7 @@ class Fleet:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         bootstrap: list[int] = []
         for i in range(self.prefills):
-            port, bport = free_port(self.host), free_port(self.host)
+            port, bport = self._port(), self._port()
             extra = self.prefill_args[i] if i < len(self.prefill_args) else []
             self._sim(
                 f"prefill{i}",
@@ -90,7 +91,7 @@ class Fleet:
             self.prefill_urls.append(f"http://{self.host}:{port}")
             bootstrap.append(bport)
         for i in range(self.decodes):
-            port = free_port(self.host)
+            port = self._port()
             extra = self.decode_args[i] if i < len(self.decode_args) else []
             self._sim(f"decode{i}", "decode", port, extra, [])
             self.decode_urls.append(f"http://{self.host}:{port}")
@@ -127,8 +128,17 @@ class Fleet:
         ]
         self._spawn(name, cmd)
 
+    def _port(self) -> int:
+        """A free port this fleet has not handed out yet. `free_port` closes its probe socket,
+        so until a worker binds the port the OS may offer it again: a CI run gave a decode the
+        port its prefill was about to bind ("address already in use")."""
+        while (port := free_port(self.host)) in self._ports:
+            pass
+        self._ports.add(port)
+        return port
+
     def _router(self, bootstrap: list[int]) -> None:
-        port = free_port(self.host)
+        port = self._port()
         cmd = [
             sys.executable,
             "-m",
@@ -139,7 +149,7 @@ class Fleet:
             "--port",
             str(port),
             "--prometheus-port",
-            str(free_port(self.host)),
+            str(self._port()),
             "--policy",
             "round_robin",
             "--worker-startup-check-interval",
