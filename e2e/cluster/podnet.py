@@ -31,6 +31,13 @@ removes exactly those namespaces, links, routes and nft tables, by name (plus ku
 ``kube-proxy`` nft tables, which only the kube-proxy we started can have made: start refuses when
 they already exist).
 
+A run killed before its teardown (SIGKILL, a machine's session ending) leaves its network, and
+its record may be in a checkout no later run knows of. So a start first claims the ranges (an
+abstract Unix socket, :func:`claim_ranges`: freed by the kernel when its holder dies), then
+removes a dead run's pieces for the same ranges found in the kernel's own state
+(:func:`find_leftovers`: exactly our names, touching these ranges, and only while nothing listens
+on the host IP, where a live cluster's API server does), then checks and makes its own.
+
 ``loopback`` mode (no privileges, or ``CAS_POD_NETWORK=loopback``): node pod CIDRs in
 127.10.0.0/16 on loopback as before; Services have no endpoints (the API server refuses loopback
 addresses), so tests that need them skip with :attr:`PodNetwork.reason`.
@@ -43,7 +50,9 @@ import hashlib
 import ipaddress
 import json
 import os
+import re
 import shutil
+import socket
 import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -64,6 +73,13 @@ NETNS_DIR = Path("/var/run/netns")
 CAP_NET_ADMIN = 12
 CLONE_NEWNET = 0x40000000
 SAFE_ROUTE_TYPES = ("blackhole", "unreachable", "prohibit")
+# Names this module gives what it makes (cid: five hex digits, see cluster_id); a look-alike that
+# does not match exactly is someone else's and is never reclaimed.
+OUR_LINK = re.compile(r"^cn(?P<cid>[0-9a-f]{5})(h\d+|svc)$")
+OUR_NETNS = re.compile(r"^casnet-(?P<cid>[0-9a-f]{5})-(n\d+|svc)$")
+OUR_TABLE = re.compile(r"^casnet_(?P<cid>[0-9a-f]{5})$")
+TCP_LISTEN = "0A"
+CIDR_IN_TEXT = re.compile(r"\b\d{1,3}(?:\.\d{1,3}){3}/\d{1,2}\b")
 
 
 class PodNetError(RuntimeError):
@@ -191,6 +207,193 @@ def check_ranges(
             )
 
 
+# -- a dead run's leftovers (found in the kernel's state, so those of any checkout) -----------
+
+
+@dataclass(frozen=True)
+class Leftovers:
+    """What a run that died without teardown left for the same ranges, by name (decided by
+    :func:`find_leftovers`, removed by :func:`remove_leftovers`). ``live``: ports that listen
+    on the host IP, so that run is alive and nothing may be removed."""
+
+    live: tuple[int, ...] = ()
+    links: tuple[str, ...] = ()
+    netns: tuple[str, ...] = ()
+    nft_tables: tuple[str, ...] = ()
+    blackholes: tuple[str, ...] = ()  # ranges with a blackhole route at BLACKHOLE_METRIC
+    kube_proxy: bool = False  # kube-proxy's tables name our host IP: its kube-proxy is gone
+
+    def __bool__(self) -> bool:
+        return bool(
+            self.links or self.netns or self.nft_tables or self.blackholes or self.kube_proxy
+        )
+
+
+@dataclass(frozen=True)
+class KernelState:
+    """The parts of the host's network state :func:`find_leftovers` reads."""
+
+    routes: list[dict[str, Any]]
+    addrs: list[dict[str, Any]]  # `ip -j addr`: every link, with its addresses
+    netns: list[str]
+    tables: dict[str, str]  # nft `ip casnet_*` table name -> its listing
+    kube_proxy_table: str  # listing of `ip kube-proxy` ("" when absent)
+    listening: list[tuple[str, int]]  # TCP listeners (address, port)
+
+
+def find_leftovers(state: KernelState, ranges: tuple[str, ...], host_ip: str) -> Leftovers:
+    """A dead run's pieces for ``ranges`` in ``state`` (pure). A piece is a leftover only when
+    its name is exactly one this module gives (OUR_LINK, OUR_NETNS, OUR_TABLE) and it routes,
+    holds or filters an address in ``ranges`` (or shares a cid with one that does); nothing is
+    one while a process listens on ``host_ip`` (the API server of a cluster that runs)."""
+    live = tuple(sorted({port for addr, port in state.listening if addr == host_ip}))
+    if live:
+        return Leftovers(live=live)
+    nets = [ipaddress.IPv4Network(r) for r in ranges]
+
+    def inside(dst: str) -> bool:
+        try:
+            net = ipaddress.IPv4Network(dst, strict=False)
+        except ValueError:
+            return False
+        return any(net.subnet_of(rng) for rng in nets)
+
+    def filters_ranges(table: str) -> bool:  # nft prints the ranges merged (100.96.0.0/15)
+        cidrs = [ipaddress.IPv4Network(c, strict=False) for c in CIDR_IN_TEXT.findall(table)]
+        return any(c.overlaps(rng) for c in cidrs for rng in nets)
+
+    def addresses(link: dict[str, Any]) -> list[str]:
+        return [a.get("local", "") for a in link.get("addr_info", []) if a.get("family") == "inet"]
+
+    tables = tuple(
+        name
+        for name, text in sorted(state.tables.items())
+        if _cid(OUR_TABLE, name) and filters_ranges(text)
+    )
+    cids = {_cid(OUR_TABLE, name) for name in tables}
+    cids |= {_cid(OUR_LINK, r.get("dev", "")) for r in state.routes if inside(r.get("dst", ""))}
+    cids |= {
+        _cid(OUR_LINK, a.get("ifname", "")) for a in state.addrs if any(map(inside, addresses(a)))
+    }
+    cids.discard(None)
+    blackholes = tuple(
+        r["dst"]
+        for r in state.routes
+        if r.get("type") == "blackhole"
+        and r.get("metric") == BLACKHOLE_METRIC
+        and r.get("dst") in ranges
+    )
+    kube_proxy = re.search(rf"(?<![\d.]){re.escape(host_ip)}(?!\d)", state.kube_proxy_table)
+    return Leftovers(
+        links=tuple(
+            a["ifname"] for a in state.addrs if _cid(OUR_LINK, a.get("ifname", "")) in cids
+        ),
+        netns=tuple(n for n in state.netns if _cid(OUR_NETNS, n) in cids),
+        nft_tables=tables,
+        blackholes=blackholes,
+        kube_proxy=kube_proxy is not None,
+    )
+
+
+def _cid(pattern: re.Pattern[str], name: str) -> str | None:
+    """The cluster id in ``name`` when it is exactly one of our names (``pattern``), else None."""
+    match = pattern.match(name)
+    return match["cid"] if match else None
+
+
+def tcp_listeners(proc_net_tcp: str) -> list[tuple[str, int]]:
+    """(address, port) of each listening socket in a ``/proc/net/tcp`` listing (pure)."""
+    out = []
+    for line in proc_net_tcp.splitlines()[1:]:
+        fields = line.split()
+        if len(fields) > 3 and fields[3] == TCP_LISTEN:
+            hex_ip, hex_port = fields[1].split(":")
+            ip = ipaddress.IPv4Address(int(hex_ip, 16).to_bytes(4, "little"))
+            out.append((str(ip), int(hex_port, 16)))
+    return out
+
+
+def read_kernel_state() -> KernelState:
+    """Snapshot the host's routes, links, namespaces, our nft tables and TCP listeners."""
+    tables = {}
+    for line in _run("nft", "list", "tables", "ip").stdout.splitlines():
+        name = line.split()[-1]
+        if OUR_TABLE.match(name):
+            tables[name] = _run("nft", "list", "table", "ip", name, check=False).stdout
+    kube_proxy = _run("nft", "list", "table", "ip", "kube-proxy", check=False)
+    return KernelState(
+        routes=json.loads(_run("ip", "-j", "-4", "route", "show", "table", "all").stdout or "[]"),
+        addrs=json.loads(_run("ip", "-j", "addr", "show").stdout or "[]"),
+        netns=[line.split()[0] for line in _run("ip", "netns", "list").stdout.splitlines() if line],
+        tables=tables,
+        kube_proxy_table=kube_proxy.stdout if kube_proxy.returncode == 0 else "",
+        listening=tcp_listeners(Path("/proc/net/tcp").read_text()),
+    )
+
+
+def remove_leftovers(found: Leftovers) -> list[str]:
+    """Remove what :func:`find_leftovers` found (idempotent); returns what it removed."""
+    done = []
+    for family, table in KUBE_PROXY_TABLES if found.kube_proxy else ():
+        if _run("nft", "delete", "table", family, table, check=False).returncode == 0:
+            done.append(f"nft table {family} {table}")
+    for ns in found.netns:  # deleting a namespace removes the veth ends inside it
+        if _run("ip", "netns", "del", ns, check=False).returncode == 0:
+            done.append(f"netns {ns}")
+    for link in found.links:
+        if _run("ip", "link", "del", link, check=False).returncode == 0:
+            done.append(f"link {link}")
+    for table in found.nft_tables:
+        if _run("nft", "delete", "table", "ip", table, check=False).returncode == 0:
+            done.append(f"nft table ip {table}")
+    for dst in found.blackholes:
+        args = ["blackhole", dst, "metric", str(BLACKHOLE_METRIC)]
+        if _run("ip", "route", "del", *args, check=False).returncode == 0:
+            done.append(f"route {' '.join(args)}")
+    return done
+
+
+_CLAIMS: dict[str, socket.socket] = {}  # pod CIDR -> the claim this process holds on it
+
+
+def claim_ranges(pod_cidr: str) -> None:
+    """Hold an abstract Unix socket named after ``pod_cidr`` while this process makes (and then
+    owns) a network on it: the kernel frees the name when the process dies, so a second run on
+    the same host network refuses at once instead of taking a half-made network for a dead one."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(f"\0cas-operator/podnet/{pod_cidr}")
+    except OSError as exc:
+        sock.close()
+        raise PodNetError(
+            f"another process on this machine is making or owns a pod network on {pod_cidr} "
+            "right now (a second local cluster? stop it first: 'make cluster-down' in its checkout)"
+        ) from exc
+    _CLAIMS[pod_cidr] = sock
+
+
+def release_ranges(pod_cidr: str) -> None:
+    """Give up this process's claim on ``pod_cidr`` (after teardown; no-op without one)."""
+    sock = _CLAIMS.pop(pod_cidr, None)
+    if sock is not None:
+        sock.close()
+
+
+def reclaim_leftovers(net: PodNetwork) -> list[str]:
+    """Remove what a dead run left on ``net``'s ranges (any checkout's: found by name in the
+    kernel's state); refuse (PodNetError) while a cluster on them runs. Call with the claim held,
+    so no live run can be half-way through making the pieces found."""
+    ranges = (net.pod_cidr, net.service_cidr)
+    found = find_leftovers(read_kernel_state(), ranges, net.host_ip)
+    if found.live:
+        ports = ", ".join(str(p) for p in found.live)
+        raise PodNetError(
+            f"a local cluster on {', '.join(ranges)} runs on this machine (listening on "
+            f"{net.host_ip}:{ports}); stop it first ('make cluster-down' in its checkout)"
+        )
+    return remove_leftovers(found)
+
+
 # -- entering a namespace (for the pod runner) -------------------------------------------------
 
 _LIBC: Any = None
@@ -301,9 +504,15 @@ class PodNetwork:
 
     # -- persistence ---------------------------------------------------------------------------
     def save(self) -> None:
-        data = {"mode": self.mode, "cid": self.cid, "nodes": self.nodes, "reason": self.reason,
-                "pod_cidr": self.pod_cidr, "service_cidr": self.service_cidr,
-                "made": asdict(self.made)}  # fmt: skip
+        data = {
+            "mode": self.mode,
+            "cid": self.cid,
+            "nodes": self.nodes,
+            "reason": self.reason,
+            "pod_cidr": self.pod_cidr,
+            "service_cidr": self.service_cidr,
+            "made": asdict(self.made),
+        }
         write_json(self.run_dir / STATE_FILE, data)
 
     @classmethod
@@ -312,10 +521,16 @@ class PodNetwork:
         if not path.exists():
             return None
         data = json.loads(path.read_text())
-        return cls(run_dir=run_dir, mode=data["mode"], cid=data["cid"], nodes=int(data["nodes"]),
-                   reason=data.get("reason", ""), made=Made(**data.get("made", {})),
-                   pod_cidr=data.get("pod_cidr", POD_CIDR),
-                   service_cidr=data.get("service_cidr", SERVICE_CIDR))  # fmt: skip
+        return cls(
+            run_dir=run_dir,
+            mode=data["mode"],
+            cid=data["cid"],
+            nodes=int(data["nodes"]),
+            reason=data.get("reason", ""),
+            made=Made(**data.get("made", {})),
+            pod_cidr=data.get("pod_cidr", POD_CIDR),
+            service_cidr=data.get("service_cidr", SERVICE_CIDR),
+        )
 
     # -- making it -----------------------------------------------------------------------------
     def _do(self, *argv: str, netns: str | None = None) -> None:
@@ -382,8 +597,9 @@ table ip {self.nft_table} {{
 """
         self.made.nft_tables.append(["ip", self.nft_table])
         self.save()
-        proc = subprocess.run(["nft", "-f", "-"], input=rules, capture_output=True, text=True,
-                              check=False, timeout=30)  # fmt: skip
+        proc = subprocess.run(
+            ["nft", "-f", "-"], input=rules, capture_output=True, text=True, check=False, timeout=30
+        )
         if proc.returncode != 0:
             raise PodNetError(f"nft guard table: {proc.stderr.strip()}")
 
@@ -445,6 +661,7 @@ table ip {self.nft_table} {{
         self.made = Made()
         if (self.run_dir / STATE_FILE).exists():
             self.save()
+        release_ranges(self.pod_cidr)
         return done
 
 
@@ -469,14 +686,20 @@ def make(
         net.save()
         return net
     net = PodNetwork(run_dir, "netns", cid, nodes, pod_cidr=pod_cidr, service_cidr=service_cidr)
+    claim_ranges(pod_cidr)
     try:
+        for what in reclaim_leftovers(net):
+            if log:
+                log(f"pod network: removed a dead run's {what}")
         net.setup(kube_proxy=kube_proxy)
     except BaseException:
         net.teardown()
         raise
     if log:
-        log(f"pod network: {nodes} node namespaces {net.netns_name(0)}.., pods {pod_cidr}, "
-            f"Services {service_cidr}, host {net.host_ip}")  # fmt: skip
+        log(
+            f"pod network: {nodes} node namespaces {net.netns_name(0)}.., pods {pod_cidr}, "
+            f"Services {service_cidr}, host {net.host_ip}"
+        )
     return net
 
 

@@ -659,10 +659,6 @@ def start_cluster(
         raise AlreadyRunning(
             f"the local cluster in {run_dir} is already running (kubeconfig: {previous.kubeconfig})"
         )
-    stale = podnet.PodNetwork.load(run_dir)
-    if stale is not None:  # a previous start here died without `down`: remove what it made
-        for what in stale.teardown():
-            say(f"removed stale {what}")
     bins = binmod.resolve()
     missing = bins.missing()
     if missing:

@@ -27,7 +27,6 @@ from pathlib import Path
 import pytest
 
 from e2e.cluster.bins import BUILD_SCRIPT, resolve
-from e2e.cluster.podnet import PodNetwork
 from e2e.cluster.stack import ClusterError, ClusterHandle, load_cluster, start_cluster
 from e2e.paths import REPO_ROOT
 
@@ -56,11 +55,8 @@ def _remove_stopped_runs(parent: Path) -> None:
     for run_dir in parent.glob("pytest-*"):
         handle = ClusterHandle.load(run_dir)
         if handle is None or not handle.running():
-            # A session killed before its teardown leaves its pod network: remove exactly what
-            # its podnet.json records first (else the next start refuses the taken ranges).
-            net = PodNetwork.load(run_dir)
-            if net is not None:
-                net.teardown()
+            # Its pod network, if it died before teardown, is removed by the next start
+            # (e2e.cluster.podnet.reclaim_leftovers), whichever checkout it was made from.
             shutil.rmtree(run_dir, ignore_errors=True)
 
 
