@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cas_operator.api import constants as c
+from cas_operator.desired.revision import RevisionRecord
 from cas_operator.kube import Kube
 from cas_operator.metrics import (
     RECONCILE_ERRORS,
@@ -52,6 +53,8 @@ REFRESH_WORKERS = 12
 OWNED_STATUS_KEYS = (
     "observedGeneration",
     "revision",
+    "engineInput",
+    "heldRevision",
     "conditions",
     "prefill",
     "decode",
@@ -153,6 +156,7 @@ class Passes:
         itself, which repairs a status changed by anyone else."""
         uid, (namespace, name) = str(meta["uid"]), key_of(meta)
         measured = self.measured_for(uid, dict(status or {}))
+        recorded = RevisionRecord.from_status(self.written.get(uid) or owned(status))
         started = time.monotonic()
         with self._lock:
             deleted = (namespace, name) in self.child_deleted
@@ -168,6 +172,7 @@ class Passes:
             observed=observe() if observe is not None else None,
             measured=measured,
             apply_missing=self.may_create(uid, trigger, deleted, started),
+            recorded=recorded,
         )
         RECONCILE_SECONDS.labels(trigger).observe(time.monotonic() - started)
         if full:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -10,7 +11,8 @@ import yaml
 
 from cas_operator.api import constants as c
 from cas_operator.api.models import parse_spec
-from cas_operator.desired.plan import Plan, build_plan
+from cas_operator.desired.build import build_plan
+from cas_operator.desired.plan import Plan
 from cas_operator.desired.resources import build_all
 from cas_operator.desired.resources.engine_args import engine_args, engine_env
 from cas_operator.desired.resources.meta import Owner
@@ -53,6 +55,19 @@ def test_golden_manifests(sample_file: str) -> None:
         golden.write_text(rendered)
     assert golden.exists(), "run with UPDATE_GOLDEN=1 once and review the file"
     assert rendered == golden.read_text()
+
+
+def test_sample_revisions_are_pinned() -> None:
+    """Regression: an operator change that renders the engine pods differently gives every
+    fleet a new revision (issue 15: one added spec field changed all of them). Fleets with
+    `rollout.onOperatorUpgrade: Hold` (the default) keep running as they are; those with `Roll`
+    restart every engine. So a diff here is a release note: say which and why, then regenerate
+    with UPDATE_GOLDEN=1. Nothing else (replicas, the router, Services) may move these."""
+    got = {name: plan_sample(name)[1].revision for name in SAMPLE_FILES}
+    golden = GOLDEN / "revisions.json"
+    if os.environ.get("UPDATE_GOLDEN"):
+        golden.write_text(json.dumps(got, indent=2, sort_keys=True) + "\n")
+    assert got == json.loads(golden.read_text())
 
 
 @pytest.mark.parametrize("sample_file", SAMPLE_FILES)

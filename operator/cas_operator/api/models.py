@@ -122,6 +122,14 @@ class RolloutStrategy(StrEnum):
     CANARY = "Canary"
 
 
+class OperatorUpgradePolicy(StrEnum):
+    """What a new operator version that renders the same spec's engine pods differently does:
+    keep the pods as they run (Hold) or roll them to its rendering (Roll)."""
+
+    HOLD = "Hold"
+    ROLL = "Roll"
+
+
 # ---------------------------------------------------------------------------------------------
 # Kubernetes pass-through types (kept small and list-item defaults free)
 # ---------------------------------------------------------------------------------------------
@@ -362,6 +370,12 @@ class RolloutSpec(Spec):
     strategy: RolloutStrategy = RolloutStrategy.ROLLING
     steps: list[CanaryStep] | None = Field(default=None, max_length=32)
     analysis: AnalysisSpec | None = None
+    on_operator_upgrade: OperatorUpgradePolicy = Field(
+        default=OperatorUpgradePolicy.HOLD,
+        description="Hold: a new operator version that renders this spec's engine pods "
+        "differently leaves them as they run (status.heldRevision says what it would roll to); "
+        "Roll: it rolls them like a spec change.",
+    )
 
 
 class CodingAgentServingSpec(Spec):

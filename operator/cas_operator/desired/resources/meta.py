@@ -1,14 +1,22 @@
-"""Metadata shared by every child: labels, owner reference, spec-hash annotation."""
+"""Metadata shared by every child: labels, owner reference, spec-hash annotation (and the one
+stable hash the revision uses too)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from cas_operator.api import constants as c
-from cas_operator.desired.revision import stable_hash
 
 Manifest = dict[str, Any]
+
+
+def stable_hash(data: Any, length: int = 8) -> str:
+    """Hex digest of canonical JSON; the same data always gives the same hash."""
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:length]
 
 
 @dataclass(frozen=True)

@@ -113,6 +113,13 @@ def pod_template(plan: Plan, pool: PoolPlan, *, serving: bool = True) -> Manifes
     }
 
 
+def pod_templates(plan: Plan, pool: PoolPlan) -> list[Manifest]:
+    """Every pod template of the pool: the serving pod, and an LWS group's worker pod."""
+    if pool.shape.multi_node:
+        return [pod_template(plan, pool), pod_template(plan, pool, serving=False)]
+    return [pod_template(plan, pool)]
+
+
 def build_deployment(owner: Owner, plan: Plan, pool: PoolPlan) -> Manifest:
     """Single-node instances: one pod each."""
     return {
@@ -133,6 +140,7 @@ def build_deployment(owner: Owner, plan: Plan, pool: PoolPlan) -> Manifest:
 
 def build_leaderworkerset(owner: Owner, plan: Plan, pool: PoolPlan) -> Manifest:
     """Multi-node instances: one LWS group of `nodes` pods each; only the leader serves."""
+    leader, worker = pod_templates(plan, pool)
     return {
         "apiVersion": c.LWS_API_VERSION,
         "kind": "LeaderWorkerSet",
@@ -143,8 +151,8 @@ def build_leaderworkerset(owner: Owner, plan: Plan, pool: PoolPlan) -> Manifest:
             "leaderWorkerTemplate": {
                 "size": pool.shape.nodes,
                 "restartPolicy": "RecreateGroupOnPodRestart",
-                "leaderTemplate": pod_template(plan, pool, serving=True),
-                "workerTemplate": pod_template(plan, pool, serving=False),
+                "leaderTemplate": leader,
+                "workerTemplate": worker,
             },
         },
     }
