@@ -123,7 +123,7 @@ def test_minimal_sample_becomes_ready_with_every_child(
     }
     services = {s["metadata"]["name"] for s in children(kubectl, namespace, "svc", "minimal")}
     assert services == {"minimal", f"minimal-prefill-{revision}", f"minimal-decode-{revision}"}
-    assert len(children(kubectl, namespace, "pdb", "minimal")) == 2
+    assert len(children(kubectl, namespace, "pdb", "minimal")) == 3  # both pools and the router
     for kind in ("serviceaccount", "role", "rolebinding", "configmap"):
         assert children(kubectl, namespace, kind, "minimal"), kind
     pods = children(kubectl, namespace, "pods", "minimal")
@@ -465,3 +465,30 @@ def test_an_operator_upgrade_restarts_no_engine_until_the_user_opts_in(
         timeout=60,
     )  # fmt: skip
     assert not old_templates()
+
+
+def test_pod_metadata_reaches_running_pods_and_dropped_keys_are_reported(
+    operator: OperatorProcess, kubectl: Kubectl, namespace: str
+) -> None:
+    """`spec.podMetadata` through the real API server and controllers: every engine and
+    router pod carries the user's label; a key the operator owns is dropped and reported."""
+    manifest = small(
+        "minimal.yaml",
+        prefill={"tensorParallel": 1},
+        decode={"tensorParallel": 1},
+        podMetadata={"labels": {"team": "agents", "cas.dev/serving": "false"}},
+    )
+    apply(kubectl, namespace, manifest)
+    cas = wait_ready(kubectl, namespace, "minimal")
+    assert cas["status"]["warnings"] == [
+        "spec.podMetadata.labels.cas.dev/serving: the operator sets this key; dropped"
+    ]
+    pods = children(kubectl, namespace, "pod", "minimal")
+    roles = sorted(p["metadata"]["labels"]["cas.dev/role"] for p in pods)
+    assert roles == ["decode", "prefill", "router"], roles
+    assert all(p["metadata"]["labels"]["team"] == "agents" for p in pods)
+    engines = [p for p in pods if p["metadata"]["labels"]["cas.dev/role"] != "router"]
+    assert all(p["metadata"]["labels"]["cas.dev/serving"] == "true" for p in engines)
+    events = kubectl("get", "events", "-n", namespace, "--field-selector",
+                     "reason=SpecWarning", "-o", "name")  # fmt: skip
+    assert events.strip(), "no SpecWarning event"

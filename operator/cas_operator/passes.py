@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cas_operator.api import constants as c
-from cas_operator.desired.revision import RevisionRecord
 from cas_operator.kube import Kube
 from cas_operator.metrics import (
     RECONCILE_ERRORS,
@@ -55,6 +54,7 @@ OWNED_STATUS_KEYS = (
     "revision",
     "engineInput",
     "heldRevision",
+    "warnings",
     "conditions",
     "prefill",
     "decode",
@@ -156,7 +156,6 @@ class Passes:
         itself, which repairs a status changed by anyone else."""
         uid, (namespace, name) = str(meta["uid"]), key_of(meta)
         measured = self.measured_for(uid, dict(status or {}))
-        recorded = RevisionRecord.from_status(self.written.get(uid) or owned(status))
         started = time.monotonic()
         with self._lock:
             deleted = (namespace, name) in self.child_deleted
@@ -172,7 +171,7 @@ class Passes:
             observed=observe() if observe is not None else None,
             measured=measured,
             apply_missing=self.may_create(uid, trigger, deleted, started),
-            recorded=recorded,
+            previous=self.written.get(uid) or owned(status),
         )
         RECONCILE_SECONDS.labels(trigger).observe(time.monotonic() - started)
         if full:

@@ -39,6 +39,8 @@ def test_revision_changes_with_what_either_role_runs_and_nothing_else() -> None:
     assert revision(router={"replicas": 3}) == base
     assert revision(anomalyGuard={"maxDrainingPercent": 50}) == base
     assert revision(rollout={"onOperatorUpgrade": "Roll"}) == base
+    assert revision(podMetadata={"labels": {"team": "a"}}) != base  # pods restart: a new one
+    assert revision(podMetadata={"labels": {"cas.dev/x": "a"}}) == base  # dropped: unused
     assert revision(anomalyGuard={"minAcceptLength": 1.2}) == base  # no speculative: unused
     with_spec = revision(engine=SPECULATIVE)
     assert with_spec != base
@@ -62,6 +64,8 @@ def test_engine_input_ignores_defaults_written_out_and_fields_an_operator_adds()
     assert engine_input(changed) != engine_input(bare)
     scaled = parse_spec({"model": {"name": "glm-5"}, "decode": {"replicas": 9}})
     assert engine_input(scaled) == engine_input(bare)
+    empty = parse_spec({"model": {"name": "glm-5"}, "podMetadata": {}})  # a section added later
+    assert engine_input(empty) == engine_input(bare)
 
 
 HOLD, ROLL = OperatorUpgradePolicy.HOLD, OperatorUpgradePolicy.ROLL
@@ -112,7 +116,7 @@ def _pass(kube: MemoryKube, spec: dict[str, Any], generation: int, status: dict[
         generation=generation,
         raw_spec=spec,
         full_apply=True,
-        recorded=RevisionRecord.from_status(status),
+        previous=status,
     )
 
 
@@ -170,3 +174,15 @@ def test_an_engine_change_after_an_upgrade_rolls_to_the_new_rendering(
     rolled = _pass(kube, changed, 2, held.status)
     assert rolled.status["revision"] == revision(model={"name": "glm-5"}, engine=changed["engine"])
     assert rolled.status["heldRevision"] is None
+
+
+def test_dropped_pod_metadata_is_in_status_and_said_once() -> None:
+    kube = MemoryKube()
+    spec = {**SPEC, "podMetadata": {"labels": {"cas.dev/serving": "true"}}}
+    first = _pass(kube, spec, 1, {})
+    assert first.status["warnings"] == [
+        "spec.podMetadata.labels.cas.dev/serving: the operator sets this key; dropped"
+    ]
+    assert [e[1] for e in first.events] == [c.REASON_SPEC_WARNING]
+    assert _pass(kube, spec, 1, first.status).events == []
+    assert _pass(kube, SPEC, 2, first.status).status["warnings"] is None

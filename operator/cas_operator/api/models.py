@@ -337,6 +337,14 @@ class RouterSpec(Spec):
     resources: Resources | None = None
 
 
+class PodMetadata(Spec):
+    """Labels and annotations added to every engine and router pod (the operator's own keys
+    win; a key it sets or any `cas.dev/` key is dropped, and `status.warnings` says so)."""
+
+    labels: dict[str, str] | None = None
+    annotations: dict[str, str] | None = None
+
+
 class AnomalyGuardSpec(Spec):
     enabled: bool = True
     min_generated_tokens: int = Field(default=128, ge=1)
@@ -424,6 +432,7 @@ class CodingAgentServingSpec(Spec):
     router: RouterSpec = Field(default_factory=RouterSpec)
     anomaly_guard: AnomalyGuardSpec = Field(default_factory=AnomalyGuardSpec)
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    pod_metadata: PodMetadata = Field(default_factory=PodMetadata)
 
 
 def parse_spec(raw: dict[str, Any]) -> CodingAgentServingSpec:

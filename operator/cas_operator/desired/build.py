@@ -21,6 +21,7 @@ from cas_operator.desired.plan import InvalidSpec, LayerLayout, Plan, PoolPlan
 from cas_operator.desired.recommend import Recommendation, recommendation_for
 from cas_operator.desired.replicas import ReplicaPlan, budget_errors, fixed_replicas
 from cas_operator.desired.resolve import Resolved, resolve
+from cas_operator.desired.resources.meta import dropped_user_keys
 from cas_operator.desired.revision import RevisionRecord, choose, engine_input, engine_revision
 from cas_operator.desired.shapes import instance_shape
 from cas_operator.desired.validate import SpecError, validate
@@ -97,6 +98,7 @@ def build_plan(
     if errors:
         raise InvalidSpec(errors)
     draft = Plan(
+        warnings=spec_warnings(spec),
         name=name,
         namespace=namespace,
         revision="",
@@ -118,6 +120,15 @@ def build_plan(
         policy=spec.rollout.on_operator_upgrade,
     )
     return replace(draft, rendered_revision=rendered, engine_input=user_input).at_revision(runs)
+
+
+def spec_warnings(spec: CodingAgentServingSpec) -> tuple[str, ...]:
+    """What the plan leaves out of the spec without refusing it: pod metadata keys the
+    operator sets itself."""
+    user = spec.pod_metadata
+    dropped = dropped_user_keys(user.labels, "labels")
+    dropped += dropped_user_keys(user.annotations, "annotations")
+    return tuple(f"{key}: the operator sets this key; dropped" for key in dropped)
 
 
 def pydantic_errors(exc: ValidationError) -> list[SpecError]:

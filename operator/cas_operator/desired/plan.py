@@ -62,6 +62,7 @@ class Plan:
     # from `revision` only while an operator upgrade is held (`desired.revision.choose`).
     rendered_revision: str = ""
     engine_input: str = ""  # hash of the user's engine settings (`desired.revision`)
+    warnings: tuple[str, ...] = ()  # what the operator did not take from the spec, and why
 
     @property
     def held(self) -> bool:

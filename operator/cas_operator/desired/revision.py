@@ -1,8 +1,9 @@
 """Revision: which engines a fleet runs, and when an operator upgrade may change that.
 
 The revision is a hash of what both roles' engines run: their rendered pod templates (image,
-command and args, env, resources, probes, volumes, scheduling) without their labels (which
-carry the revision), and the nodes per instance. A prefill and a decode pod exchange KV and
+command and args, env, resources, probes, volumes, scheduling, the user's pod labels and
+annotations) without the operator's labels (which carry the revision), and the nodes per
+instance. A prefill and a decode pod exchange KV and
 must run the same engine, so a change to either role makes a new revision for both. Replica
 counts, router settings and the operator-side fields of the anomaly guard and rollout are not
 rendered into engine pods, so they never make one; an operator version that adds a field it does
@@ -25,16 +26,20 @@ from typing import Any
 
 from cas_operator.api.models import CodingAgentServingSpec, OperatorUpgradePolicy
 from cas_operator.desired.plan import Plan
-from cas_operator.desired.resources.meta import Manifest, stable_hash
+from cas_operator.desired.resources.meta import Manifest, is_operator_key, stable_hash
 from cas_operator.desired.resources.pools import pod_templates
 
-ENGINE_SECTIONS = ("model", "engine", "hicache")
+ENGINE_SECTIONS = ("model", "engine", "hicache", "pod_metadata")
 POOL_EXCLUDED = {"replicas"}
 GUARD_ENGINE_FIELDS = {"enabled", "min_generated_tokens", "min_accept_length", "max_accept_rate"}
 
 
 def _unlabelled(template: Manifest) -> Manifest:
-    meta = {k: v for k, v in template.get("metadata", {}).items() if k != "labels"}
+    """The template without the operator's labels (they carry the revision); a user's
+    `podMetadata` labels stay: changing them restarts pods, so through a new revision."""
+    meta = dict(template.get("metadata", {}))
+    labels = meta.get("labels", {})
+    meta["labels"] = {k: v for k, v in labels.items() if not is_operator_key(k, "labels")}
     return {**template, "metadata": meta}
 
 
@@ -62,7 +67,7 @@ def engine_input(spec: CodingAgentServingSpec) -> str:
     data["prefill"] = dump(spec.prefill, exclude=POOL_EXCLUDED)
     data["decode"] = dump(spec.decode, exclude=POOL_EXCLUDED)
     data["guard"] = dump(spec.anomaly_guard, include=GUARD_ENGINE_FIELDS)
-    return stable_hash(data)
+    return stable_hash({k: v for k, v in data.items() if v})  # a new, unset section: no change
 
 
 @dataclass(frozen=True)

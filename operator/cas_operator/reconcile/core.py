@@ -256,15 +256,25 @@ def retire_stale(
     return events
 
 
-def held_event(plan: Plan) -> tuple[str, str, str]:
-    """The one event when a new rendering of the engines starts being held back."""
-    return (
-        "Normal",
-        c.REASON_OPERATOR_UPGRADE_HELD,
-        f"this operator version renders the engine pods of revision {plan.revision} "
-        f"differently (revision {plan.rendered_revision}); they keep running as they are. Set "
-        "spec.rollout.onOperatorUpgrade: Roll to roll them, or change the spec.",
-    )
+def said_once(
+    plan: Plan, recorded: RevisionRecord | None, previous: Status
+) -> list[tuple[str, str, str]]:
+    """Events for news the status did not carry yet: a new rendering of the engines held back,
+    spec warnings (pod metadata the operator dropped)."""
+    events = []
+    if plan.held and (recorded is None or recorded.held != plan.rendered_revision):
+        events.append(
+            (
+                "Normal",
+                c.REASON_OPERATOR_UPGRADE_HELD,
+                f"this operator version renders the engine pods of revision {plan.revision} "
+                f"differently (revision {plan.rendered_revision}); they keep running as they "
+                "are. Set spec.rollout.onOperatorUpgrade: Roll to roll them, or change the spec.",
+            )
+        )
+    if plan.warnings and list(plan.warnings) != previous.get("warnings"):
+        events.append(("Warning", c.REASON_SPEC_WARNING, "; ".join(plan.warnings)))
+    return events
 
 
 def reconcile(
@@ -279,7 +289,7 @@ def reconcile(
     observed: list[ObservedWorkload] | None = None,
     measured: Measured = Measured(),
     apply_missing: bool = True,
-    recorded: RevisionRecord | None = None,
+    previous: Status | None = None,
 ) -> Outcome:
     """One pass; see the module docstring for the steps. `measured` is the fleet tick's last
     finding: the load feeds the planner and Auto mode, its `status.anomaly` is folded into the
@@ -287,8 +297,10 @@ def reconcile(
     the caller's watch-fed copy of the workloads (saves the LISTs: what this pass applies is
     taken from the server's answers); without it a full pass lists after applying, others
     before. `apply_missing=False` leaves workloads absent from `observed` alone (the caller
-    knows its copy may not have caught up with its own recent apply). `recorded` is what the
-    status says runs (`desired.revision.choose` holds it across an operator upgrade)."""
+    knows its copy may not have caught up with its own recent apply). `previous` is the status
+    the last pass wrote: what runs (`desired.revision.choose` holds it across an operator
+    upgrade) and what was said already."""
+    recorded = RevisionRecord.from_status(previous)
     try:
         plan = plan_for(
             name, namespace, raw_spec, measured, recorded=recorded, generation=generation
@@ -306,11 +318,8 @@ def reconcile(
     elif applied.count or full_apply:
         observed = observe(kube, namespace, name)
     status = compute_status(plan, observed, problems, generation, measured.anomaly)
-    events = (
-        [held_event(plan)]
-        if plan.held and (recorded is None or recorded.held != plan.rendered_revision)
-        else []
-    )
+    events = said_once(plan, recorded, previous or {})
+
     if is_true(status, c.COND_READY) and any(w.revision != plan.revision for w in observed):
         events += retire_stale(kube, plan, observed)
         observed = [w for w in observed if w.revision == plan.revision]

@@ -215,6 +215,7 @@ def compute_status(
         "revision": plan.revision,
         "engineInput": plan.engine_input,
         "heldRevision": held_revision(plan),
+        "warnings": list(plan.warnings) or None,
         "conditions": [ready_cond, progressing, degraded, _signal_condition(anomaly, generation)],
         "prefill": pool_status(plan, plan.prefill, observed),
         "decode": pool_status(plan, plan.decode, observed),

@@ -14,6 +14,7 @@ from cas_operator.desired.resources.meta import (
     base_labels,
     metadata,
     selector_labels,
+    with_user_keys,
 )
 
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -107,8 +108,14 @@ def pod_template(plan: Plan, pool: PoolPlan, *, serving: bool = True) -> Manifes
         spec["tolerations"] = [
             t.model_dump(by_alias=True, exclude_none=True) for t in pool_cfg.tolerations
         ]
+    user = plan.spec.pod_metadata
     return {
-        "metadata": {"labels": pod_labels(plan, pool, serving=serving), "annotations": annotations},
+        "metadata": {
+            "labels": with_user_keys(
+                pod_labels(plan, pool, serving=serving), user.labels, "labels"
+            ),
+            "annotations": with_user_keys(annotations, user.annotations, "annotations"),
+        },
         "spec": spec,
     }
 
@@ -181,7 +188,8 @@ def build_pool_service(owner: Owner, plan: Plan, pool: PoolPlan) -> Manifest:
 
 
 def build_pdb(owner: Owner, plan: Plan, pool: PoolPlan) -> Manifest:
-    """At most one instance of a pool voluntarily disrupted at a time."""
+    """At most one instance of a pool voluntarily disrupted at a time (an LWS group's pods
+    carry the pool's labels, so a node drain takes one group's leader or worker at a time)."""
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
