@@ -39,7 +39,8 @@ def _matches(obj: Manifest, selector: dict[str, str]) -> bool:
 class MemoryKube:
     """Workloads and other children keyed by (kind, name): apply, list, delete, and status
     patches of the owner. Applied workloads report ready (unless `ready=False`); without `lws`
-    the LeaderWorkerSet kind is not served. Records applies, deletes, LISTs, status patches."""
+    the LeaderWorkerSet kind is not served. Records applies, merge patches, deletes, LISTs and
+    status patches."""
 
     def __init__(self, *, lws: bool = True, ready: bool = True) -> None:
         self.objects: dict[tuple[str, str], Manifest] = {}
@@ -47,6 +48,7 @@ class MemoryKube:
         self.deleted: list[tuple[str, str]] = []
         self.lists = 0
         self.status_patches: list[Manifest] = []
+        self.patches: list[tuple[str, str]] = []
         self.lws, self.ready = lws, ready
 
     def apply(self, manifest: Manifest) -> Manifest:
@@ -67,6 +69,14 @@ class MemoryKube:
     def delete(self, kind: str, namespace: str, name: str) -> None:
         self.objects.pop((kind, name), None)
         self.deleted.append((kind, name))
+
+    def patch(self, kind: str, namespace: str, name: str, patch: Manifest) -> Manifest:
+        obj = self.objects[(kind, name)]
+        merge(obj, patch)
+        if self.ready:  # a scaled workload reports ready too
+            obj["status"]["readyReplicas"] = obj.get("spec", {}).get("replicas", 0)
+        self.patches.append((kind, name))
+        return obj
 
     def patch_status(self, kind: str, namespace: str, name: str, status: Manifest) -> Manifest:
         self.status_patches.append(status)

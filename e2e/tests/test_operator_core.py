@@ -123,7 +123,7 @@ def test_minimal_sample_becomes_ready_with_every_child(
     }
     services = {s["metadata"]["name"] for s in children(kubectl, namespace, "svc", "minimal")}
     assert services == {"minimal", f"minimal-prefill-{revision}", f"minimal-decode-{revision}"}
-    assert len(children(kubectl, namespace, "pdb", "minimal")) == 2
+    assert len(children(kubectl, namespace, "pdb", "minimal")) == 3  # both pools and the router
     for kind in ("serviceaccount", "role", "rolebinding", "configmap"):
         assert children(kubectl, namespace, kind, "minimal"), kind
     pods = children(kubectl, namespace, "pods", "minimal")
@@ -362,3 +362,133 @@ def test_operator_killed_mid_reconcile_converges_without_duplicates(
         for obj in children(kubectl, namespace, kind, "minimal"):
             (ref,) = obj["metadata"]["ownerReferences"]
             assert ref["uid"] == uid and ref["controller"] is True
+
+
+def _old_operator_pass(kubeconfig: Any, namespace: str, name: str) -> str:
+    """What an older operator version did: reconcile `name` once, rendering the engine pods
+    with one env var more (this test's stand-in for any rendering change), and write the
+    status as a pass does. Returns the revision it made."""
+    from kubernetes import config
+
+    from cas_operator.api import constants as c
+    from cas_operator.desired.resources import pools
+    from cas_operator.kube import Kube
+    from cas_operator.reconcile.core import reconcile
+    from cas_operator.reconcile.status import status_patch
+    from cas_operator.types import rfc3339
+
+    kube = Kube(config.new_client_from_config(config_file=str(kubeconfig)))  # type: ignore[no-untyped-call]
+    obj = kube.get(c.KIND, namespace, name)
+    assert obj is not None
+    real_env = pools.engine_env
+    pools.engine_env = lambda plan: [*real_env(plan), {"name": "CAS_OLD_OPERATOR", "value": "1"}]
+    try:
+        outcome = reconcile(
+            kube,
+            name=name,
+            namespace=namespace,
+            uid=obj["metadata"]["uid"],
+            generation=obj["metadata"]["generation"],
+            raw_spec=obj["spec"],
+            full_apply=True,
+        )
+    finally:
+        pools.engine_env = real_env
+    kube.patch_status(c.KIND, namespace, name, status_patch({}, outcome.status, rfc3339()))
+    return str(outcome.status["revision"])
+
+
+def test_an_operator_upgrade_restarts_no_engine_until_the_user_opts_in(
+    operator: OperatorProcess, kubectl: Kubectl, namespace: str, kubeconfig: Any
+) -> None:
+    """Regression (issue 15): an operator version that renders the same spec differently gave
+    every fleet a new revision, so upgrading the operator rolled every fleet at once. The new
+    version must keep the running workloads' templates (no new ReplicaSet), still scale them,
+    say what it holds, and roll only on `rollout.onOperatorUpgrade: Roll`."""
+    manifest = small("minimal.yaml", prefill={"tensorParallel": 1}, decode={"tensorParallel": 1})
+    operator.stop()
+    try:
+        apply(kubectl, namespace, manifest)
+        old = _old_operator_pass(kubeconfig, namespace, "minimal")
+    finally:
+        operator.start()
+
+    def ready_when(what: str, test: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+        def probe() -> dict[str, Any] | None:
+            cas = wait_ready(kubectl, namespace, "minimal")
+            return cas if test(cas["status"]) else None
+
+        found: dict[str, Any] = wait_until(what, probe)
+        return found
+
+    cas = ready_when("the new operator holding the old revision", lambda s: "heldRevision" in s)
+    assert cas["status"]["revision"] == old
+    rendered = cas["status"]["heldRevision"]["revision"]
+    assert rendered != old
+
+    def replica_sets() -> dict[str, str]:
+        return {
+            rs["metadata"]["name"]: rs["metadata"]["labels"]["cas.dev/role"]
+            for rs in children(kubectl, namespace, "rs", "minimal")
+        }
+
+    def old_templates() -> bool:
+        deployments = children(kubectl, namespace, "deploy", "minimal")
+        engines = [d for d in deployments if d["metadata"]["labels"]["cas.dev/role"] != "router"]
+        env = [
+            e["name"]
+            for d in engines
+            for e in d["spec"]["template"]["spec"]["containers"][0]["env"]
+        ]
+        return len(engines) == 2 and env.count("CAS_OLD_OPERATOR") == 2
+
+    sets = replica_sets()
+    assert old_templates() and len(sets) == 3, sets
+    events = kubectl("get", "events", "-n", namespace, "--field-selector",
+                     "reason=OperatorUpgradeHeld", "-o", "name")  # fmt: skip
+    assert events.strip(), "no OperatorUpgradeHeld event"
+
+    kubectl("patch", "cas", "minimal", "-n", namespace, "--type=merge",
+            "-p", json.dumps({"spec": {"decode": {"replicas": 2}}}))  # fmt: skip
+    cas = ready_when("decode scaled to 2", lambda s: s["decode"]["readyReplicas"] == 2)
+    assert cas["status"]["revision"] == old and old_templates()
+    assert replica_sets() == sets  # scaled in place: no ReplicaSet of a new template
+
+    kubectl("patch", "cas", "minimal", "-n", namespace, "--type=merge",
+            "-p", json.dumps({"spec": {"rollout": {"onOperatorUpgrade": "Roll"}}}))  # fmt: skip
+    cas = ready_when("rolled to the new rendering", lambda s: s["revision"] == rendered)
+    assert cas["status"].get("heldRevision") is None
+    wait_until(
+        "old revision retired",
+        lambda: {d["metadata"]["labels"]["cas.dev/revision"]
+                 for d in children(kubectl, namespace, "deploy", "minimal")} == {rendered},
+        timeout=60,
+    )  # fmt: skip
+    assert not old_templates()
+
+
+def test_pod_metadata_reaches_running_pods_and_dropped_keys_are_reported(
+    operator: OperatorProcess, kubectl: Kubectl, namespace: str
+) -> None:
+    """`spec.podMetadata` through the real API server and controllers: every engine and
+    router pod carries the user's label; a key the operator owns is dropped and reported."""
+    manifest = small(
+        "minimal.yaml",
+        prefill={"tensorParallel": 1},
+        decode={"tensorParallel": 1},
+        podMetadata={"labels": {"team": "agents", "cas.dev/serving": "false"}},
+    )
+    apply(kubectl, namespace, manifest)
+    cas = wait_ready(kubectl, namespace, "minimal")
+    assert cas["status"]["warnings"] == [
+        "spec.podMetadata.labels.cas.dev/serving: the operator sets this key; dropped"
+    ]
+    pods = children(kubectl, namespace, "pod", "minimal")
+    roles = sorted(p["metadata"]["labels"]["cas.dev/role"] for p in pods)
+    assert roles == ["decode", "prefill", "router"], roles
+    assert all(p["metadata"]["labels"]["team"] == "agents" for p in pods)
+    engines = [p for p in pods if p["metadata"]["labels"]["cas.dev/role"] != "router"]
+    assert all(p["metadata"]["labels"]["cas.dev/serving"] == "true" for p in engines)
+    events = kubectl("get", "events", "-n", namespace, "--field-selector",
+                     "reason=SpecWarning", "-o", "name")  # fmt: skip
+    assert events.strip(), "no SpecWarning event"

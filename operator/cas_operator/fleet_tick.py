@@ -39,7 +39,8 @@ from cas_operator.api.models import CodingAgentServingSpec, parse_spec
 from cas_operator.autoscale.controller import STATUS_KEY, ScaleOutcome
 from cas_operator.autoscale.loop import Autoscaler, AutoscaleResult, PlanNumbers
 from cas_operator.autoscale.model import ObservedSignals
-from cas_operator.desired.plan import InvalidSpec, build_plan
+from cas_operator.desired.build import build_plan
+from cas_operator.desired.plan import InvalidSpec
 from cas_operator.kube import Kube
 from cas_operator.observe.types import MetricsSource, Observation, PodSignals, PodTarget
 from cas_operator.reconcile.core import Measured

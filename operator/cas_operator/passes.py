@@ -52,6 +52,9 @@ REFRESH_WORKERS = 12
 OWNED_STATUS_KEYS = (
     "observedGeneration",
     "revision",
+    "engineInput",
+    "heldRevision",
+    "warnings",
     "conditions",
     "prefill",
     "decode",
@@ -168,6 +171,7 @@ class Passes:
             observed=observe() if observe is not None else None,
             measured=measured,
             apply_missing=self.may_create(uid, trigger, deleted, started),
+            previous=self.written.get(uid) or owned(status),
         )
         RECONCILE_SECONDS.labels(trigger).observe(time.monotonic() - started)
         if full:

@@ -2,7 +2,7 @@
 
 Like `helm template`: users (and tests) review what a change does before GitOps applies it.
 Data flow: the resource file (YAML, one or more documents; each CodingAgentServing is
-rendered) -> `desired.plan.plan_raw` (the same parse, validation and plan as the reconcile,
+rendered) -> `desired.build.plan_raw` (the same parse, validation and plan as the reconcile,
 with no measured load: Auto mode shows the planner's first answer) -> `desired.resources.
 build_all` -> YAML on stdout. An invalid spec prints each bad field on stderr and exits 2.
 The owner uid of the children is a placeholder (the API server assigns the real one).
@@ -18,7 +18,8 @@ from typing import Any, TextIO
 import yaml
 
 from cas_operator.api import constants as c
-from cas_operator.desired.plan import InvalidSpec, Plan, plan_raw
+from cas_operator.desired.build import plan_raw
+from cas_operator.desired.plan import InvalidSpec, Plan
 from cas_operator.desired.resources import build_all
 from cas_operator.desired.resources.meta import Owner
 from cas_operator.types import Manifest

@@ -27,8 +27,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cas_engine.launch import build_cas_parser
-from cas_operator.desired import plan as plan_module
-from cas_operator.desired.plan import InvalidSpec, Plan, plan_raw
+from cas_operator.desired import build as plan_module
+from cas_operator.desired.build import plan_raw
+from cas_operator.desired.plan import InvalidSpec, Plan
 from cas_operator.desired.resources import build_all
 from cas_operator.desired.resources.meta import Owner
 from cas_operator.render import render

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -10,7 +11,8 @@ import yaml
 
 from cas_operator.api import constants as c
 from cas_operator.api.models import parse_spec
-from cas_operator.desired.plan import Plan, build_plan
+from cas_operator.desired.build import build_plan
+from cas_operator.desired.plan import Plan
 from cas_operator.desired.resources import build_all
 from cas_operator.desired.resources.engine_args import engine_args, engine_env
 from cas_operator.desired.resources.meta import Owner
@@ -53,6 +55,19 @@ def test_golden_manifests(sample_file: str) -> None:
         golden.write_text(rendered)
     assert golden.exists(), "run with UPDATE_GOLDEN=1 once and review the file"
     assert rendered == golden.read_text()
+
+
+def test_sample_revisions_are_pinned() -> None:
+    """Regression: an operator change that renders the engine pods differently gives every
+    fleet a new revision (issue 15: one added spec field changed all of them). Fleets with
+    `rollout.onOperatorUpgrade: Hold` (the default) keep running as they are; those with `Roll`
+    restart every engine. So a diff here is a release note: say which and why, then regenerate
+    with UPDATE_GOLDEN=1. Nothing else (replicas, the router, Services) may move these."""
+    got = {name: plan_sample(name)[1].revision for name in SAMPLE_FILES}
+    golden = GOLDEN / "revisions.json"
+    if os.environ.get("UPDATE_GOLDEN"):
+        golden.write_text(json.dumps(got, indent=2, sort_keys=True) + "\n")
+    assert got == json.loads(golden.read_text())
 
 
 @pytest.mark.parametrize("sample_file", SAMPLE_FILES)
@@ -235,3 +250,48 @@ def test_workload_selector_excludes_serving_label() -> None:
     for manifest in build_all(owner, plan):
         if manifest["kind"] == "Deployment":
             assert c.LABEL_SERVING not in manifest["spec"]["selector"]["matchLabels"]
+
+
+def test_pod_metadata_reaches_every_pod_and_the_operators_keys_win() -> None:
+    """Users need their own pod labels and annotations (cost allocation, mesh injection,
+    log routing); a key the operator sets itself must not be overridden, and the user is
+    told which were dropped."""
+    plan = plan_of(
+        podMetadata={
+            "labels": {"team": "agents", "cas.dev/role": "decode", "app.kubernetes.io/name": "x"},
+            "annotations": {"sidecar.istio.io/inject": "false", "prometheus.io/port": "1"},
+        }
+    )
+    templates = [m["spec"]["template"] for m in build_all(Owner("demo", "ns", "u"), plan)
+                 if m["kind"] == "Deployment"]  # fmt: skip
+    assert len(templates) == 3  # prefill, decode, router
+    for template in templates:
+        meta = template["metadata"]
+        assert meta["labels"]["team"] == "agents"
+        assert meta["labels"]["app.kubernetes.io/name"] in (c.APP_ENGINE, c.APP_ROUTER)
+        assert meta["annotations"]["sidecar.istio.io/inject"] == "false"
+        assert meta["annotations"]["prometheus.io/port"] != "1"
+    roles = sorted(t["metadata"]["labels"]["cas.dev/role"] for t in templates)
+    assert roles == ["decode", "prefill", "router"]
+    assert plan.warnings == (
+        "spec.podMetadata.labels.app.kubernetes.io/name: the operator sets this key; dropped",
+        "spec.podMetadata.labels.cas.dev/role: the operator sets this key; dropped",
+        "spec.podMetadata.annotations.prometheus.io/port: the operator sets this key; dropped",
+    )
+    assert plan_of().warnings == ()
+
+
+def test_router_pods_have_a_disruption_budget_of_their_revision() -> None:
+    """A node drain must not take every router of a revision at once."""
+    plan = plan_of(router={"replicas": 2})
+    pdbs = [m for m in build_all(Owner("demo", "ns", "u"), plan)
+            if m["kind"] == "PodDisruptionBudget"]  # fmt: skip
+    router = [p for p in pdbs if p["metadata"]["labels"][c.LABEL_ROLE] == c.ROLE_ROUTER]
+    assert len(pdbs) == 3 and len(router) == 1
+    (pdb,) = router
+    assert pdb["metadata"]["name"] == plan.router_name
+    assert pdb["metadata"]["labels"][c.LABEL_REVISION] == plan.revision  # retired with it
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"] == {
+        c.LABEL_NAME: "demo", c.LABEL_ROLE: c.ROLE_ROUTER, c.LABEL_REVISION: plan.revision,
+    }  # fmt: skip

@@ -8,7 +8,7 @@ import pytest
 
 from cas_engine.launch import plan_launch
 from cas_operator.api.models import parse_spec
-from cas_operator.desired.plan import build_plan
+from cas_operator.desired.build import build_plan
 from cas_operator.desired.resources.engine_args import engine_args
 from tests.paths import load_sample
 

@@ -1,4 +1,5 @@
-"""Pure planning: instance shapes, LayerSplit shards and KV footprint, replicas, revision, rules."""
+"""Pure planning: instance shapes, LayerSplit shards and KV footprint, replicas, rules (the
+revision: test_revision.py)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,15 @@ from typing import Any
 import pytest
 
 from cas_operator.api.models import CodingAgentServingSpec, parse_spec
+from cas_operator.desired.build import build_plan
 from cas_operator.desired.layersplit import (
     KNOWN_MODELS,
     kv_bytes_per_token_per_rank,
     layer_shards,
     lookup_model,
 )
-from cas_operator.desired.plan import InvalidSpec, build_plan
+from cas_operator.desired.plan import InvalidSpec
 from cas_operator.desired.replicas import fixed_replicas
-from cas_operator.desired.revision import revision_of
 from cas_operator.desired.shapes import instance_shape
 from cas_operator.desired.validate import validate
 from tests.paths import load_sample
@@ -120,20 +121,6 @@ def test_fixed_replicas(
     """Regression: explicit pool replicas win; a missing side follows the ratio."""
     plan = fixed_replicas(spec_of(prefill=prefill, decode=decode, ratio=ratio))
     assert (plan.prefill, plan.decode) == expected
-
-
-def test_revision_changes_with_either_role_but_not_with_replicas() -> None:
-    """Regression: a decode-only engine change must roll prefill too (they exchange KV),
-    and scaling must not restart engines."""
-    base = revision_of(spec_of())
-    assert revision_of(spec_of()) == base
-    assert revision_of(spec_of(decode={"tensorParallel": 4})) != base
-    assert revision_of(spec_of(prefill={"timeoutSeconds": 30})) != base
-    assert revision_of(spec_of(engine={"image": "other:1"})) != base
-    assert revision_of(spec_of(prefill={"replicas": 7}, decode={"replicas": 9})) == base
-    assert revision_of(spec_of(router={"replicas": 3})) == base
-    assert revision_of(spec_of(anomalyGuard={"maxDrainingPercent": 50})) == base
-    assert revision_of(spec_of(anomalyGuard={"minAcceptLength": 1.2})) != base
 
 
 RULES = [

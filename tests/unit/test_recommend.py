@@ -6,7 +6,7 @@ from typing import Any
 
 from cas_operator.api.models import parse_spec
 from cas_operator.autoscale.profiles import load_spec as load_spec_profile
-from cas_operator.desired.plan import build_plan
+from cas_operator.desired.build import build_plan
 from cas_operator.desired.recommend import convert_count, instance_profiles
 from cas_operator.reconcile.status import ratio_status
 from tests.paths import load_sample

@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from cas_operator.api.models import parse_spec
-from cas_operator.desired.plan import build_plan
+from cas_operator.desired.build import build_plan
 from cas_operator.desired.resources import build_all
 from cas_operator.desired.resources.meta import Owner
 from cas_operator.render import PLACEHOLDER_UID

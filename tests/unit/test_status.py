@@ -6,7 +6,8 @@ from typing import Any
 
 from cas_operator.api import constants as c
 from cas_operator.api.models import parse_spec
-from cas_operator.desired.plan import Plan, build_plan
+from cas_operator.desired.build import build_plan
+from cas_operator.desired.plan import Plan
 from cas_operator.reconcile.status import (
     ObservedWorkload,
     Problem,

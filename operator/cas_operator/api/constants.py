@@ -54,6 +54,8 @@ REASON_AS_EXPECTED: Final = "AsExpected"
 REASON_FLEET_ANOMALY: Final = "FleetWideAnomaly"
 REASON_SIGNAL_UNAVAILABLE: Final = "AnomalySignalUnavailable"
 REASON_NOT_OBSERVED: Final = "NotObservedYet"
+REASON_OPERATOR_UPGRADE_HELD: Final = "OperatorUpgradeHeld"
+REASON_SPEC_WARNING: Final = "SpecWarning"
 
 LWS_API_VERSION: Final = "leaderworkerset.x-k8s.io/v1"
 LWS_WORKER_INDEX_LABEL: Final = "leaderworkerset.sigs.k8s.io/worker-index"  # set by LWS; 0 = leader

@@ -122,6 +122,14 @@ class RolloutStrategy(StrEnum):
     CANARY = "Canary"
 
 
+class OperatorUpgradePolicy(StrEnum):
+    """What a new operator version that renders the same spec's engine pods differently does:
+    keep the pods as they run (Hold) or roll them to its rendering (Roll)."""
+
+    HOLD = "Hold"
+    ROLL = "Roll"
+
+
 # ---------------------------------------------------------------------------------------------
 # Kubernetes pass-through types (kept small and list-item defaults free)
 # ---------------------------------------------------------------------------------------------
@@ -329,6 +337,14 @@ class RouterSpec(Spec):
     resources: Resources | None = None
 
 
+class PodMetadata(Spec):
+    """Labels and annotations added to every engine and router pod (the operator's own keys
+    win; a key it sets or any `cas.dev/` key is dropped, and `status.warnings` says so)."""
+
+    labels: dict[str, str] | None = None
+    annotations: dict[str, str] | None = None
+
+
 class AnomalyGuardSpec(Spec):
     enabled: bool = True
     min_generated_tokens: int = Field(default=128, ge=1)
@@ -362,6 +378,12 @@ class RolloutSpec(Spec):
     strategy: RolloutStrategy = RolloutStrategy.ROLLING
     steps: list[CanaryStep] | None = Field(default=None, max_length=32)
     analysis: AnalysisSpec | None = None
+    on_operator_upgrade: OperatorUpgradePolicy = Field(
+        default=OperatorUpgradePolicy.HOLD,
+        description="Hold: a new operator version that renders this spec's engine pods "
+        "differently leaves them as they run (status.heldRevision says what it would roll to); "
+        "Roll: it rolls them like a spec change.",
+    )
 
 
 class CodingAgentServingSpec(Spec):
@@ -410,6 +432,7 @@ class CodingAgentServingSpec(Spec):
     router: RouterSpec = Field(default_factory=RouterSpec)
     anomaly_guard: AnomalyGuardSpec = Field(default_factory=AnomalyGuardSpec)
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    pod_metadata: PodMetadata = Field(default_factory=PodMetadata)
 
 
 def parse_spec(raw: dict[str, Any]) -> CodingAgentServingSpec:

@@ -1,32 +1,18 @@
-"""The resolved plan of one CodingAgentServing: everything the builders need, computed purely.
+"""The resolved plan of one CodingAgentServing: everything the builders need (the types).
 
-`build_plan(name, namespace, spec)` validates the spec and resolves the revision, instance
-shapes, replica counts and the LayerSplit layout. It raises `InvalidSpec` with every problem at
-once; it never reads the cluster or the clock.
+`desired.build.build_plan` makes one (validated, pure); `desired.resources` renders it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
 
-from pydantic import ValidationError
-
-from cas_operator.api import constants as c
-from cas_operator.api.models import CodingAgentServingSpec, RatioMode, parse_spec
-from cas_operator.autoscale.model import ObservedSignals
-from cas_operator.desired.layersplit import (
-    KvFootprint,
-    LayerShard,
-    kv_bytes_per_token_per_rank,
-    layer_shards,
-)
-from cas_operator.desired.recommend import Recommendation, recommendation_for
-from cas_operator.desired.replicas import ReplicaPlan, budget_errors, fixed_replicas
-from cas_operator.desired.resolve import Resolved, resolve
-from cas_operator.desired.revision import revision_of
-from cas_operator.desired.shapes import InstanceShape, instance_shape
-from cas_operator.desired.validate import SpecError, validate
+from cas_operator.api.models import CodingAgentServingSpec
+from cas_operator.desired.layersplit import KvFootprint, LayerShard
+from cas_operator.desired.recommend import Recommendation
+from cas_operator.desired.replicas import ReplicaPlan
+from cas_operator.desired.shapes import InstanceShape
+from cas_operator.desired.validate import SpecError
 
 
 class InvalidSpec(ValueError):
@@ -72,6 +58,25 @@ class Plan:
     layer_split: bool = False  # the prefill pool runs LayerSplit (`resolve`)
     cp_strategy: str | None = None  # the prefill pool's `--cp-strategy` (`resolve`)
     recommendation: Recommendation | None = None
+    # What this operator renders for the spec (`desired.revision.engine_revision`); differs
+    # from `revision` only while an operator upgrade is held (`desired.revision.choose`).
+    rendered_revision: str = ""
+    engine_input: str = ""  # hash of the user's engine settings (`desired.revision`)
+    warnings: tuple[str, ...] = ()  # what the operator did not take from the spec, and why
+
+    @property
+    def held(self) -> bool:
+        """An operator upgrade renders these engines differently; they keep `revision`."""
+        return self.rendered_revision != self.revision
+
+    def at_revision(self, revision: str) -> Plan:
+        """This plan under `revision`: the revision label and the workload names carrying it."""
+        return replace(
+            self,
+            revision=revision,
+            prefill=replace(self.prefill, workload_name=f"{self.name}-prefill-{revision}"),
+            decode=replace(self.decode, workload_name=f"{self.name}-decode-{revision}"),
+        )
 
     @property
     def router_name(self) -> str:
@@ -88,112 +93,3 @@ class Plan:
     @property
     def pools(self) -> tuple[PoolPlan, PoolPlan]:
         return (self.prefill, self.decode)
-
-
-def _layout(spec: CodingAgentServingSpec, resolved: Resolved) -> LayerLayout | None:
-    cp = spec.prefill.context_parallel
-    profile = resolved.model
-    if profile is None or cp <= 1:
-        return None
-    return LayerLayout(
-        enabled=resolved.layer_split,
-        num_layers=profile.num_layers,
-        shards=tuple(layer_shards(profile.num_layers, cp)),
-        footprint=kv_bytes_per_token_per_rank(profile, cp),
-    )
-
-
-def replica_plan(
-    spec: CodingAgentServingSpec,
-    recommendation: Recommendation | None,
-    auto_replicas: tuple[int, int] | None = None,
-) -> ReplicaPlan:
-    """Fixed and Recommend: the spec's counts. Auto: the autoscaler's (`status.autoscaler`)
-    once it has stepped, before that the planner's, when it has an answer."""
-    plan = fixed_replicas(spec)
-    if spec.ratio.mode == RatioMode.FIXED:
-        return plan
-    if spec.ratio.mode == RatioMode.AUTO and auto_replicas is not None:
-        return ReplicaPlan(auto_replicas[0], auto_replicas[1], "Auto: autoscaler")
-    if spec.ratio.mode == RatioMode.AUTO and recommendation and recommendation.ratio:
-        assert recommendation.prefill is not None and recommendation.decode is not None
-        return ReplicaPlan(recommendation.prefill, recommendation.decode, "Auto: planner")
-    return ReplicaPlan(plan.prefill, plan.decode, f"{plan.reason} ({spec.ratio.mode.value} mode)")
-
-
-def build_plan(
-    name: str,
-    namespace: str,
-    spec: CodingAgentServingSpec,
-    observed: ObservedSignals | None = None,
-    auto_replicas: tuple[int, int] | None = None,
-) -> Plan:
-    """Validate and resolve; raises InvalidSpec listing every error. `observed` (measured load)
-    informs the planner; `auto_replicas` are Auto mode's current counts (see replica_plan)."""
-    resolved = resolve(spec)
-    errors = validate(spec, resolved)
-    if errors:
-        raise InvalidSpec(errors)
-    revision = revision_of(spec)
-    prefill_shape = instance_shape(
-        tensor_parallel=spec.prefill.tensor_parallel,
-        gpus_per_node=spec.prefill.gpus_per_node,
-        context_parallel=spec.prefill.context_parallel,
-    )
-    decode_shape = instance_shape(
-        tensor_parallel=spec.decode.tensor_parallel, gpus_per_node=spec.decode.gpus_per_node
-    )
-    recommendation = recommendation_for(spec, prefill_shape, decode_shape, observed, resolved)
-    replicas = replica_plan(spec, recommendation, auto_replicas)
-    errors = budget_errors(spec, replicas, prefill_shape.gpus, decode_shape.gpus)
-    if errors and spec.ratio.mode == RatioMode.AUTO and replicas.reason.startswith("Auto: "):
-        fixed = fixed_replicas(spec)  # the planner's answer breaks a bound: keep the spec's
-        why = "; ".join(str(e) for e in errors)
-        replicas = ReplicaPlan(
-            fixed.prefill,
-            fixed.decode,
-            f"Auto: planner's {replicas.ratio} rejected ({why}); kept {fixed.ratio}",
-        )
-        errors = budget_errors(spec, replicas, prefill_shape.gpus, decode_shape.gpus)
-    if errors:
-        raise InvalidSpec(errors)
-    return Plan(
-        name=name,
-        namespace=namespace,
-        revision=revision,
-        spec=spec,
-        prefill=PoolPlan(
-            c.ROLE_PREFILL, f"{name}-prefill-{revision}", replicas.prefill, prefill_shape
-        ),
-        decode=PoolPlan(c.ROLE_DECODE, f"{name}-decode-{revision}", replicas.decode, decode_shape),
-        replicas=replicas,
-        layout=_layout(spec, resolved),
-        layer_split=resolved.layer_split,
-        cp_strategy=resolved.cp_strategy,
-        recommendation=recommendation,
-    )
-
-
-def pydantic_errors(exc: ValidationError) -> list[SpecError]:
-    """Pydantic's errors in the user's terms: `spec.prefill.tensorParallel: ...`."""
-    errors = []
-    for err in exc.errors():
-        path = ".".join(str(p) for p in err["loc"]) or "(root)"
-        errors.append(SpecError(path, err["msg"]))
-    return errors
-
-
-def plan_raw(
-    name: str,
-    namespace: str,
-    raw_spec: dict[str, Any],
-    observed: ObservedSignals | None = None,
-    auto_replicas: tuple[int, int] | None = None,
-) -> Plan:
-    """Parse a resource's `spec` as the API server stored it, then `build_plan`; raises
-    InvalidSpec naming every bad field (schema errors included)."""
-    try:
-        spec = parse_spec(raw_spec)
-    except ValidationError as exc:
-        raise InvalidSpec(pydantic_errors(exc)) from exc
-    return build_plan(name, namespace, spec, observed, auto_replicas)

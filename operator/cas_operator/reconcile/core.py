@@ -4,7 +4,8 @@ Called from create, update, resume and a timer (handlers.py). It reads like the 
 1. parse and validate the spec; plan it (pure);
 2. build every child manifest (pure);
 3. apply them with server-side apply, in dependency tiers, each tier concurrently, skipping
-   (outside full passes) workloads whose spec-hash already matches;
+   (outside full passes) workloads whose spec-hash already matches; while an operator upgrade
+   is held (`Plan.held`), workloads that exist only get their replica counts;
 4. observe the workloads; retire children of older revisions once the current one is ready;
 5. compute the status (pure) and hand back only what changed.
 Per-child failures are collected, never abort the pass, and end up in the Degraded condition.
@@ -20,9 +21,11 @@ from typing import Any
 from cas_operator.api import constants as c
 from cas_operator.autoscale.controller import STATUS_KEY, AutoState
 from cas_operator.autoscale.model import ObservedSignals
-from cas_operator.desired.plan import InvalidSpec, Plan, plan_raw
+from cas_operator.desired.build import plan_raw
+from cas_operator.desired.plan import InvalidSpec, Plan
 from cas_operator.desired.resources import build_all
 from cas_operator.desired.resources.meta import Owner
+from cas_operator.desired.revision import RevisionRecord
 from cas_operator.kube import REVISIONED_KINDS, KindNotInstalled, Kube, NamespaceTerminating
 from cas_operator.reconcile.status import (
     ObservedWorkload,
@@ -79,10 +82,24 @@ class Measured:
 
 
 def plan_for(
-    name: str, namespace: str, raw_spec: dict[str, Any], measured: Measured = Measured()
+    name: str,
+    namespace: str,
+    raw_spec: dict[str, Any],
+    measured: Measured = Measured(),
+    *,
+    recorded: RevisionRecord | None = None,
+    generation: int = 0,
 ) -> Plan:
     """Step 1: parse + validate + plan; raises InvalidSpec naming every bad field."""
-    return plan_raw(name, namespace, raw_spec, measured.observed, measured.auto_replicas)
+    return plan_raw(
+        name,
+        namespace,
+        raw_spec,
+        measured.observed,
+        measured.auto_replicas,
+        recorded=recorded,
+        generation=generation,
+    )
 
 
 def observe(kube: Kube, namespace: str, name: str) -> list[ObservedWorkload]:
@@ -111,11 +128,17 @@ class ApplyResult:
     workload: ObservedWorkload | None = None
 
 
-def _apply_one(kube: Kube, manifest: dict[str, Any]) -> ApplyResult:
-    """Apply one child; a workload comes back as the server answered it (saves a LIST)."""
+def _apply_one(kube: Kube, manifest: dict[str, Any], replicas_only: bool = False) -> ApplyResult:
+    """Apply one child; a workload comes back as the server answered it (saves a LIST).
+    `replicas_only`: patch just `spec.replicas` of an existing workload (a held template)."""
     key = (manifest["kind"], manifest["metadata"]["name"])
+    namespace = manifest["metadata"]["namespace"]
     try:
-        answer = kube.apply(manifest)
+        if replicas_only:
+            patch = {"spec": {"replicas": manifest["spec"]["replicas"]}}
+            answer = kube.patch(key[0], namespace, key[1], patch)
+        else:
+            answer = kube.apply(manifest)
     except KindNotInstalled as exc:
         return ApplyResult(
             Problem(
@@ -128,7 +151,7 @@ def _apply_one(kube: Kube, manifest: dict[str, Any]) -> ApplyResult:
         log.debug("not applying %s %s: its namespace is being deleted", *key)
         return ApplyResult()
     except Exception as exc:
-        where = f"{key[0]} {manifest['metadata']['namespace']}/{key[1]}"
+        where = f"{key[0]} {namespace}/{key[1]}"
         log.warning("apply of %s failed: %s", where, exc)
         return ApplyResult(Problem(c.REASON_APPLY_FAILED, f"{key[0]} {key[1]}: {exc}"))
     if key[0] not in WORKLOAD_KINDS or not isinstance(answer, dict):
@@ -145,13 +168,13 @@ class Applied:
     workloads: list[ObservedWorkload]
 
 
-def drift(seen: ObservedWorkload, manifest: dict[str, Any]) -> str:
+def drift(seen: ObservedWorkload, manifest: dict[str, Any], held: bool = False) -> str:
     """How an observed workload differs from its manifest ("" when it does not): its template
-    (spec-hash) or its replicas. Either side may have moved: someone edited or scaled the
-    workload, or our own desired state changed (a spec edit, an Auto step) and the watch-fed
-    copy has not caught up with the apply yet; so the text states the facts, not a culprit."""
+    (spec-hash; not while `held`) or its replicas. Either side may have moved: someone edited
+    or scaled the workload, or our own desired state changed (a spec edit, an Auto step) and
+    the watch-fed copy has not caught up with the apply yet; so the text states the facts."""
     want: str = manifest["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH]
-    if seen.spec_hash != want:
+    if seen.spec_hash != want and not held:
         return f"template differs (spec-hash {seen.spec_hash} observed, {want} desired)"
     replicas = manifest["spec"].get("replicas", seen.replicas)
     if seen.replicas != replicas:
@@ -165,33 +188,43 @@ def apply_children(
     observed: list[ObservedWorkload],
     full: bool,
     apply_missing: bool = True,
+    held: bool = False,
 ) -> Applied:
     """Step 3: apply tier by tier, each tier's children concurrently (a tier waits for the one
     before). Without `full`, only workloads whose spec-hash or replicas differ from the
     observed ones (someone edited or scaled them), and (with `apply_missing`) those not
-    observed at all."""
+    observed at all. `held` (an operator upgrade held back): an observed workload's template
+    is left as it runs, only a replica count that differs is patched, full pass or not."""
     current = {(w.kind, w.name): w for w in observed}
+
+    def seen(m: dict[str, Any]) -> ObservedWorkload | None:
+        return (
+            current.get((m["kind"], m["metadata"]["name"])) if m["kind"] in WORKLOAD_KINDS else None
+        )
 
     def why_stale(m: dict[str, Any]) -> str:
         """Why a refresh re-applies `m` ("" = it does not)."""
         if m["kind"] not in WORKLOAD_KINDS:
             return ""
-        seen = current.get((m["kind"], m["metadata"]["name"]))
-        return ("missing" if apply_missing else "") if seen is None else drift(seen, m)
+        found = seen(m)
+        return ("missing" if apply_missing else "") if found is None else drift(found, m, held)
 
-    if full:
-        todo = list(manifests)
-    else:
-        todo = []
-        for m in manifests:
-            if why := why_stale(m):
-                log.info("re-applying %s %s: %s", m["kind"], m["metadata"]["name"], why)
-                todo.append(m)
+    todo = []
+    for m in manifests:
+        if full and not (held and seen(m) is not None):
+            todo.append(m)
+        elif why := why_stale(m):
+            log.info("re-applying %s %s: %s", m["kind"], m["metadata"]["name"], why)
+            todo.append(m)
     problems: list[Problem] = []
     workloads: list[ObservedWorkload] = []
+
+    def act(m: dict[str, Any]) -> ApplyResult:
+        return _apply_one(kube, m, replicas_only=held and seen(m) is not None)
+
     for tier in sorted({apply_tier(m) for m in todo}):
         batch = [m for m in todo if apply_tier(m) == tier]
-        for result in _APPLY_POOL.map(lambda m: _apply_one(kube, m), batch):
+        for result in _APPLY_POOL.map(act, batch):
             problems += [result.problem] if result.problem is not None else []
             workloads += [result.workload] if result.workload is not None else []
     return Applied(len(todo) - len(problems), problems, workloads)
@@ -223,6 +256,27 @@ def retire_stale(
     return events
 
 
+def said_once(
+    plan: Plan, recorded: RevisionRecord | None, previous: Status
+) -> list[tuple[str, str, str]]:
+    """Events for news the status did not carry yet: a new rendering of the engines held back,
+    spec warnings (pod metadata the operator dropped)."""
+    events = []
+    if plan.held and (recorded is None or recorded.held != plan.rendered_revision):
+        events.append(
+            (
+                "Normal",
+                c.REASON_OPERATOR_UPGRADE_HELD,
+                f"this operator version renders the engine pods of revision {plan.revision} "
+                f"differently (revision {plan.rendered_revision}); they keep running as they "
+                "are. Set spec.rollout.onOperatorUpgrade: Roll to roll them, or change the spec.",
+            )
+        )
+    if plan.warnings and list(plan.warnings) != previous.get("warnings"):
+        events.append(("Warning", c.REASON_SPEC_WARNING, "; ".join(plan.warnings)))
+    return events
+
+
 def reconcile(
     kube: Kube,
     *,
@@ -235,6 +289,7 @@ def reconcile(
     observed: list[ObservedWorkload] | None = None,
     measured: Measured = Measured(),
     apply_missing: bool = True,
+    previous: Status | None = None,
 ) -> Outcome:
     """One pass; see the module docstring for the steps. `measured` is the fleet tick's last
     finding: the load feeds the planner and Auto mode, its `status.anomaly` is folded into the
@@ -242,25 +297,31 @@ def reconcile(
     the caller's watch-fed copy of the workloads (saves the LISTs: what this pass applies is
     taken from the server's answers); without it a full pass lists after applying, others
     before. `apply_missing=False` leaves workloads absent from `observed` alone (the caller
-    knows its copy may not have caught up with its own recent apply)."""
+    knows its copy may not have caught up with its own recent apply). `previous` is the status
+    the last pass wrote: what runs (`desired.revision.choose` holds it across an operator
+    upgrade) and what was said already."""
+    recorded = RevisionRecord.from_status(previous)
     try:
-        plan = plan_for(name, namespace, raw_spec, measured)
+        plan = plan_for(
+            name, namespace, raw_spec, measured, recorded=recorded, generation=generation
+        )
     except InvalidSpec as exc:
         return Outcome(status=invalid_status(str(exc), generation), invalid=exc)
     manifests = build_all(Owner(name, namespace, uid), plan)
     watched = observed is not None
-    if observed is None:
-        observed = [] if full_apply else observe(kube, namespace, name)
-    applied = apply_children(kube, manifests, observed, full_apply, apply_missing)
+    if observed is None:  # a held plan must know what exists before it applies
+        observed = [] if full_apply and not plan.held else observe(kube, namespace, name)
+    applied = apply_children(kube, manifests, observed, full_apply, apply_missing, plan.held)
     problems = applied.problems
     if watched:
         observed = merged(observed, applied.workloads)
     elif applied.count or full_apply:
         observed = observe(kube, namespace, name)
     status = compute_status(plan, observed, problems, generation, measured.anomaly)
-    events = []
+    events = said_once(plan, recorded, previous or {})
+
     if is_true(status, c.COND_READY) and any(w.revision != plan.revision for w in observed):
-        events = retire_stale(kube, plan, observed)
+        events += retire_stale(kube, plan, observed)
         observed = [w for w in observed if w.revision == plan.revision]
         status = compute_status(plan, observed, problems, generation, measured.anomaly)
     return Outcome(

@@ -213,12 +213,28 @@ def compute_status(
     return {
         "observedGeneration": generation,
         "revision": plan.revision,
+        "engineInput": plan.engine_input,
+        "heldRevision": held_revision(plan),
+        "warnings": list(plan.warnings) or None,
         "conditions": [ready_cond, progressing, degraded, _signal_condition(anomaly, generation)],
         "prefill": pool_status(plan, plan.prefill, observed),
         "decode": pool_status(plan, plan.decode, observed),
         "ratio": ratio_status(plan),
         "layerSplit": summary.get("layerSplit"),
         "gpus": summary["gpus"],
+    }
+
+
+def held_revision(plan: Plan) -> dict[str, str] | None:
+    """`status.heldRevision`: what this operator would roll the engines to, while held (None
+    clears it: the status is written as a merge patch)."""
+    if not plan.held:
+        return None
+    return {
+        "revision": plan.rendered_revision,
+        "message": "this operator version renders the engine pods differently; they keep "
+        f"running as revision {plan.revision} until the spec changes or "
+        "spec.rollout.onOperatorUpgrade is Roll",
     }
 
 

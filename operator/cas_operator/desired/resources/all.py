@@ -10,13 +10,15 @@ from cas_operator.desired.resources.router import (
     build_role,
     build_role_binding,
     build_router_deployment,
+    build_router_pdb,
     build_router_service,
     build_service_account,
 )
 
 
 def build_all(owner: Owner, plan: Plan) -> list[Manifest]:
-    """Identity and config, then Services and PDBs, then pools, then the router last."""
+    """Identity and config, then Services and PDBs (the router's too), then pools, then the
+    router last."""
     manifests = [
         build_service_account(owner, plan),
         build_role(owner, plan),
@@ -26,5 +28,6 @@ def build_all(owner: Owner, plan: Plan) -> list[Manifest]:
     for pool in plan.pools:
         manifests += [build_pool_service(owner, plan, pool), build_pdb(owner, plan, pool)]
     manifests += [build_workload(owner, plan, pool) for pool in plan.pools]
+    manifests.append(build_router_pdb(owner, plan))
     manifests += [build_router_deployment(owner, plan), build_router_service(owner, plan)]
     return [with_spec_hash(m) for m in manifests]

@@ -1,14 +1,22 @@
-"""Metadata shared by every child: labels, owner reference, spec-hash annotation."""
+"""Metadata shared by every child: labels, owner reference, spec-hash annotation (and the one
+stable hash the revision uses too)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from cas_operator.api import constants as c
-from cas_operator.desired.revision import stable_hash
 
 Manifest = dict[str, Any]
+
+
+def stable_hash(data: Any, length: int = 8) -> str:
+    """Hex digest of canonical JSON; the same data always gives the same hash."""
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:length]
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,31 @@ def base_labels(name: str, app: str, role: str | None = None) -> dict[str, str]:
 def selector_labels(name: str, role: str, revision: str) -> dict[str, str]:
     """Immutable workload selector: name, role, revision (never `serving`, which drains flip)."""
     return {c.LABEL_NAME: name, c.LABEL_ROLE: role, c.LABEL_REVISION: revision}
+
+
+# Pod metadata keys the operator owns: a user's `podMetadata` never overrides them.
+OPERATOR_KEY_PREFIX = "cas.dev/"
+OPERATOR_LABELS = frozenset({c.LABEL_APP_NAME, c.LABEL_MANAGED_BY})
+OPERATOR_ANNOTATIONS = frozenset(
+    {"prometheus.io/scrape", "prometheus.io/port", c.ANNOTATION_BOOTSTRAP_PORT}
+)
+
+
+def is_operator_key(key: str, kind: str) -> bool:
+    """Whether a pod `labels` / `annotations` key is the operator's."""
+    ours = OPERATOR_LABELS if kind == "labels" else OPERATOR_ANNOTATIONS
+    return key.startswith(OPERATOR_KEY_PREFIX) or key in ours
+
+
+def with_user_keys(ours: dict[str, str], user: dict[str, str] | None, kind: str) -> dict[str, str]:
+    """Pod `labels` or `annotations`: the user's (`spec.podMetadata`) under the operator's."""
+    kept = {k: v for k, v in (user or {}).items() if not is_operator_key(k, kind)}
+    return {**kept, **ours}
+
+
+def dropped_user_keys(user: dict[str, str] | None, kind: str) -> list[str]:
+    """The user's keys that `with_user_keys` drops, as `spec.podMetadata.<kind>.<key>`."""
+    return [f"spec.podMetadata.{kind}.{k}" for k in sorted(user or {}) if is_operator_key(k, kind)]
 
 
 def metadata(

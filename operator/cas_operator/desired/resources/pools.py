@@ -14,6 +14,7 @@ from cas_operator.desired.resources.meta import (
     base_labels,
     metadata,
     selector_labels,
+    with_user_keys,
 )
 
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -107,10 +108,23 @@ def pod_template(plan: Plan, pool: PoolPlan, *, serving: bool = True) -> Manifes
         spec["tolerations"] = [
             t.model_dump(by_alias=True, exclude_none=True) for t in pool_cfg.tolerations
         ]
+    user = plan.spec.pod_metadata
     return {
-        "metadata": {"labels": pod_labels(plan, pool, serving=serving), "annotations": annotations},
+        "metadata": {
+            "labels": with_user_keys(
+                pod_labels(plan, pool, serving=serving), user.labels, "labels"
+            ),
+            "annotations": with_user_keys(annotations, user.annotations, "annotations"),
+        },
         "spec": spec,
     }
+
+
+def pod_templates(plan: Plan, pool: PoolPlan) -> list[Manifest]:
+    """Every pod template of the pool: the serving pod, and an LWS group's worker pod."""
+    if pool.shape.multi_node:
+        return [pod_template(plan, pool), pod_template(plan, pool, serving=False)]
+    return [pod_template(plan, pool)]
 
 
 def build_deployment(owner: Owner, plan: Plan, pool: PoolPlan) -> Manifest:
@@ -133,6 +147,7 @@ def build_deployment(owner: Owner, plan: Plan, pool: PoolPlan) -> Manifest:
 
 def build_leaderworkerset(owner: Owner, plan: Plan, pool: PoolPlan) -> Manifest:
     """Multi-node instances: one LWS group of `nodes` pods each; only the leader serves."""
+    leader, worker = pod_templates(plan, pool)
     return {
         "apiVersion": c.LWS_API_VERSION,
         "kind": "LeaderWorkerSet",
@@ -143,8 +158,8 @@ def build_leaderworkerset(owner: Owner, plan: Plan, pool: PoolPlan) -> Manifest:
             "leaderWorkerTemplate": {
                 "size": pool.shape.nodes,
                 "restartPolicy": "RecreateGroupOnPodRestart",
-                "leaderTemplate": pod_template(plan, pool, serving=True),
-                "workerTemplate": pod_template(plan, pool, serving=False),
+                "leaderTemplate": leader,
+                "workerTemplate": worker,
             },
         },
     }
@@ -173,7 +188,8 @@ def build_pool_service(owner: Owner, plan: Plan, pool: PoolPlan) -> Manifest:
 
 
 def build_pdb(owner: Owner, plan: Plan, pool: PoolPlan) -> Manifest:
-    """At most one instance of a pool voluntarily disrupted at a time."""
+    """At most one instance of a pool voluntarily disrupted at a time (an LWS group's pods
+    carry the pool's labels, so a node drain takes one group's leader or worker at a time)."""
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",

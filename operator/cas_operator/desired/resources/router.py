@@ -13,6 +13,7 @@ from cas_operator.desired.resources.meta import (
     base_labels,
     metadata,
     selector_labels,
+    with_user_keys,
 )
 
 ROUTER_MODULE = ["python3", "-m", "sglang_router.launch_router"]
@@ -82,6 +83,8 @@ def build_router_deployment(owner: Owner, plan: Plan) -> Manifest:
     }
     if router.resources:
         container["resources"] = router.resources.model_dump(by_alias=True, exclude_none=True)
+    user = plan.spec.pod_metadata
+    annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(c.ROUTER_METRICS_PORT)}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -91,17 +94,28 @@ def build_router_deployment(owner: Owner, plan: Plan) -> Manifest:
             "selector": {"matchLabels": selector_labels(plan.name, c.ROLE_ROUTER, plan.revision)},
             "template": {
                 "metadata": {
-                    "labels": labels,
-                    "annotations": {
-                        "prometheus.io/scrape": "true",
-                        "prometheus.io/port": str(c.ROUTER_METRICS_PORT),
-                    },
+                    "labels": with_user_keys(labels, user.labels, "labels"),
+                    "annotations": with_user_keys(annotations, user.annotations, "annotations"),
                 },
                 "spec": {
                     "serviceAccountName": service_account_name(plan),
                     "containers": [container],
                 },
             },
+        },
+    }
+
+
+def build_router_pdb(owner: Owner, plan: Plan) -> Manifest:
+    """At most one router pod of the revision voluntarily disrupted at a time."""
+    labels = {**_router_labels(plan), c.LABEL_REVISION: plan.revision}
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": metadata(owner, plan.router_name, labels),
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": selector_labels(plan.name, c.ROLE_ROUTER, plan.revision)},
         },
     }
 
