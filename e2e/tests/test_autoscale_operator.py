@@ -44,7 +44,8 @@ SIM_ARGS = ["--sim-speedup", "20", "--log-level", "warning"]
 
 def manifest() -> dict[str, Any]:
     cas: dict[str, Any] = yaml.safe_load((ROOT / "config/samples/minimal.yaml").read_text())
-    cas["spec"]["ratio"] = {"mode": "Auto", "prefill": 1, "decode": 2, "min": 0.25, "max": 1.0}
+    cas["spec"]["ratio"] = {"mode": "Auto", "prefill": 1, "decode": 2, "min": 0.25, "max": 1.0,
+                            "gpuBudget": 64}  # fmt: skip
     cas["spec"]["anomalyGuard"] = {"windowSeconds": 60}
     return cas
 

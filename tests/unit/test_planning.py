@@ -129,6 +129,7 @@ RULES = [
     ({"prefill": {"tensorParallel": 8, "contextParallel": 3}}, "prefill.contextParallel"),
     ({"prefill": {"layerSplit": True}}, "prefill.layerSplit"),
     ({"ratio": {"min": 2.0, "max": 1.0}}, "ratio.min"),
+    ({"ratio": {"mode": "Auto"}}, "ratio.gpuBudget"),  # unbounded Auto: a runaway fleet
     ({"engine": {"speculative": {"algorithm": "EAGLE"}}}, "engine.speculative.draftModelPath"),
     ({"hicache": {"enabled": True, "hostMemoryRatio": 0.5}}, "hicache.hostMemoryRatio"),
     ({"rollout": {"strategy": "Canary"}}, "rollout.steps"),

@@ -58,6 +58,11 @@ MLA_MODELS = ("deepseek-v3", "deepseek-r1", "kimi-k2")
 MAX_MODEL_NAME_LENGTH = 256  # bounds the CEL regex cost below
 # SGLang refuses DSA prefill CP above 8 GPUs (model_overrides/deepseek_v2.py:123).
 MAX_DSA_CP_TENSOR_PARALLEL = 8
+MAX_REQUEST_RATE = 100000.0  # requests per second of one fleet
+MAX_TOKENS = 10_000_000  # per request, input or output
+AUTO_NEEDS_BUDGET = (
+    "ratio.gpuBudget is required in Auto mode: the most GPUs the operator may give both pools"
+)
 
 
 def _name_matches(prefixes: tuple[str, ...]) -> str:
@@ -224,10 +229,12 @@ class EngineSpec(Spec):
 class WorkloadSpec(Spec):
     """Expected traffic: the ratio planner's inputs."""
 
-    avg_input_tokens: int = Field(default=70000, ge=1)
-    avg_output_tokens: int = Field(default=600, ge=1)
+    avg_input_tokens: int = Field(default=70000, ge=1, le=MAX_TOKENS)
+    avg_output_tokens: int = Field(default=600, ge=1, le=MAX_TOKENS)
     prefix_cache_hit_rate: float = Field(default=0.9, ge=0.0, le=1.0)
-    request_rate: float | None = Field(default=None, ge=0.0, description="Requests per second.")
+    request_rate: float | None = Field(
+        default=None, ge=0.0, le=MAX_REQUEST_RATE, description="Requests per second."
+    )
 
 
 class SloSpec(Spec):
@@ -288,6 +295,11 @@ class RatioSpec(Spec):
 
     model_config = _config(
         cel("!has(self.min) || !has(self.max) || self.min <= self.max", "ratio.min must be <= max"),
+        cel(
+            "self.mode != 'Auto' || has(self.gpuBudget)",
+            AUTO_NEEDS_BUDGET,
+            ".gpuBudget",
+        ),
     )
 
     mode: RatioMode = RatioMode.FIXED
@@ -295,7 +307,9 @@ class RatioSpec(Spec):
     decode: int = Field(default=1, ge=1, le=10000, description="Decode instances per unit.")
     min: float | None = Field(default=None, gt=0.0, description="Lowest prefill/decode ratio.")
     max: float | None = Field(default=None, gt=0.0, description="Highest prefill/decode ratio.")
-    gpu_budget: int | None = Field(default=None, ge=1, description="Most GPUs of both pools.")
+    gpu_budget: int | None = Field(
+        default=None, ge=1, le=1_000_000, description="Most GPUs of both pools (Auto: required)."
+    )
     scale_down_stabilization_seconds: int = Field(
         default=900,
         ge=0,

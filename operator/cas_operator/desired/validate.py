@@ -15,6 +15,7 @@ from cas_operator.api.models import (
     CodingAgentServingSpec,
     PoolSpec,
     PrefillPoolSpec,
+    RatioMode,
     SpeculativeAlgorithm,
     TransferBackend,
 )
@@ -113,9 +114,14 @@ def _context_parallel_errors(spec: CodingAgentServingSpec, resolved: Resolved) -
 
 def _ratio_errors(spec: CodingAgentServingSpec) -> list[SpecError]:
     ratio = spec.ratio
+    errors = []
     if ratio.min is not None and ratio.max is not None and ratio.min > ratio.max:
-        return [SpecError("ratio.min", f"{ratio.min} is above ratio.max {ratio.max}")]
-    return []
+        errors.append(SpecError("ratio.min", f"{ratio.min} is above ratio.max {ratio.max}"))
+    if ratio.mode == RatioMode.AUTO and ratio.gpu_budget is None:
+        errors.append(
+            SpecError("ratio.gpuBudget", "required in Auto mode (the most GPUs for both pools)")
+        )
+    return errors
 
 
 def _engine_errors(spec: CodingAgentServingSpec) -> list[SpecError]:
