@@ -35,6 +35,7 @@ from cas_operator.anomaly.detect import Policy
 from cas_operator.anomaly.drain import DrainPolicy
 from cas_operator.api import constants as c
 from cas_operator.api.models import AnomalyGuardSpec
+from cas_operator.desired.resources.pools import PRESTOP, SHUTDOWN_MARGIN_S
 from cas_operator.kube import Kube
 from cas_operator.observe import MetricsSource, ScrapeSource
 from cas_operator.routers import HttpRouters, Routers
@@ -49,11 +50,12 @@ TIMEOUT = aiohttp.ClientTimeout(total=30)
 Event = tuple[str, str, str]
 
 
-def deployment(replicas: int) -> dict[str, Any]:
+def deployment(replicas: int, drain_seconds: int | None = None) -> dict[str, Any]:
     """Decode engine pods in null (non-PD) mode, labelled, annotated and probed like the
-    operator's; Ready only once their sim answers (the runner probes: READINESS_TOLERATION)."""
+    operator's; Ready only once their sim answers (the runner probes: READINESS_TOLERATION).
+    `drain_seconds`: the operator's preStop hook and grace period too."""
     labels = {**SELECTOR, c.LABEL_ROLE: c.ROLE_DECODE}
-    return {
+    manifest = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": {"name": f"{NAME}-decode", "labels": labels},
@@ -79,6 +81,12 @@ def deployment(replicas: int) -> dict[str, Any]:
             },
         },
     }  # fmt: skip
+    if drain_seconds is not None:
+        pod = manifest["spec"]["template"]["spec"]
+        pod["terminationGracePeriodSeconds"] = drain_seconds + SHUTDOWN_MARGIN_S
+        pod["containers"][0]["lifecycle"] = {"preStop": {"exec": {"command": [
+            *PRESTOP, "--port", str(c.ENGINE_PORT), "--grace", str(drain_seconds)]}}}  # fmt: skip
+    return manifest
 
 
 def sims_up(urls: list[str]) -> bool:
@@ -212,11 +220,16 @@ class AnomalyStack:
         stack._thread.start()
         return stack
 
-    def deploy(self, kubectl: Callable[..., str], replicas: int, timeout: float = 90) -> list[str]:
+    def deploy(
+        self,
+        kubectl: Callable[..., str],
+        replicas: int,
+        timeout: float = 90,
+        drain_seconds: int | None = None,
+    ) -> list[str]:
         """Apply the Deployment; wait until `replicas` pods serve with healthy sims; URLs."""
-        kubectl(
-            "apply", "-n", self.namespace, "-f", "-", stdin=yaml.safe_dump(deployment(replicas))
-        )
+        body = yaml.safe_dump(deployment(replicas, drain_seconds))
+        kubectl("apply", "-n", self.namespace, "-f", "-", stdin=body)
         return self.wait_serving(replicas, timeout)
 
     def serving(self) -> list[dict[str, Any]]:

@@ -16,7 +16,10 @@ KWOK only pretends to run containers; this runner makes engine pods real process
    replica as in a real cluster (the operator deregisters draining workers there);
    a process that exited is restarted after ``restart_backoff_s``;
 3. stops (SIGTERM, by recorded pid) the processes of pods that went away or were replaced
-   (a new pod UID under the same name);
+   (a new pod UID under the same name); as a kubelet does, it first runs the container's
+   ``cas_engine.prestop`` preStop hook (at the pod IP, in the pod's namespace), in the
+   background and bounded by the pod's ``terminationGracePeriodSeconds``, so a deleted pod
+   finishes its requests in flight before its process stops (other hooks are not run);
 4. rewrites the Prometheus file_sd targets (:func:`e2e.runtime.prometheus.write_file_sd`) for pods
    annotated ``prometheus.io/scrape: "true"``, labelled namespace/pod/role;
 5. with ``patch_status`` set, plays the kubelet's readiness prober for pods that opt in (the
@@ -59,6 +62,8 @@ ROUTER_SHIM = "e2e.runtime.router_shim"  # the router, minus its process renamin
 ROUTER_HOST_FLAGS = ("--host", "--prometheus-host")
 LOOPBACK = ipaddress.IPv4Network("127.0.0.0/8")
 DEFAULT_PORT = 30000
+DEFAULT_GRACE_S = 30.0  # Kubernetes' terminationGracePeriodSeconds default
+PRESTOP_MODULE = ("python3", "-m", "cas_engine.prestop")
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
 
@@ -73,6 +78,8 @@ class Launch:
     port: int
     argv: tuple[str, ...]
     env: tuple[tuple[str, str], ...]
+    prestop: tuple[str, ...] = ()  # the preStop hook's argv (empty: none this runner runs)
+    grace_s: float = DEFAULT_GRACE_S  # the pod's terminationGracePeriodSeconds
 
 
 def _container_running(pod: Pod, launchers: tuple[str, ...]) -> dict[str, Any] | None:
@@ -97,6 +104,17 @@ def _http_port(container: dict[str, Any]) -> int:
         if port.get("name") == "http":
             return int(port["containerPort"])
     return DEFAULT_PORT
+
+
+def prestop_for(container: dict[str, Any], python: str, ip: str) -> tuple[str, ...]:
+    """The container's cas_engine.prestop hook as this runner runs it: with this Python, and
+    at the pod IP (the sim binds that, not 0.0.0.0 as an engine in its own pod does)."""
+    command = (((container.get("lifecycle") or {}).get("preStop") or {}).get("exec") or {}).get(
+        "command"
+    ) or []
+    if tuple(command[:3]) != PRESTOP_MODULE:
+        return ()
+    return (python, *command[1:], "--host", ip)
 
 
 def launch_for(
@@ -126,6 +144,8 @@ def launch_for(
         port=port,
         argv=argv,
         env=tuple(sorted(env.items())),
+        prestop=prestop_for(container, python, ip),
+        grace_s=float(pod.get("spec", {}).get("terminationGracePeriodSeconds", DEFAULT_GRACE_S)),
     )
 
 
@@ -256,6 +276,8 @@ class PodRunner:
     # their IP added there; `networks` becomes that CIDR
     network: PodNetwork | None = None
     running: dict[tuple[str, str], _Running] = field(default_factory=dict)
+    # by pod uid, pods gone whose preStop hook runs: the engine's record and the hook's
+    draining: dict[str, tuple[procs.ProcRecord, procs.ProcRecord]] = field(default_factory=dict)
     _probe_failures: dict[tuple[str, str], int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -338,9 +360,36 @@ class PodRunner:
         self._probe_failures[key] = self._probe_failures.get(key, 0) + 1
         return False if self._probe_failures[key] >= failure_threshold(pod) else None
 
-    def _stop(self, key: tuple[str, str]) -> str:
+    def _netns(self, launch: Launch) -> str | None:
+        if self.network is not None and self.network.enabled:
+            return self.network.netns_for_ip(launch.ip)
+        return None
+
+    def _stop(self, key: tuple[str, str], *, hook: bool = True) -> str:
+        """Stop a pod's process; first its preStop hook, in the background, when it has one
+        (`hook`) and still runs. Returns what it did."""
         run = self.running.pop(key)
-        return procs.stop(run.record, grace_s=5.0)
+        launch = run.launch
+        if not (hook and launch.prestop and procs.is_running(run.record)):
+            return procs.stop(run.record, grace_s=5.0)
+        name = f"{launch.namespace}.{launch.name}"
+        record = procs.spawn(f"{name}.prestop", list(launch.prestop), self.log_dir,
+                             env=dict(launch.env), netns=self._netns(launch))  # fmt: skip
+        self.draining[launch.uid] = (run.record, record)
+        threading.Thread(
+            target=self._stop_after_hook, args=(launch.uid, launch.grace_s), daemon=True
+        ).start()
+        return f"preStop of {name} runs (up to {launch.grace_s:.0f}s)"
+
+    def _stop_after_hook(self, uid: str, grace_s: float) -> None:
+        """The kubelet's order: the hook runs to its end or the grace period, then SIGTERM."""
+        engine, hook = self.draining[uid]
+        deadline = time.monotonic() + grace_s
+        while procs.is_running(hook) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        procs.stop(hook, grace_s=1.0)
+        print(f"podrunner: {procs.stop(engine, grace_s=5.0)} after preStop", flush=True)
+        self.draining.pop(uid, None)
 
     def _scrape_targets(
         self, pods: list[Pod], wanted: dict[tuple[str, str], Launch]
@@ -359,7 +408,11 @@ class PodRunner:
         return out
 
     def stop_all(self) -> list[str]:
-        return [self._stop(k) for k in list(self.running)]
+        """Stop every process now (the runner exits): no hooks, and drains cut short."""
+        done = [self._stop(k, hook=False) for k in list(self.running)]
+        for engine, hook in list(self.draining.values()):
+            done += [procs.stop(hook, grace_s=1.0), procs.stop(engine, grace_s=5.0)]
+        return done
 
     def run(self, stop: threading.Event, interval_s: float = 1.0) -> None:
         """sync() every `interval_s` until `stop` is set; then stop every process."""

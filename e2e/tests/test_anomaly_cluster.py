@@ -141,3 +141,51 @@ def router_workers(url: str) -> int:
             return len(json.loads(resp.read())["workers"])
     except OSError:
         return -1
+
+
+async def test_a_deleted_pod_finishes_its_request_behind_the_real_router(
+    kubectl: Callable[..., str], kubeconfig: Path, namespace: str, tmp_path: Path
+) -> None:
+    """Regression (issue 15): a deleted engine pod (scale-down, retired revision, eviction)
+    was stopped at once and cut the request it ran. With the operator's preStop hook (run by
+    the pod runner as a kubelet does) a request in flight through the real SGLang router
+    completes, longer after the delete than a plain SIGTERM's grace would have allowed."""
+    stack = AnomalyStack.start(kubeconfig, namespace, tmp_path / "sims", speedup=1.0)
+    try:
+        router_url = stack.start_sglang_router(kubeconfig, tmp_path / "router")
+        (url,) = stack.deploy(kubectl, 1, drain_seconds=120)
+        pod = stack.pod_names([url])[url]
+        await asyncio.to_thread(wait_for, "router sees the worker",
+                                lambda: router_workers(router_url) == 1, 60)  # fmt: skip
+        request = asyncio.create_task(asyncio.to_thread(long_chat, router_url, 1500))
+        await asyncio.to_thread(wait_for, "the request running", lambda: running(url) > 0, 30)
+        deleted = time.monotonic()
+        kubectl("delete", "pod", pod, "-n", namespace, "--wait=false")
+        status, tokens = await request
+        took = time.monotonic() - deleted
+        print(f"\npreStop: request finished {took:.1f}s after its pod was deleted")
+        assert (status, tokens) == (200, 1500)
+        assert took > 6.0, "finished within the plain SIGTERM grace: nothing was proven"
+        fresh = stack.wait_serving(1, timeout=60)
+        assert stack.pod_names(fresh)[fresh[0]] != pod
+    finally:
+        await stack.close()
+
+
+def long_chat(router_url: str, tokens: int) -> tuple[int, int]:
+    body = {"model": "sim", "messages": [{"role": "user", "content": "refactor"}],
+            "max_tokens": tokens, "ignore_eos": True}  # fmt: skip
+    req = urllib.request.Request(f"{router_url}/v1/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, int(json.loads(resp.read())["usage"]["completion_tokens"])
+    except urllib.error.HTTPError as exc:
+        return exc.code, 0
+
+
+def running(url: str) -> int:
+    from cas_engine.prestop import in_flight
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
+        return in_flight(resp.read().decode()) or 0

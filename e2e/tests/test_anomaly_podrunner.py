@@ -193,3 +193,100 @@ def test_runner_sets_readiness_only_while_the_sim_answers(tmp_path: Path) -> Non
         assert writes[1:] == [("d0", False, False)]
     finally:
         r.stop_all()
+
+
+def _with_prestop(pod: dict[str, Any], grace: int) -> dict[str, Any]:
+    """The hook and grace the operator renders (desired.resources.pools._lifecycle)."""
+    container = pod["spec"]["containers"][0]
+    port = str(container["ports"][0]["containerPort"])
+    hook = ["python3", "-m", "cas_engine.prestop", "--port", port, "--grace", str(grace)]
+    container["lifecycle"] = {"preStop": {"exec": {"command": hook}}}
+    pod["spec"]["terminationGracePeriodSeconds"] = grace + 2
+    return pod
+
+
+def _long_request(ip: str, port: int, done: dict[str, Any], tokens: int = 300) -> None:
+    """One chat request of `tokens` tokens (at speedup 1, 300 take about 2 s)."""
+    body = {
+        "model": "glm-sim",
+        "messages": [{"role": "user", "content": "refactor"}],
+        "max_tokens": tokens,
+        "ignore_eos": True,
+    }  # fmt: skip (speedup 1: several seconds)
+    url = f"http://{ip}:{port}/v1/chat/completions"
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            done["tokens"] = json.loads(resp.read())["usage"]["completion_tokens"]
+    except Exception as exc:  # a cut connection: OSError, IncompleteRead, a torn body
+        done["error"] = repr(exc)
+    done["at"] = time.monotonic()
+
+
+def _when_stopped(r: PodRunner, timeout: float = 60.0) -> float:
+    """When the runner signalled the last draining engine (its hook ended or timed out)."""
+    deadline = time.monotonic() + timeout
+    while r.draining and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not r.draining, "the preStop never ended"
+    return time.monotonic()
+
+
+def test_a_deleted_pod_finishes_its_request_in_flight_before_its_process_stops(
+    tmp_path: Path,
+) -> None:
+    """Regression (issue 15): the runner, standing in for the kubelet, stopped a deleted pod's
+    process at once. With the operator's preStop hook it must run the hook first (in the
+    background: other pods keep being synced), so the request in flight completes."""
+    import threading
+
+    pods: list[dict[str, Any]] = []
+    r = PodRunner(lambda: pods, tmp_path / "logs", restart_backoff_s=0.5)
+    try:
+        port = free_port(IP)
+        pods.append(_with_prestop(engine_pod("d0", "uid-1", IP, port), grace=60))
+        r.sync()
+        assert healthy(IP, port)
+        done: dict[str, Any] = {}
+        client = threading.Thread(target=_long_request, args=(IP, port, done))
+        client.start()
+        time.sleep(0.5)  # the request is running
+        pods.clear()  # the pod is deleted
+        deleted = time.monotonic()
+        assert any("preStop of ns.d0 runs (up to 62s)" in a for a in r.sync())
+        stopped = _when_stopped(r)
+        client.join(timeout=60)
+        assert done.get("tokens") == 300, done  # completed, not cut
+        assert done["at"] - deleted > 0.5, "the request ended before the pod was deleted"
+        assert stopped >= done["at"], "the engine was signalled while its request ran"
+        assert not healthy(IP, port, timeout=1.0)  # and then it stopped
+    finally:
+        r.stop_all()
+
+
+def test_the_hook_is_bounded_by_the_pods_grace_period(tmp_path: Path) -> None:
+    import threading
+
+    pods: list[dict[str, Any]] = []
+    r = PodRunner(lambda: pods, tmp_path / "logs", restart_backoff_s=0.5)
+    try:
+        port = free_port(IP)
+        pods.append(_with_prestop(engine_pod("d1", "uid-3", IP, port), grace=1))
+        r.sync()
+        assert healthy(IP, port)
+        done: dict[str, Any] = {}
+        client = threading.Thread(target=_long_request, args=(IP, port, done, 6000))
+        client.start()
+        time.sleep(0.5)
+        pods.clear()
+        started = time.monotonic()
+        r.sync()
+        stopped = _when_stopped(r)
+        client.join(timeout=60)
+        assert 0.5 < stopped - started < 10, stopped - started  # ~grace, then SIGTERM
+        assert "error" in done or stopped < done["at"], done  # signalled while it still ran
+        assert done.get("tokens", 0) < 6000, done  # and cut: the grace is the bound
+    finally:
+        r.stop_all()

@@ -295,3 +295,32 @@ def test_router_pods_have_a_disruption_budget_of_their_revision() -> None:
     assert pdb["spec"]["selector"]["matchLabels"] == {
         c.LABEL_NAME: "demo", c.LABEL_ROLE: c.ROLE_ROUTER, c.LABEL_REVISION: plan.revision,
     }  # fmt: skip
+
+
+def test_engine_pods_wait_for_requests_in_flight_before_they_stop() -> None:
+    """Regression (issue 15): a deleted engine pod got SIGTERM at once and cut its requests.
+    Serving pods run cas_engine.prestop on their own port; an LWS worker waits on its leader;
+    the grace period covers the wait plus SGLang's shutdown."""
+    plan = plan_of(engine={"drainSeconds": 900}, decode={"tensorParallel": 16})
+    workloads = [m for m in build_all(Owner("demo", "ns", "u"), plan) if m["kind"] in WORKLOADS]
+    by_role = {m["metadata"]["labels"][c.LABEL_ROLE]: m for m in workloads}
+    prefill = by_role[c.ROLE_PREFILL]["spec"]["template"]["spec"]
+    assert prefill["terminationGracePeriodSeconds"] == 930
+    hook = prefill["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+    assert hook == ["python3", "-m", "cas_engine.prestop", "--port", str(c.ENGINE_PORT),
+                    "--grace", "900"]  # fmt: skip
+    lws = by_role[c.ROLE_DECODE]["spec"]["leaderWorkerTemplate"]
+    leader = lws["leaderTemplate"]["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"]
+    assert leader["command"] == hook
+    worker = lws["workerTemplate"]["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"]
+    assert worker["command"][:2] == ["sh", "-c"]
+    assert '--host "$LWS_LEADER_ADDRESS"' in worker["command"][2]
+    assert worker["command"][2].endswith("--grace 900")
+    assert lws["workerTemplate"]["spec"]["terminationGracePeriodSeconds"] == 930
+    default = plan_of()
+    engines = [
+        m["spec"]["template"]["spec"]
+        for m in build_all(Owner("d", "ns", "u"), default)
+        if m["kind"] == "Deployment" and m["metadata"]["labels"][c.LABEL_ROLE] != "router"
+    ]
+    assert [p["terminationGracePeriodSeconds"] for p in engines] == [630, 630]

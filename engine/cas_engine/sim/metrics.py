@@ -35,8 +35,8 @@ class SimMetrics:
         self.cache_hit_rate = gauge("sglang:cache_hit_rate", "Prefix cache hit rate")
         self.accept_length = gauge("sglang:spec_accept_length", "Speculative accept length")
         self.accept_rate = gauge("sglang:spec_accept_rate", "Speculative accept rate")
-        self.prefill_prealloc = gauge(
-            "sglang:num_prefill_prealloc_queue_reqs",
+        self.prefill_bootstrap = gauge(  # SGLang 0.5.23 srt/observability/metrics_collector.py:583
+            "sglang:num_prefill_bootstrap_queue_reqs",
             "PD prefill: requests waiting for their decode's bootstrap",
         )
         self.prefill_inflight = gauge(

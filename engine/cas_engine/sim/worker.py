@@ -538,7 +538,7 @@ class SimWorker:
             m.decode_prealloc.labels(lab).set(self.decode_kv.pool.waiting)
             m.decode_transfer.labels(lab).set(self.decode_kv.transfer_queue)
         if self.prefill_kv is not None:
-            m.prefill_prealloc.labels(lab).set(self.prefill_kv.bootstrap_queue)
+            m.prefill_bootstrap.labels(lab).set(self.prefill_kv.bootstrap_queue)
             m.prefill_inflight.labels(lab).set(self.prefill_kv.inflight)
 
     @property

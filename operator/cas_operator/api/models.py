@@ -222,6 +222,14 @@ class EngineSpec(Spec):
         "hold waiting for prefill's safe-to-reclaim answer; past it the pod reports unhealthy "
         "(cas_kv_unhealthy_by_quarantine) and the anomaly loop drains and replaces it.",
     )
+    drain_seconds: int = Field(
+        default=600,
+        ge=0,
+        le=86_400,
+        description="Most seconds a deleted engine pod waits for its requests in flight to "
+        "finish before it stops (its preStop hook; terminationGracePeriodSeconds is this plus "
+        "30). Long coding-agent generations run for minutes.",
+    )
     transfer_backend: TransferBackend = TransferBackend.MOONCAKE
     speculative: SpeculativeSpec | None = None
 

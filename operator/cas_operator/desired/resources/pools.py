@@ -18,6 +18,8 @@ from cas_operator.desired.resources.meta import (
 )
 
 GPU_RESOURCE = "nvidia.com/gpu"
+PRESTOP = ["python3", "-m", "cas_engine.prestop"]
+SHUTDOWN_MARGIN_S = 30  # after the preStop: SGLang's own shutdown on SIGTERM
 STARTUP_SECONDS = 1800  # weight loading and CUDA graph capture of a large model
 
 
@@ -63,6 +65,19 @@ def _probes(*, serving: bool) -> dict[str, Any]:
     }
 
 
+def _lifecycle(plan: Plan, *, serving: bool) -> dict[str, Any]:
+    """A deleted pod first waits for its requests in flight (cas_engine.prestop). An LWS
+    worker has no server: it waits on its leader, which needs the worker for every request
+    (exec hooks get no $(VAR) expansion, hence the shell for LWS_LEADER_ADDRESS)."""
+    grace = str(plan.spec.engine.drain_seconds)
+    if serving:
+        command = [*PRESTOP, "--port", str(c.ENGINE_PORT), "--grace", grace]
+    else:
+        line = " ".join([*PRESTOP, '--host "$LWS_LEADER_ADDRESS"', "--port", str(c.ENGINE_PORT)])
+        command = ["sh", "-c", f"exec {line} --grace {grace}"]
+    return {"preStop": {"exec": {"command": command}}}
+
+
 def _ports(pool: PoolPlan) -> list[dict[str, Any]]:
     ports = [{"name": "http", "containerPort": c.ENGINE_PORT}]
     if pool.role == c.ROLE_PREFILL:
@@ -95,12 +110,17 @@ def pod_template(plan: Plan, pool: PoolPlan, *, serving: bool = True) -> Manifes
         "ports": _ports(pool),
         "resources": _resources(plan, pool),
         "volumeMounts": mounts,
+        "lifecycle": _lifecycle(plan, serving=serving),
         **_probes(serving=serving),
     }
     annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(c.ENGINE_PORT)}
     if pool.role == c.ROLE_PREFILL:
         annotations[c.ANNOTATION_BOOTSTRAP_PORT] = str(c.BOOTSTRAP_PORT)
-    spec: dict[str, Any] = {"containers": [container], "volumes": volumes}
+    spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "terminationGracePeriodSeconds": plan.spec.engine.drain_seconds + SHUTDOWN_MARGIN_S,
+    }
     pool_cfg = pool_spec(plan, pool)
     if pool_cfg.node_selector:
         spec["nodeSelector"] = dict(pool_cfg.node_selector)
