@@ -292,6 +292,9 @@ SCHEMA_REJECTIONS = [
     ({"prefill": {"tensorParallel": 0}}, "spec.prefill.tensorParallel"),
     ({"rollout": {"strategy": "Canary"}}, "rollout.steps must list at least one step"),
     ({"decode": {"bogusField": 1}}, "bogusField"),
+    ({"engine": {"args": ["--tp-size", "4"]}}, "engine.args must not set a flag the operator"),
+    ({"engine": {"args": ["--cas-guard-enabled=false"]}}, "engine.args must not set a flag"),
+    ({"engine": {"env": [{"name": "LWS_LEADER_ADDRESS", "value": "x"}]}}, "engine.env must not"),
 ]
 
 
@@ -310,11 +313,25 @@ def test_api_server_rejects_invalid_specs_naming_the_field(
     assert message in result.stderr, result.stderr
 
 
-def test_long_name_is_rejected(operator: OperatorProcess, kubectl: Kubectl, namespace: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [("a" * 40, "at most 32 characters"), ("9fleet", "must be a DNS-1035 label")],
+)
+def test_a_name_children_cannot_carry_is_rejected(
+    operator: OperatorProcess, cluster: Any, kubectl: Kubectl, namespace: str, name: str,
+    message: str,
+) -> None:  # fmt: skip
+    """Regression: the name becomes Service names ("9fleet" is a valid object name but not a
+    Service name, so every pass failed to apply); refused at apply instead."""
     manifest = small("minimal.yaml")
-    manifest["metadata"]["name"] = "a" * 40
-    out = kubectl("apply", "-n", namespace, "-f", "-", stdin=yaml.safe_dump(manifest), check=False)
-    assert get_json(kubectl, "cas", "a" * 40, "-n", namespace) is None, out
+    manifest["metadata"]["name"] = name
+    result = subprocess.run(
+        [str(cluster.kubectl_path), "--kubeconfig", str(cluster.kubeconfig),
+         "apply", "-n", namespace, "-f", "-"],
+        input=yaml.safe_dump(manifest), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode != 0 and message in result.stderr, result.stderr
+    assert get_json(kubectl, "cas", name, "-n", namespace) is None
 
 
 def test_operator_reports_invalid_spec_once(

@@ -27,11 +27,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cas_engine.launch import build_cas_parser
+from cas_operator.api import constants as c
 from cas_operator.desired import build as plan_module
 from cas_operator.desired.build import plan_raw
 from cas_operator.desired.plan import InvalidSpec, Plan
 from cas_operator.desired.resources import build_all
 from cas_operator.desired.resources.meta import Owner
+from cas_operator.desired.validate import owned_flag
 from cas_operator.render import render
 from tests.engine.sglang_contract import (
     MODEL_CONFIGS,
@@ -353,3 +355,56 @@ def _sglang_options() -> list[str]:
 def test_coverage_report() -> None:
     """Runs last in this module: how many command lines went through SGLang (see -rP)."""
     print(f"sglang contract: {CHECKED}")
+
+
+# -- what engine.args and engine.env may not set (api.constants.OWNED_*) ---------------------
+
+OWNED_PROBES = [
+    load_sample("minimal.yaml"),
+    load_sample("glm5-long-context.yaml"),
+    load_sample("multinode-decode.yaml"),
+    {"metadata": {"name": "eagle"}, "spec": {"model": {"name": "acme/coder"}, "engine": {
+        "speculative": {"algorithm": "EAGLE", "draftModelPath": "/models/draft"}},
+        "hicache": {"enabled": True, "storageBackend": "mooncake"}}},
+]  # fmt: skip
+
+
+def _rendered() -> tuple[set[str], set[str]]:
+    """SGLang dests of every flag the operator renders (users' own args left out), and the
+    env var names it renders, over plans that between them render every flag family."""
+    parser = sglang_parser()
+    dests: set[str] = set()
+    env: set[str] = set()
+    for resource in OWNED_PROBES:
+        plan = plan_raw("x", "default", copy.deepcopy(resource["spec"]))
+        users = len(plan.spec.engine.args or [])
+        for cmd in commands_of(plan):
+            ours = cmd.args[: len(cmd.args) - users] if users else cmd.args
+            for arg in ours:
+                if arg.startswith("--") and not arg.startswith(c.OWNED_ENGINE_FLAG_PREFIX):
+                    dests.add(parser._option_string_actions[arg.split("=")[0]].dest)
+            env |= set(cmd.env) - {var.name for var in plan.spec.engine.env or []}
+    return dests, env
+
+
+def test_owned_flags_are_every_sglang_option_for_what_the_operator_renders() -> None:
+    """Regression: `engine.args` could override what the operator renders (`--tp 4` beside
+    the pool's `--tp-size`; SGLang takes the last one, and aliases and abbreviations too), so
+    the pods ran another layout than the plan. The deny list must name every option string
+    SGLang 0.5.23 has for each rendered setting, and nothing else."""
+    parser = sglang_parser()
+    dests, _ = _rendered()
+    options = {o: a.dest for o, a in parser._option_string_actions.items() if o.startswith("--")}
+    owned_by_sglang = {o for o, dest in options.items() if dest in dests}
+    assert owned_by_sglang == set(c.OWNED_ENGINE_FLAGS)
+    # Every other SGLang option stays open to users, abbreviations of owned ones do not.
+    refused = sorted(o for o, dest in options.items() if dest not in dests and owned_flag(o))
+    assert refused == [], refused
+    assert parser.allow_abbrev  # why owned_flag refuses prefixes
+    for flag in c.OWNED_ENGINE_FLAGS:
+        assert owned_flag(flag) == flag and owned_flag(f"{flag}=1") == flag
+
+
+def test_owned_env_is_what_the_operator_renders() -> None:
+    _, env = _rendered()
+    assert env == set(c.OWNED_ENGINE_ENV)

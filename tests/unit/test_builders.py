@@ -216,11 +216,11 @@ def test_cas_flags_reclaim_and_guard() -> None:
 
 def test_user_args_come_last_and_env_carries_prefill_budget() -> None:
     plan = plan_of(
-        engine={"args": ["--tp", "4"], "env": [{"name": "X", "value": "1"}]},
+        engine={"args": ["--max-running-requests", "64"], "env": [{"name": "X", "value": "1"}]},
         prefill={"timeoutSeconds": 45},
     )
     args = engine_args(plan, plan.decode)
-    assert args[-2:] == ["--tp", "4"]
+    assert args[-2:] == ["--max-running-requests", "64"]
     env = {e["name"]: e.get("value") for e in engine_env(plan)}
     assert env["SGLANG_DISAGGREGATION_WAITING_TIMEOUT"] == "45"
     assert env["SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"] == "45"

@@ -59,3 +59,56 @@ REASON_SPEC_WARNING: Final = "SpecWarning"
 
 LWS_API_VERSION: Final = "leaderworkerset.x-k8s.io/v1"
 LWS_WORKER_INDEX_LABEL: Final = "leaderworkerset.sigs.k8s.io/worker-index"  # set by LWS; 0 = leader
+
+
+# Engine flags and env the operator renders from the spec's fields (desired.resources.
+# engine_args): `engine.args` / `engine.env` may not set them. The flags are every option
+# string SGLang 0.5.23's parser has for the settings rendered (aliases included; SGLang's
+# parser also takes unambiguous abbreviations, which validate refuses too);
+# tests/engine/test_engine_contract_sglang.py checks both against SGLang's own parser.
+OWNED_ENGINE_FLAGS: Final = frozenset(
+    {
+        "--attention-context-parallel-size",
+        "--attn-cp-size",
+        "--cp-strategy",
+        "--disaggregation-bootstrap-port",
+        "--disaggregation-mode",
+        "--disaggregation-transfer-backend",
+        "--dist-init-addr",
+        "--enable-dsa-cache-layer-split",
+        "--enable-hicache",
+        "--enable-hierarchical-cache",
+        "--enable-metrics",
+        "--enable-prefill-cp",
+        "--hicache-ratio",
+        "--hicache-storage-backend",
+        "--hicache-write-policy",
+        "--host",
+        "--model",
+        "--model-path",
+        "--nccl-init-addr",
+        "--nnodes",
+        "--node-rank",
+        "--port",
+        "--served-model-name",
+        "--speculative-algorithm",
+        "--speculative-draft-model",
+        "--speculative-draft-model-path",
+        "--speculative-eagle-topk",
+        "--speculative-num-draft-tokens",
+        "--speculative-num-steps",
+        "--tensor-parallel-size",
+        "--tp-size",
+    }
+)
+OWNED_ENGINE_FLAG_PREFIX: Final = "--cas-"  # the launcher's own flags, all rendered
+OWNED_ENGINE_ENV: Final = frozenset(
+    {
+        "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT",
+        "SGLANG_DISAGGREGATION_WAITING_TIMEOUT",
+        "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE",
+    }
+)
+OWNED_ENGINE_ENV_PREFIX: Final = "LWS_"  # LeaderWorkerSet injects these into every container
+MAX_ENGINE_ARGS: Final = 128
+MAX_ENGINE_ARG_LENGTH: Final = 1024

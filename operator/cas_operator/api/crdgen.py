@@ -35,6 +35,7 @@ KEPT_KEYS = (
     "x-kubernetes-int-or-string",
     "x-kubernetes-preserve-unknown-fields",
 )
+DNS_1035 = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
 MAX_NAME_LENGTH = 32  # "<name>-prefill-<rev8>-<group>" must fit a StatefulSet name (52)
 
 
@@ -180,7 +181,12 @@ def build_crd() -> JsonSchema:
                 "rule": f"self.metadata.name.size() <= {MAX_NAME_LENGTH}",
                 "message": f"metadata.name must be at most {MAX_NAME_LENGTH} characters "
                 "(children append role and revision)",
-            }
+            },
+            {
+                "rule": f"self.metadata.name.matches('{DNS_1035}')",
+                "message": "metadata.name must be a DNS-1035 label (lowercase letters, digits "
+                "and '-', starting with a letter): it names the fleet's Services",
+            },
         ],
         "properties": {
             "apiVersion": {"type": "string"},

@@ -17,6 +17,8 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from cas_operator.api import constants as c
+
 
 def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
     """One CEL validation rule with the message users see when it fails."""
@@ -160,7 +162,7 @@ class Toleration(Spec):
 
 
 class EnvVar(Spec):
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1, max_length=256)
     value: str | None = None
     value_from: dict[str, Any] | None = Field(
         default=None, json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}
@@ -196,6 +198,10 @@ class SpeculativeSpec(Spec):
     num_draft_tokens: int = Field(default=4, ge=1, le=64)
 
 
+_OWNED_FLAGS_RE = "^(" + "|".join(sorted(c.OWNED_ENGINE_FLAGS)) + ")(=.*)?$"
+_OWNED_ENV = ", ".join(f"'{name}'" for name in sorted(c.OWNED_ENGINE_ENV))
+
+
 class EngineSpec(Spec):
     model_config = _config(
         cel(
@@ -203,13 +209,32 @@ class EngineSpec(Spec):
             "|| has(self.speculative.draftModelPath)",
             "speculative.draftModelPath is required for EAGLE and EAGLE3 (NEXTN uses the "
             "model's own MTP layers)",
-        )
+        ),
+        cel(
+            f"!has(self.args) || self.args.all(a, !a.matches('{_OWNED_FLAGS_RE}') "
+            f"&& !a.startsWith('{c.OWNED_ENGINE_FLAG_PREFIX}'))",
+            "engine.args must not set a flag the operator renders from the spec (the model, "
+            "ports, PD mode, parallelism, HiCache, speculative decoding, --cas-*): set the "
+            "spec field instead",
+            ".args",
+        ),
+        cel(
+            f"!has(self.env) || self.env.all(e, !(e.name in [{_OWNED_ENV}]) "
+            f"&& !e.name.startsWith('{c.OWNED_ENGINE_ENV_PREFIX}'))",
+            "engine.env must not set a variable the operator or LeaderWorkerSet sets "
+            f"({', '.join(sorted(c.OWNED_ENGINE_ENV))}, {c.OWNED_ENGINE_ENV_PREFIX}*)",
+            ".env",
+        ),
     )
 
     image: str = Field(default="cas-engine:sglang-v0.5.23", min_length=1)
     version: str = Field(default="0.5.23", description="SGLang version inside the image.")
-    args: list[str] | None = Field(default=None, description="Extra SGLang arguments, appended.")
-    env: list[EnvVar] | None = None
+    args: list[Annotated[str, Field(max_length=c.MAX_ENGINE_ARG_LENGTH)]] | None = Field(
+        default=None,
+        max_length=c.MAX_ENGINE_ARGS,
+        description="Extra SGLang arguments, appended (not the flags the operator renders).",
+    )
+    env: list[EnvVar] | None = Field(default=None, max_length=c.MAX_ENGINE_ARGS)
     kv_reclaim: KvReclaim = Field(
         default=KvReclaim.STRICT,
         description="Strict: decode reuses an aborted request's KV only after prefill acks.",

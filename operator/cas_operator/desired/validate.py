@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cas_operator.api import constants as c
 from cas_operator.api.models import (
     DSA_MODELS,
     MAX_DSA_CP_TENSOR_PARALLEL,
@@ -124,20 +125,38 @@ def _ratio_errors(spec: CodingAgentServingSpec) -> list[SpecError]:
     return errors
 
 
+def owned_flag(arg: str) -> str | None:
+    """The operator's flag that user argument `arg` would set, or None. SGLang's parser takes
+    unambiguous abbreviations (`--tp` for `--tp-size`), so a prefix of an owned flag counts."""
+    flag = arg.split("=", 1)[0]
+    if not flag.startswith("--") or len(flag) < 3:
+        return None
+    if flag.startswith(c.OWNED_ENGINE_FLAG_PREFIX) or flag in c.OWNED_ENGINE_FLAGS:
+        return flag
+    return next((f for f in sorted(c.OWNED_ENGINE_FLAGS) if f.startswith(flag)), None)
+
+
 def _engine_errors(spec: CodingAgentServingSpec) -> list[SpecError]:
+    errors = []
     spec_dec = spec.engine.speculative
     if (
         spec_dec
         and spec_dec.algorithm != SpeculativeAlgorithm.NEXTN
         and not spec_dec.draft_model_path
     ):
-        return [
+        errors.append(
             SpecError(
-                "engine.speculative.draftModelPath",
-                f"required for {spec_dec.algorithm.value}",
+                "engine.speculative.draftModelPath", f"required for {spec_dec.algorithm.value}"
             )
-        ]
-    return []
+        )
+    for i, arg in enumerate(spec.engine.args or []):
+        if (owned := owned_flag(arg)) is not None:
+            why = f"{arg!r} sets {owned}, which the operator renders from the spec; set the field"
+            errors.append(SpecError(f"engine.args[{i}]", why))
+    for i, var in enumerate(spec.engine.env or []):
+        if var.name in c.OWNED_ENGINE_ENV or var.name.startswith(c.OWNED_ENGINE_ENV_PREFIX):
+            errors.append(SpecError(f"engine.env[{i}].name", f"{var.name} is set by the operator"))
+    return errors
 
 
 def _hicache_errors(spec: CodingAgentServingSpec) -> list[SpecError]:

@@ -2,7 +2,8 @@
 
 The pod runs `python3 -m cas_engine.launch_server <args>`: SGLang's own flags plus `--cas-*`
 flags that configure strict KV reclaim and the speculative-decoding quality gate. User `args`
-from `spec.engine.args` come last so they can override anything.
+from `spec.engine.args` come last; they may not set a flag rendered here (the list, with every
+alias SGLang has for it, is `api.constants.OWNED_ENGINE_FLAGS`; `desired.validate` refuses one).
 """
 
 from __future__ import annotations
