@@ -1,0 +1,52 @@
+-- Argo CD health check for serving.cas.dev/CodingAgentServing (Lua 5.1, Argo CD's sandbox).
+-- Install: resource.customizations.health.serving.cas.dev_CodingAgentServing in argocd-cm
+-- (docs/architecture.md, GitOps rules). Tested by tests/unit/test_argocd_health.py against health_test.yaml.
+--
+-- Healthy only when the operator observed the current generation, Ready is True and no older
+-- revision is still rolling out; Degraded when the Degraded condition is True (an invalid
+-- spec, a failed apply, a fleet-wide anomaly); Progressing otherwise. Any field may be
+-- missing: nothing here indexes a nil.
+local function conditions(o)
+  if type(o.status) ~= "table" or type(o.status.conditions) ~= "table" then return {} end
+  local found = {}
+  for _, c in ipairs(o.status.conditions) do
+    if type(c) == "table" and type(c.type) == "string" then found[c.type] = c end
+  end
+  return found
+end
+
+local function said(c, fallback)
+  local parts = {}
+  if type(c.reason) == "string" and c.reason ~= "" then table.insert(parts, c.reason) end
+  if type(c.message) == "string" and c.message ~= "" then table.insert(parts, c.message) end
+  if #parts == 0 then return fallback end
+  return table.concat(parts, ": ")
+end
+
+local generation = type(obj.metadata) == "table" and obj.metadata.generation or nil
+local conds = conditions(obj)
+local status = type(obj.status) == "table" and obj.status or {}
+
+local degraded = conds["Degraded"]
+if degraded ~= nil and degraded.status == "True" then
+  return {status = "Degraded", message = said(degraded, "degraded")}
+end
+local ready = conds["Ready"]
+if ready == nil then
+  return {status = "Progressing", message = "waiting for the operator"}
+end
+if generation ~= nil and ready.observedGeneration ~= generation then
+  return {status = "Progressing", message = "the operator has not observed generation " .. tostring(generation) .. " yet"}
+end
+if ready.status ~= "True" then
+  return {status = "Progressing", message = said(ready, "not ready")}
+end
+local progressing = conds["Progressing"]
+if progressing ~= nil and progressing.status == "True" then
+  return {status = "Progressing", message = said(progressing, "rolling out")}
+end
+local message = said(ready, "ready")
+if type(status.heldRevision) == "table" and type(status.heldRevision.revision) == "string" then
+  message = message .. "; an operator upgrade is held (would roll to revision " .. status.heldRevision.revision .. ")"
+end
+return {status = "Healthy", message = message}
