@@ -337,12 +337,15 @@ def remove_leftovers(found: Leftovers) -> list[str]:
     for family, table in KUBE_PROXY_TABLES if found.kube_proxy else ():
         if _run("nft", "delete", "table", family, table, check=False).returncode == 0:
             done.append(f"nft table {family} {table}")
-    for ns in found.netns:  # deleting a namespace removes the veth ends inside it
-        if _run("ip", "netns", "del", ns, check=False).returncode == 0:
-            done.append(f"netns {ns}")
+    # Links before namespaces: a namespace's deletion destroys its veth pairs in the
+    # background, so a host end deleted after it may or may not still be there (the report of
+    # what was removed, which says where each piece went, would vary run to run).
     for link in found.links:
         if _run("ip", "link", "del", link, check=False).returncode == 0:
             done.append(f"link {link}")
+    for ns in found.netns:
+        if _run("ip", "netns", "del", ns, check=False).returncode == 0:
+            done.append(f"netns {ns}")
     for table in found.nft_tables:
         if _run("nft", "delete", "table", "ip", table, check=False).returncode == 0:
             done.append(f"nft table ip {table}")
