@@ -512,3 +512,28 @@ def test_pod_metadata_reaches_running_pods_and_dropped_keys_are_reported(
     events = kubectl("get", "events", "-n", namespace, "--field-selector",
                      "reason=SpecWarning", "-o", "name")  # fmt: skip
     assert events.strip(), "no SpecWarning event"
+
+
+def test_the_operators_gpu_cap_refuses_a_resource_over_it(
+    operator: OperatorProcess, kubectl: Kubectl, namespace: str
+) -> None:
+    """`cas-operator --max-gpus-per-resource`: a resource planning more GPUs is reported
+    (Degraded/InvalidSpec naming the field and the cap) and gets no workloads."""
+    operator.stop()
+    operator.extra_args = ("--max-gpus-per-resource", "16")
+    try:
+        operator.start()
+        apply(kubectl, namespace, small("minimal.yaml", decode={"replicas": 2}))
+
+        def refused() -> dict[str, Any]:
+            return condition(get_json(kubectl, "cas", "minimal", "-n", namespace), "Degraded")
+
+        degraded = wait_until("Degraded for the cap", lambda: "cap of 16" in
+                              refused().get("message", "") and refused())  # fmt: skip
+        assert degraded["reason"] == "InvalidSpec", degraded
+        assert "spec.decode.replicas: 2:2 needs 32 GPUs" in degraded["message"], degraded
+        assert children(kubectl, namespace, "deploy", "minimal") == []
+    finally:
+        operator.stop()
+        operator.extra_args = ()
+        operator.start()

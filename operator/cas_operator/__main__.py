@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 import kopf
+
+from cas_operator.api.limits import MAX_GPUS_ENV
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -32,6 +35,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=8081,
         help="serve Prometheus metrics on this port (0 disables)",
+    )
+    parser.add_argument(
+        "--max-gpus-per-resource",
+        type=int,
+        default=None,
+        help=f"refuse a resource that plans more GPUs than this (sets {MAX_GPUS_ENV})",
     )
     parser.add_argument("-v", "--verbose", action="store_true")
     return parser.parse_args(argv)
@@ -67,6 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("kubernetes").setLevel(logging.WARNING)
     if not args.verbose:  # kopf logs every successful timer run at INFO
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    if args.max_gpus_per_resource is not None:  # the handlers read it once, at import
+        os.environ[MAX_GPUS_ENV] = str(args.max_gpus_per_resource)
     import cas_operator.handlers  # noqa: F401  (registers the handlers)
 
     if args.metrics_port:

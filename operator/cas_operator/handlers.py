@@ -25,6 +25,7 @@ from typing import Any
 import kopf
 
 from cas_operator.api import constants as c
+from cas_operator.api.limits import OperatorLimits
 from cas_operator.fleet_tick import FleetTick
 from cas_operator.kube import Kube
 from cas_operator.metrics import GUARD_TICK_SECONDS
@@ -54,7 +55,7 @@ def metrics_source() -> MetricsSource:
     return PrometheusSource(url) if url else ScrapeSource()
 
 
-PASSES = Passes(kube)
+PASSES = Passes(kube, limits=OperatorLimits.from_env())
 _tasks: list[asyncio.Task[None]] = []
 
 

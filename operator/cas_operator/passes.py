@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cas_operator.api import constants as c
+from cas_operator.api.limits import OperatorLimits
 from cas_operator.kube import Kube
 from cas_operator.metrics import (
     RECONCILE_ERRORS,
@@ -86,6 +87,7 @@ class Passes:
     `workloads(key)` its watch-fed workloads, for refreshes (set once the indexes exist)."""
 
     kube: Callable[[], Kube]
+    limits: OperatorLimits = OperatorLimits()  # the installer's bounds (api.limits)
     measured_for: Callable[[str, Status], Measured] = lambda uid, status: Measured.kept_in(status)
     lookup: Callable[[Key], list[Manifest]] | None = None
     workloads: Callable[[Key], list[ObservedWorkload]] | None = None
@@ -172,6 +174,7 @@ class Passes:
             measured=measured,
             apply_missing=self.may_create(uid, trigger, deleted, started),
             previous=self.written.get(uid) or owned(status),
+            limits=self.limits,
         )
         RECONCILE_SECONDS.labels(trigger).observe(time.monotonic() - started)
         if full:

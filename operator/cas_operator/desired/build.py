@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from cas_operator.api import constants as c
+from cas_operator.api.limits import OperatorLimits
 from cas_operator.api.models import CodingAgentServingSpec, RatioMode, parse_spec
 from cas_operator.autoscale.model import ObservedSignals
 from cas_operator.desired.layersplit import kv_bytes_per_token_per_rank, layer_shards
@@ -24,7 +25,7 @@ from cas_operator.desired.resolve import Resolved, resolve
 from cas_operator.desired.resources.meta import dropped_user_keys
 from cas_operator.desired.revision import RevisionRecord, choose, engine_input, engine_revision
 from cas_operator.desired.shapes import instance_shape
-from cas_operator.desired.validate import SpecError, validate
+from cas_operator.desired.validate import SpecError, limit_errors, validate
 
 
 def _layout(spec: CodingAgentServingSpec, resolved: Resolved) -> LayerLayout | None:
@@ -67,12 +68,14 @@ def build_plan(
     *,
     recorded: RevisionRecord | None = None,
     generation: int = 0,
+    limits: OperatorLimits = OperatorLimits(),
 ) -> Plan:
     """Validate and resolve; raises InvalidSpec listing every error. `observed` (measured load)
     informs the planner; `auto_replicas` are Auto mode's current counts (see replica_plan);
-    `recorded` is what the status says runs, at the resource's `generation` (revision.choose)."""
+    `recorded` is what the status says runs, at the resource's `generation` (revision.choose);
+    `limits` are the operator's own bounds (its GPU cap per resource)."""
     resolved = resolve(spec)
-    errors = validate(spec, resolved)
+    errors = validate(spec, resolved) + limit_errors(spec, limits)
     if errors:
         raise InvalidSpec(errors)
     prefill_shape = instance_shape(
@@ -85,7 +88,7 @@ def build_plan(
     )
     recommendation = recommendation_for(spec, prefill_shape, decode_shape, observed, resolved)
     replicas = replica_plan(spec, recommendation, auto_replicas)
-    errors = budget_errors(spec, replicas, prefill_shape.gpus, decode_shape.gpus)
+    errors = budget_errors(spec, replicas, prefill_shape.gpus, decode_shape.gpus, limits)
     if errors and spec.ratio.mode == RatioMode.AUTO and replicas.reason.startswith("Auto: "):
         fixed = fixed_replicas(spec)  # the planner's answer breaks a bound: keep the spec's
         why = "; ".join(str(e) for e in errors)
@@ -94,7 +97,7 @@ def build_plan(
             fixed.decode,
             f"Auto: planner's {replicas.ratio} rejected ({why}); kept {fixed.ratio}",
         )
-        errors = budget_errors(spec, replicas, prefill_shape.gpus, decode_shape.gpus)
+        errors = budget_errors(spec, replicas, prefill_shape.gpus, decode_shape.gpus, limits)
     if errors:
         raise InvalidSpec(errors)
     draft = Plan(
@@ -149,6 +152,7 @@ def plan_raw(
     *,
     recorded: RevisionRecord | None = None,
     generation: int = 0,
+    limits: OperatorLimits = OperatorLimits(),
 ) -> Plan:
     """Parse a resource's `spec` as the API server stored it, then `build_plan`; raises
     InvalidSpec naming every bad field (schema errors included)."""
@@ -157,5 +161,12 @@ def plan_raw(
     except ValidationError as exc:
         raise InvalidSpec(pydantic_errors(exc)) from exc
     return build_plan(
-        name, namespace, spec, observed, auto_replicas, recorded=recorded, generation=generation
+        name,
+        namespace,
+        spec,
+        observed,
+        auto_replicas,
+        recorded=recorded,
+        generation=generation,
+        limits=limits,
     )

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cas_operator.api.models import CodingAgentServingSpec
+from cas_operator.api.limits import MAX_GPUS_ENV, OperatorLimits
+from cas_operator.api.models import CodingAgentServingSpec, RatioMode
 from cas_operator.autoscale.controller import ScaleBounds
 from cas_operator.desired.validate import SpecError
 
@@ -37,12 +38,34 @@ def fixed_replicas(spec: CodingAgentServingSpec) -> ReplicaPlan:
     return ReplicaPlan(prefill, scaled, "decode derived from prefill replicas and ratio")
 
 
+def _replicas_field(spec: CodingAgentServingSpec) -> str:
+    """The field that sets the replica counts: what to lower when they need too many GPUs."""
+    if spec.ratio.mode == RatioMode.AUTO:
+        return "ratio.gpuBudget"
+    if spec.decode.replicas is not None:
+        return "decode.replicas"
+    return "prefill.replicas" if spec.prefill.replicas is not None else "ratio.decode"
+
+
 def budget_errors(
-    spec: CodingAgentServingSpec, plan: ReplicaPlan, prefill_gpus: int, decode_gpus: int
+    spec: CodingAgentServingSpec,
+    plan: ReplicaPlan,
+    prefill_gpus: int,
+    decode_gpus: int,
+    limits: OperatorLimits = OperatorLimits(),
 ) -> list[SpecError]:
-    """The planned counts against ratio bounds and the GPU budget."""
+    """The planned counts against ratio bounds, the GPU budget and the operator's cap."""
     errors = []
     total = plan.prefill * prefill_gpus + plan.decode * decode_gpus
+    cap = limits.max_gpus_per_resource
+    if cap is not None and total > cap:
+        errors.append(
+            SpecError(
+                _replicas_field(spec),
+                f"{plan.ratio} needs {total} GPUs, above this operator's cap of "
+                f"{cap} per resource ({MAX_GPUS_ENV})",
+            )
+        )
     budget = spec.ratio.gpu_budget
     bounds = ScaleBounds(spec.ratio.min, spec.ratio.max, budget)
     if not bounds.fits(total):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cas_operator.api import constants as c
+from cas_operator.api.limits import MAX_GPUS_ENV, OperatorLimits
 from cas_operator.api.models import (
     DSA_MODELS,
     MAX_DSA_CP_TENSOR_PARALLEL,
@@ -173,6 +174,15 @@ def _rollout_errors(spec: CodingAgentServingSpec) -> list[SpecError]:
     if weights != sorted(weights):
         return [SpecError("rollout.steps", f"weights must not decrease: {weights}")]
     return []
+
+
+def limit_errors(spec: CodingAgentServingSpec, limits: OperatorLimits) -> list[SpecError]:
+    """Auto mode grows up to `ratio.gpuBudget`: that must fit the operator's cap."""
+    cap, budget = limits.max_gpus_per_resource, spec.ratio.gpu_budget
+    if cap is None or budget is None or budget <= cap:
+        return []
+    why = f"{budget} is above this operator's cap of {cap} GPUs per resource ({MAX_GPUS_ENV})"
+    return [SpecError("ratio.gpuBudget", why)]
 
 
 def validate(spec: CodingAgentServingSpec, resolved: Resolved | None = None) -> list[SpecError]:

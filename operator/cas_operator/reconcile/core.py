@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cas_operator.api import constants as c
+from cas_operator.api.limits import OperatorLimits
 from cas_operator.autoscale.controller import STATUS_KEY, AutoState
 from cas_operator.autoscale.model import ObservedSignals
 from cas_operator.desired.build import plan_raw
@@ -89,6 +90,7 @@ def plan_for(
     *,
     recorded: RevisionRecord | None = None,
     generation: int = 0,
+    limits: OperatorLimits = OperatorLimits(),
 ) -> Plan:
     """Step 1: parse + validate + plan; raises InvalidSpec naming every bad field."""
     return plan_raw(
@@ -99,6 +101,7 @@ def plan_for(
         measured.auto_replicas,
         recorded=recorded,
         generation=generation,
+        limits=limits,
     )
 
 
@@ -290,6 +293,7 @@ def reconcile(
     measured: Measured = Measured(),
     apply_missing: bool = True,
     previous: Status | None = None,
+    limits: OperatorLimits = OperatorLimits(),
 ) -> Outcome:
     """One pass; see the module docstring for the steps. `measured` is the fleet tick's last
     finding: the load feeds the planner and Auto mode, its `status.anomaly` is folded into the
@@ -299,11 +303,17 @@ def reconcile(
     before. `apply_missing=False` leaves workloads absent from `observed` alone (the caller
     knows its copy may not have caught up with its own recent apply). `previous` is the status
     the last pass wrote: what runs (`desired.revision.choose` holds it across an operator
-    upgrade) and what was said already."""
+    upgrade) and what was said already; `limits` the operator's own bounds."""
     recorded = RevisionRecord.from_status(previous)
     try:
         plan = plan_for(
-            name, namespace, raw_spec, measured, recorded=recorded, generation=generation
+            name,
+            namespace,
+            raw_spec,
+            measured,
+            recorded=recorded,
+            generation=generation,
+            limits=limits,
         )
     except InvalidSpec as exc:
         return Outcome(status=invalid_status(str(exc), generation), invalid=exc)
