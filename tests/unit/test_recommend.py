@@ -1,4 +1,5 @@
-"""Ratio modes in the operator: Fixed ignores the planner, Recommend reports, Auto applies."""
+"""Ratio modes in the operator: Fixed ignores the planner, Recommend reports, Auto steps toward
+it (through the autoscaler)."""
 
 from __future__ import annotations
 
@@ -43,20 +44,32 @@ def test_recommend_needs_a_request_rate() -> None:
     assert "requestRate" in ratio_status(plan)["recommendationReason"]
 
 
-def test_auto_applies_the_planners_counts_within_the_budget() -> None:
+def test_auto_starts_from_the_spec_counts_and_then_takes_the_autoscalers() -> None:
+    """Regression (issue 15): before the autoscaler's first step, Auto applied the planner's
+    answer at once, an undamped jump (here 3:2 -> 5:3; 2:4 -> 10:20 for a fleet switched to
+    Auto under load). Until the autoscaler steps the spec's counts run; its damped steps then
+    move them toward the planner's."""
     plan = build_plan("x", "ns", parse_spec(glm5(mode="Auto", min=0.1, max=10)))
     rec = plan.recommendation
     assert rec is not None and rec.prefill is not None and rec.decode is not None
-    assert (plan.prefill.replicas, plan.decode.replicas) == (rec.prefill, rec.decode)
-    assert plan.prefill.gpus + plan.decode.gpus <= 64
+    assert (rec.prefill, rec.decode) != (3, 2)
+    assert (plan.prefill.replicas, plan.decode.replicas) == (3, 2)
+    assert plan.replicas.reason.endswith(
+        f"until the autoscaler steps; the planner says {rec.ratio}"
+    )
     assert ratio_status(plan)["replicasOwner"] == "operator (Auto)"
+    stepped = build_plan("x", "ns", parse_spec(glm5(mode="Auto", min=0.1, max=10)), None, (4, 3))
+    assert (stepped.prefill.replicas, stepped.decode.replicas) == (4, 3)
+    assert stepped.prefill.gpus + stepped.decode.gpus <= 64
 
 
 def test_auto_keeps_the_spec_counts_when_the_planner_breaks_a_bound() -> None:
     """Regression: a planner answer outside ratio.min/max must not turn the spec invalid."""
     plan = build_plan("x", "ns", parse_spec(glm5(mode="Auto", min=1.4, max=1.6)))
     assert (plan.prefill.replicas, plan.decode.replicas) == (3, 2)
-    assert "rejected" in plan.replicas.reason
+    off = build_plan("x", "ns", parse_spec(glm5(mode="Auto", min=1.4, max=1.6)), None, (1, 9))
+    assert (off.prefill.replicas, off.decode.replicas) == (3, 2)
+    assert "rejected" in off.replicas.reason
 
 
 def test_planner_instances_are_the_resources_instances_when_shapes_match() -> None:

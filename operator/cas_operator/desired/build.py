@@ -47,15 +47,23 @@ def replica_plan(
     auto_replicas: tuple[int, int] | None = None,
 ) -> ReplicaPlan:
     """Fixed and Recommend: the spec's counts. Auto: the autoscaler's (`status.autoscaler`)
-    once it has stepped, before that the planner's, when it has an answer."""
+    once it has stepped; before that the spec's counts, never the planner's answer at once:
+    the autoscaler's damped steps (bounded, cooled down) start from what runs, so switching a
+    fleet to Auto cannot jump it from 2:4 to the planner's 10:20 in one pass."""
     plan = fixed_replicas(spec)
     if spec.ratio.mode == RatioMode.FIXED:
         return plan
     if spec.ratio.mode == RatioMode.AUTO and auto_replicas is not None:
         return ReplicaPlan(auto_replicas[0], auto_replicas[1], "Auto: autoscaler")
-    if spec.ratio.mode == RatioMode.AUTO and recommendation and recommendation.ratio:
-        assert recommendation.prefill is not None and recommendation.decode is not None
-        return ReplicaPlan(recommendation.prefill, recommendation.decode, "Auto: planner")
+    if spec.ratio.mode == RatioMode.AUTO:
+        planned = (
+            f"; the planner says {recommendation.ratio}"
+            if recommendation and recommendation.ratio
+            else ""
+        )
+        return ReplicaPlan(
+            plan.prefill, plan.decode, f"Auto: {plan.reason} until the autoscaler steps{planned}"
+        )
     return ReplicaPlan(plan.prefill, plan.decode, f"{plan.reason} ({spec.ratio.mode.value} mode)")
 
 
