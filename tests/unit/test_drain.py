@@ -272,6 +272,24 @@ def test_draining_pods_are_deregistered_from_routers_until_gone() -> None:
     assert [e[1] for e in results[0].events] == []
 
 
+def test_pods_being_deleted_leave_every_router_at_once() -> None:
+    """Regression (issue 15): the SGLang router (0.3.2) kept sending a deleted pod new
+    requests (6 of 12 within 7 s, measured through the real router), so its preStop could
+    not settle and the grace cut what it ran. A pod with a deletionTimestamp (a scale-down, a
+    retired revision, an eviction) is deregistered on the next tick, without being judged."""
+    api, source, routers = fleet(), CannedMetrics(), RecordingRouters()
+    api.pod("d4")["status"]["podIP"] = "127.10.0.5"
+    api.pod("d4")["metadata"]["deletionTimestamp"] = "2026-12-01T00:00:00Z"
+    result = anomaly_tick(
+        api, source, name="demo", namespace="ns", spec=AnomalyGuardSpec(),
+        state=LoopState(), now=T0, routers=routers,
+    )  # fmt: skip
+    assert routers.removed == ["http://127.10.0.5:30000"]
+    assert [e[1] for e in result.events] == ["WorkerDeregistered"]
+    assert "d4" not in {v.name for v in result.views}  # not judged: it is going anyway
+    assert api.calls == []  # and not touched
+
+
 def lws_group(index: int, size: int = 4) -> list[dict[str, Any]]:
     """One multi-node decode instance as LWS creates it: leader (serving) + workers."""
     pods = []
