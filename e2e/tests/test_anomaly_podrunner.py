@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -225,6 +226,22 @@ def _long_request(ip: str, port: int, done: dict[str, Any], tokens: int = 300) -
     done["at"] = time.monotonic()
 
 
+def _serving_a_request(
+    r: PodRunner, pods: list[dict[str, Any]], name: str, *, grace: int, tokens: int
+) -> tuple[int, threading.Thread, dict[str, Any]]:
+    """An engine pod with the operator's preStop hook, run by `r`, with a request of `tokens`
+    tokens running on it: its port, the client thread and what the client records."""
+    port = free_port(IP)
+    pods.append(_with_prestop(engine_pod(name, f"uid-{name}", IP, port), grace=grace))
+    r.sync()
+    assert healthy(IP, port)
+    done: dict[str, Any] = {}
+    client = threading.Thread(target=_long_request, args=(IP, port, done, tokens))
+    client.start()
+    time.sleep(0.5)  # the request is running
+    return port, client, done
+
+
 def _when_stopped(r: PodRunner, timeout: float = 60.0) -> float:
     """When the runner signalled the last draining engine (its hook ended or timed out)."""
     deadline = time.monotonic() + timeout
@@ -240,19 +257,10 @@ def test_a_deleted_pod_finishes_its_request_in_flight_before_its_process_stops(
     """Regression (issue 15): the runner, standing in for the kubelet, stopped a deleted pod's
     process at once. With the operator's preStop hook it must run the hook first (in the
     background: other pods keep being synced), so the request in flight completes."""
-    import threading
-
     pods: list[dict[str, Any]] = []
     r = PodRunner(lambda: pods, tmp_path / "logs", restart_backoff_s=0.5)
     try:
-        port = free_port(IP)
-        pods.append(_with_prestop(engine_pod("d0", "uid-1", IP, port), grace=60))
-        r.sync()
-        assert healthy(IP, port)
-        done: dict[str, Any] = {}
-        client = threading.Thread(target=_long_request, args=(IP, port, done))
-        client.start()
-        time.sleep(0.5)  # the request is running
+        port, client, done = _serving_a_request(r, pods, "d0", grace=60, tokens=300)
         pods.clear()  # the pod is deleted
         deleted = time.monotonic()
         assert any("preStop of ns.d0 runs (up to 62s)" in a for a in r.sync())
@@ -267,19 +275,10 @@ def test_a_deleted_pod_finishes_its_request_in_flight_before_its_process_stops(
 
 
 def test_the_hook_is_bounded_by_the_pods_grace_period(tmp_path: Path) -> None:
-    import threading
-
     pods: list[dict[str, Any]] = []
     r = PodRunner(lambda: pods, tmp_path / "logs", restart_backoff_s=0.5)
     try:
-        port = free_port(IP)
-        pods.append(_with_prestop(engine_pod("d1", "uid-3", IP, port), grace=1))
-        r.sync()
-        assert healthy(IP, port)
-        done: dict[str, Any] = {}
-        client = threading.Thread(target=_long_request, args=(IP, port, done, 6000))
-        client.start()
-        time.sleep(0.5)
+        _, client, done = _serving_a_request(r, pods, "d1", grace=1, tokens=6000)
         pods.clear()
         started = time.monotonic()
         r.sync()

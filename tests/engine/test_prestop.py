@@ -86,7 +86,9 @@ def _prestop(port: str, *args: str) -> subprocess.Popen[str]:
     )  # fmt: skip
 
 
-def test_the_hook_returns_only_after_the_request_in_flight_finished(fleet: Fleet) -> None:
+def _request_in_flight(fleet: Fleet) -> tuple[threading.Thread, dict[str, float | int], str]:
+    """A long request through the router, once it runs on the decode worker: the client
+    thread, what it will record, and the decode's URL."""
     done: dict[str, float | int] = {}
     client = threading.Thread(target=_long_request, args=(fleet.router_url, done))
     client.start()
@@ -95,6 +97,11 @@ def test_the_hook_returns_only_after_the_request_in_flight_finished(fleet: Fleet
     while _running(decode) == 0:
         assert time.monotonic() < deadline, "the request never reached the decode worker"
         time.sleep(0.05)
+    return client, done, decode
+
+
+def test_the_hook_returns_only_after_the_request_in_flight_finished(fleet: Fleet) -> None:
+    client, done, decode = _request_in_flight(fleet)
     started = time.monotonic()
     hook = _prestop(decode.rsplit(":", 1)[1], "--grace", "120", "--settle", "1")
     out, _ = hook.communicate(timeout=150)
@@ -107,14 +114,7 @@ def test_the_hook_returns_only_after_the_request_in_flight_finished(fleet: Fleet
 
 
 def test_the_hook_gives_up_at_the_grace_and_still_exits_zero(fleet: Fleet) -> None:
-    done: dict[str, float | int] = {}
-    client = threading.Thread(target=_long_request, args=(fleet.router_url, done))
-    client.start()
-    decode = fleet.decode_urls[0]
-    deadline = time.monotonic() + 30
-    while _running(decode) == 0:
-        assert time.monotonic() < deadline, "the request never reached the decode worker"
-        time.sleep(0.05)
+    client, _, decode = _request_in_flight(fleet)
     started = time.monotonic()
     hook = _prestop(decode.rsplit(":", 1)[1], "--grace", "1", "--settle", "1")
     out, _ = hook.communicate(timeout=60)

@@ -15,9 +15,9 @@ from cas_operator.api.limits import MAX_GPUS_ENV, OperatorLimits
 from cas_operator.api.models import parse_spec
 from cas_operator.desired.build import build_plan
 from cas_operator.desired.plan import InvalidSpec
-from cas_operator.reconcile.core import reconcile
 from cas_operator.reconcile.status import find_condition
 from tests.fakes import MemoryKube
+from tests.unit.test_reconcile import run
 
 CAP16 = OperatorLimits(max_gpus_per_resource=16)
 
@@ -52,16 +52,7 @@ def test_auto_needs_a_budget_within_the_cap() -> None:
 
 def test_the_pass_reports_the_cap_and_applies_nothing() -> None:
     kube = MemoryKube()
-    outcome = reconcile(
-        kube,  # type: ignore[arg-type]
-        name="x",
-        namespace="ns",
-        uid="u",
-        generation=1,
-        raw_spec={"model": {"name": "glm-5"}, "decode": {"replicas": 3}},
-        full_apply=True,
-        limits=CAP16,
-    )
+    outcome = run(kube, {"model": {"name": "glm-5"}, "decode": {"replicas": 3}}, limits=CAP16)
     degraded = find_condition(outcome.status, c.COND_DEGRADED)
     assert degraded["reason"] == c.REASON_INVALID_SPEC and "cap of 16" in degraded["message"]
     assert kube.applies == []

@@ -16,7 +16,10 @@ from cas_operator.reconcile.status import find_condition
 from tests.fakes import MemoryKube
 
 
-def run(kube: MemoryKube, spec: dict[str, Any], *, full: bool = True, generation: int = 1) -> Any:
+def run(
+    kube: MemoryKube, spec: dict[str, Any], *, full: bool = True, generation: int = 1, **extra: Any
+) -> Any:
+    """One pass of resource ns/demo against `kube` (`extra`: reconcile's other arguments)."""
     return reconcile(
         kube,  # type: ignore[arg-type]
         name="demo",
@@ -25,6 +28,7 @@ def run(kube: MemoryKube, spec: dict[str, Any], *, full: bool = True, generation
         generation=generation,
         raw_spec=spec,
         full_apply=full,
+        **extra,
     )
 
 

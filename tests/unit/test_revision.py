@@ -15,8 +15,8 @@ from cas_operator.api.models import OperatorUpgradePolicy, parse_spec
 from cas_operator.desired.build import build_plan
 from cas_operator.desired.resources import pools
 from cas_operator.desired.revision import RevisionRecord, choose, engine_input, engine_revision
-from cas_operator.reconcile.core import reconcile
 from tests.fakes import MemoryKube
+from tests.unit.test_reconcile import run
 
 SPECULATIVE = {"speculative": {"algorithm": "EAGLE", "draftModelPath": "/models/draft"}}
 
@@ -108,16 +108,7 @@ SPEC: dict[str, Any] = {"model": {"name": "glm-5"}}
 
 
 def _pass(kube: MemoryKube, spec: dict[str, Any], generation: int, status: dict[str, Any]) -> Any:
-    return reconcile(
-        kube,  # type: ignore[arg-type]
-        name="demo",
-        namespace="ns",
-        uid="uid-1",
-        generation=generation,
-        raw_spec=spec,
-        full_apply=True,
-        previous=status,
-    )
+    return run(kube, spec, generation=generation, previous=status)
 
 
 def _workloads(kube: MemoryKube) -> dict[str, Any]:
