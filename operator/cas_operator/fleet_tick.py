@@ -9,7 +9,9 @@ the latest copy of every CodingAgentServing (kopf's watch-fed `serving_index`)
       act: drain label/annotations, router deregistration, deletes go straight to the API);
    2. the autoscale loop: `autoscale.loop.Autoscaler.step` over the pods it left (the pressure
       hint; in Recommend/Auto the measured load; in Auto one damped replica step);
-   3. the findings as one `reconcile.core.Measured` (status.anomaly, status.draining,
+   3. the scale-down loop: `scaledown.act.scale_down_tick` over the same pods, against the
+      counts the last pass wrote (retire marks, releases; how far each workload may shrink);
+   4. the findings as one `reconcile.core.Measured` (status.anomaly, status.draining,
       status.autoscaler, the load and Auto's counts), handed to the passes in memory
       (`measured_for`); when it changed, `on_change` asks for a pass.
 The passes are the one writer of a resource's status: a condition and its evidence
@@ -44,6 +46,7 @@ from cas_operator.desired.plan import InvalidSpec
 from cas_operator.kube import Kube
 from cas_operator.observe.types import MetricsSource, Observation, PodSignals, PodTarget
 from cas_operator.reconcile.core import Measured
+from cas_operator.scaledown.act import ScaleDownResult, scale_down_tick
 from cas_operator.types import Event, Manifest, Status
 
 log = logging.getLogger(__name__)
@@ -88,7 +91,7 @@ class PodSnapshot:
 class Prefetched:
     """A `MetricsSource` answering from one batched observation per window (taken once per
     tick for every resource's engine pods): the source is asked once per tick and window, not
-    once per resource (at N=200 with Prometheus that was ~2,400 queries per tick; now 13 per
+    once per resource (at N=200 with Prometheus that was ~2,400 queries per tick; now 14 per
     namespace). Pods outside the batch, or a batch that failed, read as unavailable."""
 
     batches: dict[float, Observation]
@@ -247,7 +250,15 @@ class FleetTick:
                 plan_numbers(name, namespace, spec, before),
                 now,
             )
-            measured = measured_from(result, scaled)
+            retired = scale_down_tick(
+                snapshot,
+                engine_pods(snapshot, namespace, name),
+                {view.name: view.signals for view in result.views},
+                current,
+                float(spec.engine.drain_seconds),
+                now,
+            )
+            measured = measured_from(result, scaled, retired)
             self.measured[uid] = measured
         except Exception:  # one resource's failure must not stop the others' tick
             log.exception("fleet tick of %s/%s failed", namespace, name)
@@ -256,7 +267,7 @@ class FleetTick:
             # The reconcile folds these into the pools and conditions and writes them with
             # its status: hand them over in memory and ask for a pass.
             self.on_change(resource)
-        self._post(resource, result.events)
+        self._post(resource, result.events + retired.events)
         return 1 if measured != before else 0
 
     def _post(self, resource: Manifest, events: list[Event]) -> None:
@@ -268,7 +279,9 @@ class FleetTick:
                 log.exception("event %s on %s not posted", event[1], resource["metadata"]["name"])
 
 
-def measured_from(result: TickResult, scaled: AutoscaleResult) -> Measured:
+def measured_from(
+    result: TickResult, scaled: AutoscaleResult, retired: ScaleDownResult | None = None
+) -> Measured:
     """One resource's findings of this tick, as the passes write them."""
     sections = anomaly_status(result, scaled.scale)
     if scaled.entry is not None:
@@ -277,6 +290,7 @@ def measured_from(result: TickResult, scaled: AutoscaleResult) -> Measured:
         observed=scaled.observed,
         auto_replicas=scaled.auto_replicas,
         sections=sections,
+        floors=retired.floors if retired else (),
     )
 
 

@@ -22,6 +22,7 @@ import pytest
 from cas_operator.observe import Observation, PodTarget, PrometheusSource, ScrapeSource
 from cas_operator.observe.prometheus import promql_string
 from cas_operator.observe.scrape import Scrape, parse_exposition, windowed_increase
+from cas_operator.observe.types import signals_from
 
 Responder = Callable[[str, dict[str, list[str]]], tuple[int, bytes]]
 
@@ -137,6 +138,8 @@ def prom_answers(up: dict[str, float], age: dict[str, float]) -> Responder:
             return 200, vector([(pod("d0"), 7.0), (pod("p0"), 2.0)])
         if "sglang:num_queue_reqs" in q:
             return 200, vector([(pod("p0"), 9.0), (pod("d1"), float("nan"))])
+        if "_queue_reqs|" in q:  # the PD queues, summed in one query
+            return 200, vector([(pod("p0"), 3.0)])
         return 200, vector([])
 
     return respond
@@ -161,6 +164,7 @@ def test_prometheus_joins_signals_per_pod(serve: Callable[[Server], Server]) -> 
     assert d0.unhealthy_by_quarantine is False and d1.unhealthy_by_quarantine is True
     assert d0.running == 7.0 and d1.queued is None  # NaN is missing, not a number
     assert p0.checked is None and p0.trips_low_accept is None and p0.queued == 9.0
+    assert p0.kv_transfers == 3.0 and d0.kv_transfers is None  # no PD queue series: not PD
     windowed = [q for q in srv.seen if "increase(" in q]
     assert windowed and all("[300s]" in q and 'namespace="ns"' in q for q in windowed)
     assert all('pod=~"d0|d1|p0"' in q for q in srv.seen)
@@ -363,6 +367,15 @@ def test_parse_sums_series_and_keeps_trip_reasons() -> None:
     assert scrape.counters["low_accept_length"] == 2.0
     assert scrape.counters["high_accept_rate"] == 3.0
     assert scrape.gauges["sglang:num_running_reqs"] == 9.0
+
+
+def test_a_pods_pd_queues_are_summed_as_kv_transfers_in_flight() -> None:
+    """A pod whose KV a peer has not taken yet is not idle (the scale-down loop's rule)."""
+    text = exposition(10, 0, 0) + (
+        "sglang:num_prefill_bootstrap_queue_reqs 1.0\nsglang:num_prefill_inflight_queue_reqs 2.0\n"
+    )
+    scrape = parse_exposition(text, 0.0)
+    assert signals_from(scrape.counters, scrape.gauges, has_guard=True).kv_transfers == 3.0
 
 
 def test_pod_names_are_escaped_for_promql_strings() -> None:

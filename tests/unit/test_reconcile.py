@@ -13,6 +13,7 @@ from cas_operator.api import constants as c
 from cas_operator.kube import Kube, NamespaceTerminating
 from cas_operator.reconcile.core import Measured, observe, reconcile
 from cas_operator.reconcile.status import find_condition
+from cas_operator.scaledown.decide import PoolFloor
 from tests.fakes import MemoryKube
 
 
@@ -66,22 +67,40 @@ def test_timer_pass_reapplies_a_drifted_workload() -> None:
     assert kube.applies == [key]
 
 
-def test_a_pool_scaled_by_hand_is_scaled_back_by_the_next_refresh(
+def test_a_pool_scaled_down_by_hand_is_scaled_back_by_the_next_refresh(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """`kubectl scale` leaves our spec-hash annotation alone; the replicas tell. The log states
     what differs (our own Auto step lagging in the watch looks the same, so it blames no one)."""
     kube = MemoryKube()
     run(kube, SPEC)
-    key = next(k for k in kube.objects if k[0] == "Deployment")
-    kube.objects[key]["spec"]["replicas"] = 5
+    key = next(k for k in kube.objects if k[0] == "Deployment" and "router" not in k[1])
+    kube.objects[key]["spec"]["replicas"] = 0
     kube.applies.clear()
     with caplog.at_level("INFO", logger="cas_operator.reconcile"):
         run(kube, SPEC, full=False)
-    assert kube.applies == [key] and kube.objects[key]["spec"]["replicas"] != 5
-    assert f"re-applying Deployment {key[1]}: replicas differ (5 observed, 1 desired)" in (
+    assert kube.applies == [key] and kube.objects[key]["spec"]["replicas"] == 1
+    assert f"re-applying Deployment {key[1]}: replicas differ (0 observed, 1 desired)" in (
         caplog.text
     )
+
+
+def test_a_pool_above_its_count_shrinks_only_as_far_as_instances_are_released() -> None:
+    """Regression (issue 15): lowering replicas let the ReplicaSet pick a busy pod; now a pool
+    shrinks only by the instances the scale-down loop released (`Measured.floors`)."""
+    kube = MemoryKube()
+    run(kube, SPEC)
+    key = next(k for k in kube.objects if k[0] == "Deployment" and "prefill" in k[1])
+    revision = kube.objects[key]["metadata"]["labels"][c.LABEL_REVISION]
+    kube.objects[key]["spec"]["replicas"] = 4
+    for full in (False, True):
+        run(kube, SPEC, full=full)
+        assert kube.objects[key]["spec"]["replicas"] == 4  # nothing released: nothing cut
+    floor = PoolFloor(revision, c.ROLE_PREFILL, keep=3)
+    run(kube, SPEC, full=False, measured=Measured(floors=(floor,)))
+    assert kube.objects[key]["spec"]["replicas"] == 3
+    run(kube, SPEC, full=False, measured=Measured(floors=(replace(floor, keep=0),)))
+    assert kube.objects[key]["spec"]["replicas"] == 1  # never below the desired count
 
 
 def test_invalid_spec_reports_field_and_applies_nothing() -> None:

@@ -39,6 +39,14 @@ STATE_DRAINING: Final = "Draining"
 
 STATE_HELD: Final = "Held"
 
+# A scale-down's instances (`cas_operator.scaledown` owns them; the anomaly drain leaves them
+# alone): out of rotation until idle, then released to the workload's controller to remove.
+STATE_RETIRING: Final = "Retiring"
+
+STATE_RELEASED: Final = "Released"
+
+RETIRE_STATES: Final = (STATE_RETIRING, STATE_RELEASED)
+
 
 @dataclass(frozen=True)
 class DrainPolicy:
@@ -72,6 +80,12 @@ def _meta(pod: Manifest) -> dict[str, Any]:
 def is_ready(pod: Manifest) -> bool:
     conditions = pod.get("status", {}).get("conditions", [])
     return any(cd.get("type") == "Ready" and cd.get("status") == "True" for cd in conditions)
+
+
+def drain_state(pod: Manifest) -> str:
+    """The drain state a pod out of rotation records (Draining when unset)."""
+    state: str = _meta(pod).get("annotations", {}).get(ANNOTATION_DRAIN_STATE, STATE_DRAINING)
+    return state
 
 
 def draining_since(pod: Manifest) -> float | None:
@@ -118,7 +132,9 @@ def next_step(
     since = draining_since(pod)
     if since is None:
         return "none"
-    state = _meta(pod).get("annotations", {}).get(ANNOTATION_DRAIN_STATE, STATE_DRAINING)
+    state = drain_state(pod)
+    if state in RETIRE_STATES:
+        return "none"  # a scale-down's: the workload's controller removes it
     if state == STATE_HELD:
         return "delete" if now - since >= policy.hold_seconds else "none"
     if now - since < policy.min_wait_seconds:

@@ -59,6 +59,10 @@ REASON_SPEC_WARNING: Final = "SpecWarning"
 
 LWS_API_VERSION: Final = "leaderworkerset.x-k8s.io/v1"
 LWS_WORKER_INDEX_LABEL: Final = "leaderworkerset.sigs.k8s.io/worker-index"  # set by LWS; 0 = leader
+LWS_GROUP_INDEX_LABEL: Final = "leaderworkerset.sigs.k8s.io/group-index"  # set by LWS on every pod
+# The ReplicaSet controller removes the pods with the lowest cost first on a scale-down.
+ANNOTATION_POD_DELETION_COST: Final = "controller.kubernetes.io/pod-deletion-cost"
+LOWEST_DELETION_COST: Final = str(-(2**31))  # an int32, as the controller parses it
 
 
 # Engine flags and env the operator renders from the spec's fields (desired.resources.

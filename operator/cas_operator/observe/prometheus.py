@@ -92,6 +92,10 @@ class PrometheusSource:
             m.QUEUED: self._query("queued", f"sum {by} ({m.QUEUED}{sel})"),
             m.TOKEN_USAGE: self._query("usage", f"max {by} ({m.TOKEN_USAGE}{sel})"),
         }
+        queues = "|".join(m.KV_TRANSFER_QUEUES)
+        gauges[m.KV_TRANSFERS] = self._query(
+            "kv transfers", f'sum {by} ({{__name__=~"{queues}",{sel[1:]})'
+        )
         result = {}
         for target in group:
             key = (namespace, target.name)

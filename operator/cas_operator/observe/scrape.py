@@ -61,6 +61,8 @@ def parse_exposition(text: str, at: float) -> Scrape:
                 counters[key] = counters.get(key, 0.0) + value
             elif sample.name in m.GAUGES:
                 gauge_values.setdefault(sample.name, []).append(value)
+            elif sample.name in m.KV_TRANSFER_QUEUES:
+                gauge_values.setdefault(m.KV_TRANSFERS, []).append(value)
     gauges = {}
     for name, values in gauge_values.items():
         if name == m.UNHEALTHY:

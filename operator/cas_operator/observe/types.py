@@ -24,6 +24,15 @@ LOAD_COUNTERS: Final = (REQUESTS, PROMPT_TOKENS, CACHED_TOKENS)  # feed the rati
 TTFT_BUCKET: Final = "sglang:time_to_first_token_seconds_bucket"  # cumulative, label `le`
 REASON_LOW: Final = "low_accept_length"
 REASON_HIGH: Final = "high_accept_rate"
+# PD queues of requests whose KV is not handed over yet (SGLang 0.5.23
+# srt/observability/metrics_collector.py:583-605): a pod with any is not idle.
+KV_TRANSFER_QUEUES: Final = (
+    "sglang:num_prefill_bootstrap_queue_reqs",
+    "sglang:num_prefill_inflight_queue_reqs",
+    "sglang:num_decode_prealloc_queue_reqs",
+    "sglang:num_decode_transfer_queue_reqs",
+)
+KV_TRANSFERS: Final = "kv_transfers"  # the gauges' key of their sum (one pod's)
 GAUGES: Final = (UNHEALTHY, RUNNING, QUEUED, TOKEN_USAGE)
 
 
@@ -43,6 +52,7 @@ class PodSignals:
     queued: float | None = None
     aborted: float | None = None
     token_usage: float | None = None
+    kv_transfers: float | None = None  # requests in the PD queues (KV_TRANSFER_QUEUES)
     requests: float | None = None  # finished requests in the window (load, for the autoscaler)
     prompt_tokens: float | None = None
     cached_tokens: float | None = None
@@ -121,7 +131,8 @@ def signals_from(
     """Assemble PodSignals from windowed increases and latest gauges of one pod.
 
     `counters` keys: CHECKED, REASON_LOW, REASON_HIGH, ABORTED, LOAD_COUNTERS and
-    `bucket_key(le)` per TTFT bucket (absent = series missing).
+    `bucket_key(le)` per TTFT bucket (absent = series missing); `gauges` keys: GAUGES and
+    KV_TRANSFERS (the sum of the pod's KV_TRANSFER_QUEUES; absent outside PD).
     A pod without guard series (a prefill, or an engine without the guard) gets None trip fields,
     which the planner reads as "insufficient data", not as healthy.
     """
@@ -135,6 +146,7 @@ def signals_from(
         queued=gauges.get(QUEUED),
         aborted=counters.get(ABORTED),
         token_usage=gauges.get(TOKEN_USAGE),
+        kv_transfers=gauges.get(KV_TRANSFERS),
         requests=counters.get(REQUESTS),
         prompt_tokens=counters.get(PROMPT_TOKENS),
         cached_tokens=counters.get(CACHED_TOKENS),

@@ -36,6 +36,7 @@ from cas_operator.reconcile.status import (
     invalid_status,
     is_true,
 )
+from cas_operator.scaledown.decide import PoolFloor, replicas_to_apply
 
 log = logging.getLogger(__name__)
 WORKLOAD_KINDS = ("Deployment", "LeaderWorkerSet")
@@ -57,11 +58,13 @@ class Outcome:
 class Measured:
     """What the fleet tick measured and decided (None: nothing yet): the load for the planner,
     Auto mode's replicas, and the status sections it owns (`anomaly`, `draining`,
-    `autoscaler`), which the pass writes together with the conditions derived from them."""
+    `autoscaler`), which the pass writes together with the conditions derived from them;
+    and the scale-down loop's `floors`, which bound how far a pass lowers a workload."""
 
     observed: ObservedSignals | None = None
     auto_replicas: tuple[int, int] | None = None
     sections: Status | None = None
+    floors: tuple[PoolFloor, ...] = ()  # how far each pool may shrink (scale-down loop)
 
     @property
     def anomaly(self) -> dict[str, Any] | None:
@@ -114,6 +117,24 @@ def observe(kube: Kube, namespace: str, name: str) -> list[ObservedWorkload]:
             obj.setdefault("kind", kind)
             found.append(ObservedWorkload.from_object(obj))
     return found
+
+
+def gate_scale_down(
+    manifests: list[dict[str, Any]], observed: list[ObservedWorkload], floors: tuple[PoolFloor, ...]
+) -> None:
+    """Step 2b: a workload's replica count goes down only as far as the scale-down loop has
+    released instances (its ReplicaSet or LWS then removes exactly those); up at once."""
+    seen = {(w.kind, w.name): w for w in observed}
+    keep = {(f.revision, f.role): f.keep for f in floors}
+    for m in manifests:
+        found = (
+            seen.get((m["kind"], m["metadata"]["name"])) if m["kind"] in WORKLOAD_KINDS else None
+        )
+        if found is None or found.role == c.ROLE_ROUTER:
+            continue
+        desired = int(m["spec"]["replicas"])
+        floor = keep.get((found.revision, found.role))
+        m["spec"]["replicas"] = replicas_to_apply(desired, found.replicas, floor)
 
 
 def apply_tier(manifest: dict[str, Any]) -> int:
@@ -319,8 +340,9 @@ def reconcile(
         return Outcome(status=invalid_status(str(exc), generation), invalid=exc)
     manifests = build_all(Owner(name, namespace, uid), plan)
     watched = observed is not None
-    if observed is None:  # a held plan must know what exists before it applies
-        observed = [] if full_apply and not plan.held else observe(kube, namespace, name)
+    if observed is None:  # a held plan and a scale-down must know what exists before applying
+        observed = observe(kube, namespace, name)
+    gate_scale_down(manifests, observed, measured.floors)
     applied = apply_children(kube, manifests, observed, full_apply, apply_missing, plan.held)
     problems = applied.problems
     if watched:

@@ -1,0 +1,121 @@
+"""Scale-down through the OPERATOR PROCESS on the local stack: the real API server, the real
+ReplicaSet controller (kube-controller-manager), the real SGLang router in PD mode, sims as
+the engine pods (e2e/fleet/livestack.py).
+
+Regression (issue 15): lowering a pool's replicas let the ReplicaSet pick the pod to remove,
+busy or not, and cut its requests. Now the operator picks the instance with the least work,
+takes it out of rotation (status.draining shows it Retiring), waits for it to be idle, gives it
+the lowest pod-deletion-cost and only then lowers the count: the ReplicaSet removes exactly it,
+and the requests running elsewhere finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from cas_engine.prestop import in_flight
+from cas_engine.sim.fleet import router_available
+from e2e.fleet.anomaly_stack import wait_for
+from e2e.fleet.fleetview import NAME, Kubectl, cas_status, role_pods, router_workers
+from e2e.fleet.livestack import LiveStack, http_ok, resource_live
+from e2e.paths import REPO_ROOT as ROOT
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.slow,
+    pytest.mark.timeout(240),
+    pytest.mark.skipif(not router_available(), reason="sglang-router not installed"),
+]
+
+DECODES = 3
+TOKENS = 3000  # ~33 s at the sim's 22 ms decode step, speedup 2: outlasts the retire wait
+
+
+def sample(decodes: int) -> dict[str, Any]:
+    cas: dict[str, Any] = yaml.safe_load((ROOT / "config/samples/minimal.yaml").read_text())
+    cas["spec"]["decode"] = {"replicas": decodes}
+    cas["spec"]["ratio"] = {"mode": "Fixed", "prefill": 1, "decode": decodes}
+    return cas
+
+
+def decode_urls(kubectl: Kubectl, namespace: str) -> dict[str, str]:
+    """Pod name -> URL of every live decode pod with an IP."""
+    return {
+        p["metadata"]["name"]: f"http://{p['status']['podIP']}:30000"
+        for p in role_pods(kubectl, namespace, "decode")
+        if p.get("status", {}).get("podIP")
+    }
+
+
+def running(url: str) -> int:
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=3) as resp:
+            return in_flight(resp.read().decode()) or 0
+    except OSError:
+        return 0
+
+
+def long_chat(router: str, tokens: int) -> tuple[int, int]:
+    body = {"model": "sim", "messages": [{"role": "user", "content": "refactor the module"}],
+            "max_tokens": tokens, "ignore_eos": True}  # fmt: skip
+    req = urllib.request.Request(f"{router}/v1/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=180) as resp:
+            return resp.status, int(json.loads(resp.read())["usage"]["completion_tokens"])
+    except urllib.error.HTTPError as exc:
+        return exc.code, 0
+
+
+def retiring(status: dict[str, Any]) -> list[str]:
+    return [d["pod"] for d in status.get("draining") or [] if d.get("state") == "Retiring"]
+
+
+async def test_scale_down_removes_an_idle_decode_and_cuts_no_request(
+    kubeconfig: Path, namespace: str, kubectl: Kubectl, tmp_path: Path, crds: None
+) -> None:
+    stack = LiveStack(kubeconfig, namespace, tmp_path / "live", sim_args=["--sim-speedup", "2"],
+                      scrape_interval_s=2.0, operator_args=("-n", namespace))  # fmt: skip
+    with resource_live(stack, kubectl, sample(DECODES), log=lambda s: print(f"[live] {s}")) as r:
+        urls = wait_for(f"{DECODES} decodes", lambda: (u := decode_urls(kubectl, namespace))
+                        and len(u) == DECODES and u, 60)  # fmt: skip
+        wait_for("the router to list every decode", lambda: http_ok(f"{r}/readiness")
+                 and set(urls.values()) <= router_workers(r), 60)  # fmt: skip
+        requests = [asyncio.create_task(asyncio.to_thread(long_chat, r, TOKENS)) for _ in "ab"]
+        busy = await asyncio.to_thread(
+            wait_for, "both requests decoding",
+            lambda: (b := {n for n, u in urls.items() if running(u) > 0})
+            and sum(running(u) for u in urls.values()) == 2 and b, 60,
+        )  # fmt: skip
+        uids = {p["metadata"]["name"]: p["metadata"]["uid"]
+                for p in role_pods(kubectl, namespace, "decode")}  # fmt: skip
+        kubectl("scale", "cas", NAME, "-n", namespace, f"--replicas={DECODES - 1}")
+        shown = await asyncio.to_thread(
+            wait_for, "a decode retiring in status.draining",
+            lambda: retiring(cas_status(kubectl, namespace)), 60,
+        )  # fmt: skip
+        (chosen,) = shown
+        assert chosen not in busy, f"retired {chosen}, which runs a request ({busy} busy)"
+        assert all(not t.done() for t in requests), "the requests ended before the choice"
+        await asyncio.to_thread(
+            wait_for, f"{chosen} removed by its ReplicaSet",
+            lambda: chosen not in decode_urls(kubectl, namespace), 90,
+        )  # fmt: skip
+        results = await asyncio.gather(*requests)
+        left = {p["metadata"]["name"]: p["metadata"]["uid"]
+                for p in role_pods(kubectl, namespace, "decode")}  # fmt: skip
+        status = await asyncio.to_thread(
+            wait_for, "status to show the pool at its new count",
+            lambda: (s := cas_status(kubectl, namespace))["decode"]["readyReplicas"]
+            == DECODES - 1 and not s.get("draining") and s, 30,
+        )  # fmt: skip
+    assert results == [(200, TOKENS)] * 2, results
+    assert left == {n: u for n, u in uids.items() if n != chosen}, (left, uids, chosen)
+    assert status["decode"]["replicas"] == DECODES - 1, status
