@@ -291,6 +291,7 @@ def measured_from(
         auto_replicas=scaled.auto_replicas,
         sections=sections,
         floors=retired.floors if retired else (),
+        older=retired.older if retired else (),
     )
 
 

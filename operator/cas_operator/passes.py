@@ -53,6 +53,7 @@ REFRESH_WORKERS = 12
 OWNED_STATUS_KEYS = (
     "observedGeneration",
     "revision",
+    "servingRevision",
     "engineInput",
     "heldRevision",
     "warnings",

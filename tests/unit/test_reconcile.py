@@ -13,7 +13,8 @@ from cas_operator.api import constants as c
 from cas_operator.kube import Kube, NamespaceTerminating
 from cas_operator.reconcile.core import Measured, observe, reconcile
 from cas_operator.reconcile.status import find_condition
-from cas_operator.scaledown.decide import PoolFloor
+from cas_operator.scaledown.decide import PoolFloor, RevisionLoad
+from cas_operator.types import rfc3339
 from tests.fakes import MemoryKube
 
 
@@ -121,21 +122,71 @@ def test_missing_lws_api_is_degraded_not_a_crash() -> None:
     assert ("Deployment", next(n for k, n in kube.applies if k == "Deployment")) in kube.applies
 
 
-@pytest.mark.parametrize("ready", [True, False])
-def test_old_revision_is_retired_only_once_the_new_one_is_ready(ready: bool) -> None:
-    """Regression: deleting the old pools before the new ones serve drops traffic."""
+T0 = 1_800_000_000.0
+V2 = {**SPEC, "engine": {"image": "engine:v2"}}
+
+
+def entry_selector(kube: MemoryKube) -> dict[str, str]:
+    selector: dict[str, str] = kube.objects[("Service", "demo")]["spec"]["selector"]
+    return selector
+
+
+def test_an_older_revision_serves_and_stays_until_the_new_one_is_ready() -> None:
+    """Regression: deleting the old pools before the new ones serve drops traffic; and the
+    entry Service spanned both routers, sending users to a router whose engines were not up."""
     kube = MemoryKube()
-    run(kube, SPEC)
-    old = {k for k in kube.objects if k[0] == "Deployment"}
-    kube.ready = ready
-    outcome = run(kube, {**SPEC, "engine": {"image": "engine:v2"}}, generation=2)
-    remaining = {k for k in kube.objects if k[0] == "Deployment"}
-    if ready:
-        assert not (old & remaining) and outcome.events
-        assert {k for k in kube.deleted if k[0] == "Service"}  # pool Services went too
-    else:
-        assert old <= remaining and not kube.deleted
-        assert find_condition(outcome.status, c.COND_PROGRESSING)["reason"] == c.REASON_ROLLING
+    old = run(kube, SPEC).status["revision"]
+    before = {k for k in kube.objects if k[0] == "Deployment"}
+    kube.ready = False
+    outcome = run(kube, V2, generation=2, previous={"servingRevision": old})
+    assert before <= set(kube.objects) and not kube.deleted
+    assert find_condition(outcome.status, c.COND_PROGRESSING)["reason"] == c.REASON_ROLLING
+    assert entry_selector(kube)[c.LABEL_REVISION] == old
+    assert outcome.status["servingRevision"] == old
+
+
+def test_an_older_revision_leaves_the_entry_point_first_and_goes_once_idle() -> None:
+    """Regression (issue 15): retiring deleted the old router and engines at once, cutting
+    the requests they ran. Now: entry Service to the new revision alone, the old router
+    marked, its children deleted only once the fleet tick reads its engines idle."""
+    kube = MemoryKube()
+    old = run(kube, SPEC).status["revision"]
+    previous = {"servingRevision": old}
+    first = run(kube, V2, generation=2, previous=previous, now=T0)
+    new = first.status["revision"]
+    assert entry_selector(kube)[c.LABEL_REVISION] == new and not kube.deleted
+    router = kube.objects[("Deployment", f"demo-router-{old}")]
+    assert router["metadata"]["annotations"][c.ANNOTATION_RETIRING_SINCE] == rfc3339(T0)
+    progressing = find_condition(first.status, c.COND_PROGRESSING)["message"]
+    assert f"retiring {old}: out of the entry point" in progressing
+    previous = first.status
+
+    def at(seconds: float, work: float | None) -> Any:
+        measured = Measured(older=(RevisionLoad(old, work),))
+        return run(kube, V2, full=False, generation=2, previous=previous, measured=measured,
+                   now=T0 + seconds)  # fmt: skip
+
+    at(5, 0.0)  # a reading from before the entry moved may say idle
+    busy = at(20, 3.0)
+    assert not kube.deleted
+    assert "3 requests in flight" in find_condition(busy.status, c.COND_PROGRESSING)["message"]
+    done = at(25, 0.0)
+    assert {k for k in kube.objects if old in k[1]} == set()
+    assert {k for k in kube.deleted if k[0] == "Service"}  # pool Services went too
+    assert [e[1] for e in done.events] == ["RevisionRetired"]
+    assert find_condition(done.status, c.COND_PROGRESSING)["status"] == "False"
+
+
+def test_an_older_revision_whose_work_is_unknown_goes_after_the_drain_grace() -> None:
+    kube = MemoryKube()
+    old = run(kube, SPEC).status["revision"]
+    first = run(kube, V2, generation=2, previous={"servingRevision": old}, now=T0)
+    measured = Measured(older=(RevisionLoad(old, None),))
+    kwargs = {"generation": 2, "previous": first.status, "measured": measured, "full": False}
+    run(kube, V2, now=T0 + 599, **kwargs)
+    assert not kube.deleted
+    run(kube, V2, now=T0 + 600, **kwargs)  # engine.drainSeconds: their preStop holds the rest
+    assert {k for k in kube.objects if old in k[1]} == set()
 
 
 def watched(kube: MemoryKube, *, full: bool, observed: list[Any], apply_missing: bool) -> Any:

@@ -18,10 +18,11 @@ from cas_operator.anomaly.drain import (
 from cas_operator.api import constants as c
 from cas_operator.api.models import GuardAction
 from cas_operator.observe.types import PodSignals
-from cas_operator.scaledown.act import scale_down_tick, work_of
+from cas_operator.scaledown.act import older_revisions, scale_down_tick, work_of
 from cas_operator.scaledown.decide import (
     Instance,
     RetirePolicy,
+    RevisionLoad,
     replicas_to_apply,
     retire_step,
 )
@@ -185,3 +186,15 @@ def test_marks_are_timestamped_for_the_anomaly_loop_to_deregister() -> None:
     ]
     assert len(marked) == 1
     assert pods.pod(marked[0])["metadata"]["annotations"][ANNOTATION_DRAINING_SINCE] == rfc3339(T0)
+
+
+def test_an_older_revisions_work_counts_its_ready_instances_only() -> None:
+    """Its retire waits for this: a crash-looping old revision (nothing Ready) is idle, one
+    Ready instance without a reading makes it unknown."""
+    starting = engine_pod("old1", revision="r0")
+    starting["status"]["conditions"] = [{"type": "Ready", "status": "False"}]
+    pods = [engine_pod("old0", revision="r0"), starting, engine_pod("new0")]
+    signals = {"old0": PodSignals(running=2, queued=1), "old1": None}
+    assert older_revisions(pods, signals, "r1") == (RevisionLoad("r0", 3.0),)
+    assert older_revisions(pods, {}, "r1") == (RevisionLoad("r0", None),)
+    assert older_revisions([starting], {}, "r1") == (RevisionLoad("r0", 0.0),)

@@ -25,6 +25,8 @@ APP_ROUTER: Final = "cas-router"
 # Annotations.
 ANNOTATION_SPEC_HASH: Final = "cas.dev/spec-hash"
 ANNOTATION_BOOTSTRAP_PORT: Final = "sglang.ai/bootstrap-port"
+# On an older revision's router Deployment: when the entry Service stopped sending to it.
+ANNOTATION_RETIRING_SINCE: Final = "cas.dev/retiring-since"
 
 ROLE_PREFILL: Final = "prefill"
 ROLE_DECODE: Final = "decode"

@@ -6,7 +6,9 @@ Called from create, update, resume and a timer (handlers.py). It reads like the 
 3. apply them with server-side apply, in dependency tiers, each tier concurrently, skipping
    (outside full passes) workloads whose spec-hash already matches; while an operator upgrade
    is held (`Plan.held`), workloads that exist only get their replica counts;
-4. observe the workloads; retire children of older revisions once the current one is ready;
+4. observe the workloads; once the current revision is Ready, point the entry Service at it
+   alone, then retire each older revision when its engines are idle (router first out of
+   the entry point, then its children deleted: `retire_stale`);
 5. compute the status (pure) and hand back only what changed.
 Per-child failures are collected, never abort the pass, and end up in the Degraded condition.
 """
@@ -14,6 +16,7 @@ Per-child failures are collected, never abort the pass, and end up in the Degrad
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +39,14 @@ from cas_operator.reconcile.status import (
     invalid_status,
     is_true,
 )
-from cas_operator.scaledown.decide import PoolFloor, replicas_to_apply
+from cas_operator.scaledown.decide import (
+    PoolFloor,
+    RetirePolicy,
+    RevisionLoad,
+    replicas_to_apply,
+    retire_revision,
+)
+from cas_operator.types import Manifest, rfc3339
 
 log = logging.getLogger(__name__)
 WORKLOAD_KINDS = ("Deployment", "LeaderWorkerSet")
@@ -65,6 +75,7 @@ class Measured:
     auto_replicas: tuple[int, int] | None = None
     sections: Status | None = None
     floors: tuple[PoolFloor, ...] = ()  # how far each pool may shrink (scale-down loop)
+    older: tuple[RevisionLoad, ...] = ()  # older revisions' engine work (their retire)
 
     @property
     def anomaly(self) -> dict[str, Any] | None:
@@ -263,21 +274,76 @@ def merged(
     return [w for w in observed if (w.kind, w.name) not in newer] + fresh
 
 
+def entry_revision(
+    plan: Plan, observed: list[ObservedWorkload], previous: Status | None
+) -> str | None:
+    """The revision whose routers the entry Service sends to while this pass applies: the
+    current one when nothing older runs; during a roll, the one that served before (None, all
+    of them, when the status predates `servingRevision`). `retire_stale` moves it to the
+    current revision once that is Ready."""
+    stale = {w.revision for w in observed if w.revision != plan.revision}
+    if not stale:
+        return plan.revision
+    before = (previous or {}).get("servingRevision")
+    return str(before) if before == plan.revision or before in stale else None
+
+
+def point_entry(manifests: list[dict[str, Any]], plan: Plan, revision: str | None) -> Manifest:
+    """Step 2c: the entry Service's selector names `revision` (or every revision: None)."""
+    entry = next(
+        m for m in manifests if m["kind"] == "Service" and m["metadata"]["name"] == plan.name
+    )
+    selector = entry["spec"]["selector"]
+    selector.pop(c.LABEL_REVISION, None)
+    if revision is not None:
+        selector[c.LABEL_REVISION] = revision
+    return entry
+
+
+@dataclass
+class Retired:
+    """What `retire_stale` did: events, how each older revision's retire is going."""
+
+    events: list[tuple[str, str, str]] = field(default_factory=list)
+    progress: tuple[str, ...] = ()
+    deleted: tuple[str, ...] = ()  # revisions whose children were deleted
+
+
 def retire_stale(
-    kube: Kube, plan: Plan, observed: list[ObservedWorkload]
-) -> list[tuple[str, str, str]]:
-    """Step 4b: once the current revision is fully ready, delete older revisions' children."""
-    events: list[tuple[str, str, str]] = []
-    stale = sorted({w.revision for w in observed if w.revision != plan.revision})
-    for revision in stale:
+    kube: Kube,
+    plan: Plan,
+    observed: list[ObservedWorkload],
+    older: tuple[RevisionLoad, ...],
+    now: float,
+) -> Retired:
+    """Step 4b, once the current revision is Ready and the entry Service sends only to it:
+    each older revision's router is marked out of the entry point (`cas.dev/retiring-since`),
+    and its children are deleted once its engines are idle (`older`: the fleet tick's reading)
+    or the drain grace is over (`scaledown.decide.retire_revision`)."""
+    out = Retired()
+    policy = RetirePolicy(max_wait_seconds=plan.spec.engine.drain_seconds)
+    work = {load.revision: load.work for load in older}
+    for revision in sorted({w.revision for w in observed if w.revision != plan.revision}):
+        router = next(
+            (w for w in observed if w.revision == revision and w.role == c.ROLE_ROUTER), None
+        )
+        since = router.retiring_since if router is not None else None
+        if router is not None and since is None:
+            mark = {"metadata": {"annotations": {c.ANNOTATION_RETIRING_SINCE: rfc3339(now)}}}
+            kube.patch("Deployment", plan.namespace, router.name, mark)
+            since = now
+        step = retire_revision(since, work.get(revision), now, policy)
+        if not step.delete:
+            out.progress += (f"retiring {revision}: {step.progress}",)
+            continue
         selector = {c.LABEL_NAME: plan.name, c.LABEL_REVISION: revision}
         for kind in REVISIONED_KINDS:
             for obj in kube.list(kind, plan.namespace, selector):
                 kube.delete(kind, plan.namespace, obj["metadata"]["name"])
-        events.append(
-            ("Normal", "RevisionRetired", f"revision {revision} replaced by {plan.revision}")
-        )
-    return events
+        why = f"revision {revision} replaced by {plan.revision} ({step.progress})"
+        out.events.append(("Normal", "RevisionRetired", why))
+        out.deleted += (revision,)
+    return out
 
 
 def said_once(
@@ -315,6 +381,7 @@ def reconcile(
     apply_missing: bool = True,
     previous: Status | None = None,
     limits: OperatorLimits = OperatorLimits(),
+    now: float | None = None,
 ) -> Outcome:
     """One pass; see the module docstring for the steps. `measured` is the fleet tick's last
     finding: the load feeds the planner and Auto mode, its `status.anomaly` is folded into the
@@ -324,7 +391,9 @@ def reconcile(
     before. `apply_missing=False` leaves workloads absent from `observed` alone (the caller
     knows its copy may not have caught up with its own recent apply). `previous` is the status
     the last pass wrote: what runs (`desired.revision.choose` holds it across an operator
-    upgrade) and what was said already; `limits` the operator's own bounds."""
+    upgrade) and what was said already; `limits` the operator's own bounds; `now` the wall
+    clock (retire marks)."""
+    now = time.time() if now is None else now
     recorded = RevisionRecord.from_status(previous)
     try:
         plan = plan_for(
@@ -343,19 +412,36 @@ def reconcile(
     if observed is None:  # a held plan and a scale-down must know what exists before applying
         observed = observe(kube, namespace, name)
     gate_scale_down(manifests, observed, measured.floors)
+    entry = entry_revision(plan, observed, previous)
+    point_entry(manifests, plan, entry)
     applied = apply_children(kube, manifests, observed, full_apply, apply_missing, plan.held)
     problems = applied.problems
     if watched:
         observed = merged(observed, applied.workloads)
     elif applied.count or full_apply:
         observed = observe(kube, namespace, name)
-    status = compute_status(plan, observed, problems, generation, measured.anomaly)
+    status = compute_status(plan, observed, problems, generation, measured.anomaly, entry=entry)
     events = said_once(plan, recorded, previous or {})
 
     if is_true(status, c.COND_READY) and any(w.revision != plan.revision for w in observed):
-        events += retire_stale(kube, plan, observed)
-        observed = [w for w in observed if w.revision == plan.revision]
-        status = compute_status(plan, observed, problems, generation, measured.anomaly)
+        if entry != plan.revision:  # the new revision serves: the entry moves to it alone
+            moved = _apply_one(kube, point_entry(manifests, plan, plan.revision))
+            problems += [moved.problem] if moved.problem is not None else []
+            entry = plan.revision if moved.problem is None else entry
+        retired = Retired()
+        if entry == plan.revision:
+            retired = retire_stale(kube, plan, observed, measured.older, now)
+        events += retired.events
+        observed = [w for w in observed if w.revision not in retired.deleted]
+        status = compute_status(
+            plan,
+            observed,
+            problems,
+            generation,
+            measured.anomaly,
+            entry=entry,
+            retiring=retired.progress,
+        )
     return Outcome(
         status={**status, **(measured.sections or {})}, events=events, applied=applied.count
     )

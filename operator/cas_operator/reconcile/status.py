@@ -13,6 +13,7 @@ from typing import Any
 from cas_operator.api import constants as c
 from cas_operator.desired.plan import Plan, PoolPlan
 from cas_operator.desired.resources.config import plan_summary
+from cas_operator.types import parse_time
 
 Status = dict[str, Any]
 
@@ -29,11 +30,13 @@ class ObservedWorkload:
     ready_replicas: int
     spec_hash: str | None
     up_to_date: bool  # the controller has observed the latest generation
+    retiring_since: float | None = None  # an older revision's router, out of the entry point
 
     @classmethod
     def from_object(cls, obj: dict[str, Any]) -> ObservedWorkload:
         meta, spec, status = obj["metadata"], obj.get("spec", {}), obj.get("status") or {}
         labels = meta.get("labels", {})
+        annotations = meta.get("annotations") or {}
         observed_generation = status.get("observedGeneration")
         return cls(
             kind=obj.get("kind", "Deployment"),
@@ -42,8 +45,9 @@ class ObservedWorkload:
             revision=labels.get(c.LABEL_REVISION, ""),
             replicas=int(spec.get("replicas", 0)),
             ready_replicas=int(status.get("readyReplicas", 0) or 0),
-            spec_hash=(meta.get("annotations") or {}).get(c.ANNOTATION_SPEC_HASH),
+            spec_hash=annotations.get(c.ANNOTATION_SPEC_HASH),
             up_to_date=observed_generation is None or observed_generation >= meta["generation"],
+            retiring_since=parse_time(annotations.get(c.ANNOTATION_RETIRING_SINCE)),
         )
 
     @property
@@ -165,8 +169,14 @@ def compute_status(
     problems: list[Problem],
     generation: int,
     anomaly: dict[str, Any] | None = None,
+    *,
+    entry: str | None = None,
+    retiring: tuple[str, ...] = (),
 ) -> Status:
     """The full desired status (without conditions' transition times).
+
+    `entry` is the revision the entry Service sends to (`status.servingRevision`; None: every
+    revision's routers), `retiring` says how each older revision's retire is going.
 
     `problems` (failed applies, missing APIs) make the resource Degraded and not Ready; the
     fleet tick's findings (`status.anomaly`, handed to the pass that writes this status) only make
@@ -199,7 +209,7 @@ def compute_status(
             c.COND_PROGRESSING,
             True,
             c.REASON_ROLLING,
-            f"rolling to revision {plan.revision} from {', '.join(stale)}",
+            "; ".join((f"rolling to revision {plan.revision} from {', '.join(stale)}", *retiring)),
             generation,
         )
     elif waiting:
@@ -213,6 +223,7 @@ def compute_status(
     return {
         "observedGeneration": generation,
         "revision": plan.revision,
+        "servingRevision": entry,
         "engineInput": plan.engine_input,
         "heldRevision": held_revision(plan),
         "warnings": list(plan.warnings) or None,

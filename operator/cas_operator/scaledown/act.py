@@ -8,8 +8,9 @@ read each pod as a `decide.Instance`, decide (`decide.retire_step`, pure), then 
 marks take a pod out of rotation (the serving label off; the anomaly loop deregisters every pod
 out of rotation from every router, every tick), a release gives it the lowest pod-deletion-cost,
 a restore puts it back. The result's `floors` tell the reconcile how far each workload may
-shrink (`decide.replicas_to_apply`). Ownership: `api` does all API I/O; nothing is kept between
-ticks (the state is on the pods).
+shrink (`decide.replicas_to_apply`), and `older` how much work each older revision still
+runs (its retire waits for it: `decide.retire_revision`). Ownership: `api` does all API I/O;
+nothing is kept between ticks (the state is on the pods).
 """
 
 from __future__ import annotations
@@ -34,7 +35,14 @@ from cas_operator.anomaly.drain import (
 )
 from cas_operator.api import constants as c
 from cas_operator.observe.types import PodSignals
-from cas_operator.scaledown.decide import Instance, PoolFloor, RetirePolicy, RetireStep, retire_step
+from cas_operator.scaledown.decide import (
+    Instance,
+    PoolFloor,
+    RetirePolicy,
+    RetireStep,
+    RevisionLoad,
+    retire_step,
+)
 from cas_operator.types import Event, Manifest, Status
 
 POOLS = (c.ROLE_PREFILL, c.ROLE_DECODE)
@@ -44,6 +52,7 @@ POOLS = (c.ROLE_PREFILL, c.ROLE_DECODE)
 class ScaleDownResult:
     events: list[Event] = field(default_factory=list)
     floors: tuple[PoolFloor, ...] = ()
+    older: tuple[RevisionLoad, ...] = ()  # the work of every older revision still running
 
 
 def work_of(signals: PodSignals | None) -> float | None:
@@ -135,4 +144,21 @@ def scale_down_tick(
         namespace = str(mine[0]["metadata"].get("namespace", ""))
         events += _act(api, namespace, role, step, why, now)
         floors.append(PoolFloor(str(revision), role, step.keep))
-    return ScaleDownResult(events, tuple(floors))
+    return ScaleDownResult(events, tuple(floors), older_revisions(pods, signals, str(revision)))
+
+
+def older_revisions(
+    pods: list[Manifest], signals: Mapping[str, PodSignals | None], current: str
+) -> tuple[RevisionLoad, ...]:
+    """The work of every revision other than `current` (their retire waits for it)."""
+    work: dict[str, float | None] = {}
+    for pod in pods:
+        revision = pod["metadata"].get("labels", {}).get(c.LABEL_REVISION, "")
+        if revision == current:
+            continue
+        before = work.setdefault(revision, 0.0)
+        if not is_ready(pod):
+            continue
+        mine = work_of(signals.get(pod["metadata"]["name"]))
+        work[revision] = None if before is None or mine is None else before + mine
+    return tuple(RevisionLoad(r, w) for r, w in sorted(work.items()))

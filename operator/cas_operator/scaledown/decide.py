@@ -8,6 +8,10 @@ the workload's controller (`release`), those no longer to remove because the des
 on the pods (`anomaly.drain` annotations, states Retiring and Released), so a restarted operator
 resumes from what it observes; `scaledown.act` reads and writes them.
 
+An older revision is retired the same way, as a whole (`retire_revision`): once the current one
+is Ready the entry Service stops sending to its router, and its children go once its engines
+are idle (`RevisionLoad`, measured by the fleet tick) or the drain grace is over.
+
 Rules: a Deployment pool retires the instances with the least work (running + queued requests +
 KV transfers in flight; unknown work last), keeping the ones already retiring, so a choice is not
 redone every tick; an LWS pool retires its highest group indices (its leader StatefulSet
@@ -121,3 +125,36 @@ class PoolFloor:
     revision: str
     role: str
     keep: int
+
+
+@dataclass(frozen=True)
+class RevisionLoad:
+    """The fleet tick's reading of an older revision's engines: the work of its Ready
+    instances (None: one of them is not measured; not-Ready ones receive nothing)."""
+
+    revision: str
+    work: float | None
+
+
+@dataclass(frozen=True)
+class RevisionRetire:
+    delete: bool
+    progress: str
+
+
+def retire_revision(
+    since: float | None, work: float | None, now: float, policy: RetirePolicy
+) -> RevisionRetire:
+    """Whether an older revision's children may go, `since` the entry Service stopped
+    sending to its router (None: it has no router left), with its engines' `work`."""
+    if since is None:
+        return RevisionRetire(True, "no router left")
+    waited = now - since
+    if waited < policy.min_wait_seconds:
+        return RevisionRetire(False, f"out of the entry point for {waited:.0f}s")
+    if work is not None and work <= 0:
+        return RevisionRetire(True, "its engines are idle")
+    if waited >= policy.max_wait_seconds:
+        return RevisionRetire(True, "drain grace over; preStop hooks hold what still runs")
+    left = "unknown requests" if work is None else f"{work:.0f} requests"
+    return RevisionRetire(False, f"{left} in flight, out of the entry point for {waited:.0f}s")

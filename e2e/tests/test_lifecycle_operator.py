@@ -119,3 +119,46 @@ async def test_scale_down_removes_an_idle_decode_and_cuts_no_request(
     assert results == [(200, TOKENS)] * 2, results
     assert left == {n: u for n, u in uids.items() if n != chosen}, (left, uids, chosen)
     assert status["decode"]["replicas"] == DECODES - 1, status
+
+
+def revisions_of(kubectl: Kubectl, namespace: str) -> set[str]:
+    out = kubectl("get", "deploy", "-n", namespace, "-l", f"cas.dev/name={NAME}", "-o", "json")
+    return {d["metadata"]["labels"]["cas.dev/revision"] for d in json.loads(out)["items"]}
+
+
+async def test_a_retired_revision_finishes_its_request_through_the_entry_service(
+    kubeconfig: Path, namespace: str, kubectl: Kubectl, tmp_path: Path, crds: None
+) -> None:
+    """Regression (issue 15): retiring an older revision deleted its router and engines at
+    once, cutting what they ran. A request sent through the entry Service (its ClusterIP,
+    kube-proxy) before an engine change completes; the old revision leaves the entry point
+    once the new one is Ready, and goes only after its engines are idle."""
+    stack = LiveStack(kubeconfig, namespace, tmp_path / "live", sim_args=["--sim-speedup", "2"],
+                      scrape_interval_s=2.0, operator_args=("-n", namespace))  # fmt: skip
+    with resource_live(stack, kubectl, sample(1), log=lambda s: print(f"[live] {s}")) as r:
+        urls = wait_for("a decode", lambda: decode_urls(kubectl, namespace) or None, 60)
+        wait_for("the router to list the decode", lambda: http_ok(f"{r}/readiness")
+                 and set(urls.values()) <= router_workers(r), 60)  # fmt: skip
+        old = cas_status(kubectl, namespace)["revision"]
+        ip = kubectl("get", "service", NAME, "-n", namespace, "-o", "jsonpath={.spec.clusterIP}")
+        request = asyncio.create_task(asyncio.to_thread(long_chat, f"http://{ip}", 2 * TOKENS))
+        await asyncio.to_thread(wait_for, "the request decoding",
+                                lambda: sum(running(u) for u in urls.values()) > 0, 60)  # fmt: skip
+        env = [{"name": "CAS_E2E_ROLL", "value": "2"}]
+        kubectl("patch", "cas", NAME, "-n", namespace, "--type=merge",
+                "-p", json.dumps({"spec": {"engine": {"env": env}}}))  # fmt: skip
+
+        def retiring_old() -> dict[str, Any] | None:
+            status = cas_status(kubectl, namespace)
+            progressing = next(c for c in status.get("conditions", [])
+                               if c["type"] == "Progressing")  # fmt: skip
+            return status if f"retiring {old}" in progressing["message"] else None
+
+        status = await asyncio.to_thread(wait_for, "the old revision retiring", retiring_old, 90)
+        assert status["servingRevision"] == status["revision"] != old
+        assert not request.done(), "the request ended before the new revision was Ready"
+        assert old in revisions_of(kubectl, namespace)  # busy: it stays
+        result = await request
+        gone = lambda: old not in revisions_of(kubectl, namespace)  # noqa: E731
+        await asyncio.to_thread(wait_for, "the old revision retired", gone, 60)
+    assert result == (200, 2 * TOKENS), result
