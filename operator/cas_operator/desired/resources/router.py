@@ -121,13 +121,14 @@ def build_router_pdb(owner: Owner, plan: Plan) -> Manifest:
 
 
 def build_router_service(owner: Owner, plan: Plan) -> Manifest:
-    """The fleet's entry point, named after the resource; spans revisions during a roll."""
+    """The fleet's entry point, named after the resource: the revision's routers (during a
+    roll the reconcile points it at the revision that serves: `reconcile.core.point_entry`)."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": metadata(owner, plan.name, _router_labels(plan)),
         "spec": {
-            "selector": {c.LABEL_NAME: plan.name, c.LABEL_ROLE: c.ROLE_ROUTER},
+            "selector": selector_labels(plan.name, c.ROLE_ROUTER, plan.revision),
             "ports": [
                 {"name": "http", "port": 80, "targetPort": "http"},
                 {"name": "metrics", "port": c.ROUTER_METRICS_PORT, "targetPort": "metrics"},
