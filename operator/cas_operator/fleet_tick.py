@@ -35,6 +35,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from cas_operator.anomaly.act import LoopState, TickResult, anomaly_tick, engine_pods
+from cas_operator.anomaly.detect import GuardState
 from cas_operator.anomaly.drain import target_of
 from cas_operator.api import constants as c
 from cas_operator.api.models import CodingAgentServingSpec, parse_spec
@@ -153,7 +154,15 @@ def _parsed(resource: Manifest) -> CodingAgentServingSpec | None:
         return None
 
 
-def anomaly_status(result: TickResult, scale: ScaleOutcome | None) -> Status:
+def desired_counts(status: Status) -> dict[str, int]:
+    """Each pool's desired instance count, as the last pass wrote it."""
+    pools = ((role, status.get(role)) for role in (c.ROLE_PREFILL, c.ROLE_DECODE))
+    return {role: int(pool["replicas"]) for role, pool in pools if pool and "replicas" in pool}
+
+
+def anomaly_status(
+    result: TickResult, scale: ScaleOutcome | None, guard: GuardState | None = None
+) -> Status:
     """`status.anomaly` and `status.draining` from one tick (the conditions derive from them)."""
     rates = {role: rate for role, rate in result.pool_rate.items() if rate is not None}
     worst = max(rates.values(), default=None)
@@ -162,6 +171,7 @@ def anomaly_status(result: TickResult, scale: ScaleOutcome | None) -> Status:
         "pools": {role: round(rate, 6) for role, rate in rates.items()},
         "fleetWide": result.degraded,
         "signalUnavailable": result.unavailable,
+        **(guard or GuardState()).drain_record(),
     }
     if scale is not None:
         hint = scale.hint
@@ -230,14 +240,17 @@ class FleetTick:
         uid, name, namespace = str(meta["uid"]), str(meta["name"]), str(meta["namespace"])
         current = dict(resource.get("status") or {})
         try:
+            if uid not in self.states:  # a restarted operator keeps its drain record
+                self.states[uid] = LoopState(GuardState.restored(current.get("anomaly")))
             result = anomaly_tick(
                 snapshot,
                 source,
                 name=name,
                 namespace=namespace,
                 spec=spec.anomaly_guard,
-                state=self.states.setdefault(uid, LoopState()),
+                state=self.states[uid],
                 now=now,
+                desired=desired_counts(current),
             )
             before = self.measured_for(uid, current)
             engine = {c.LABEL_NAME: name, c.LABEL_APP_NAME: c.APP_ENGINE}
@@ -258,7 +271,7 @@ class FleetTick:
                 float(spec.engine.drain_seconds),
                 now,
             )
-            measured = measured_from(result, scaled, retired)
+            measured = measured_from(result, scaled, retired, self.states[uid].guard)
             self.measured[uid] = measured
         except Exception:  # one resource's failure must not stop the others' tick
             log.exception("fleet tick of %s/%s failed", namespace, name)
@@ -280,10 +293,13 @@ class FleetTick:
 
 
 def measured_from(
-    result: TickResult, scaled: AutoscaleResult, retired: ScaleDownResult | None = None
+    result: TickResult,
+    scaled: AutoscaleResult,
+    retired: ScaleDownResult | None = None,
+    guard: GuardState | None = None,
 ) -> Measured:
     """One resource's findings of this tick, as the passes write them."""
-    sections = anomaly_status(result, scaled.scale)
+    sections = anomaly_status(result, scaled.scale, guard)
     if scaled.entry is not None:
         sections[STATUS_KEY] = scaled.entry
     return Measured(

@@ -7,7 +7,7 @@ Series come from a seeded generator so every run replays the same numbers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pytest
@@ -291,13 +291,17 @@ def _hot_pods(n: int, bad: set[str], draining: set[str] = frozenset()) -> list[P
 
 
 def _run(
-    spec: AnomalyGuardSpec, pods: list[PodView], ticks: int = 2
+    spec: AnomalyGuardSpec,
+    pods: list[PodView],
+    ticks: int = 2,
+    state: GuardState | None = None,
+    desired: dict[str, int] | None = None,
 ) -> tuple[list[str], dict[str, str]]:
-    state = GuardState()
+    state = state or GuardState()
     drained: list[str] = []
     blocked: dict[str, str] = {}
     for t in range(ticks):
-        d = decide(spec, pods, state, 1000.0 + t * TICK)
+        d = decide(spec, pods, state, 1000.0 + t * TICK, desired=desired)
         state = d.state
         drained += [o.name for o in d.drains]
         blocked = d.blocked
@@ -317,6 +321,36 @@ def test_circuit_breaker_caps_pods_draining_at_once() -> None:
     pods = _hot_pods(8, {"d0"}, draining={"d6", "d7"})
     drained, blocked = _run(SPEC, pods)
     assert drained == [] and "circuit breaker" in blocked["d0"]
+
+
+def test_pods_not_ready_or_missing_count_against_the_circuit_breaker() -> None:
+    """Regression (issue 15): only pods out of rotation counted, so a pool with replacements
+    still starting (not Ready, or not created yet) could lose another pod to a drain."""
+    pods = _hot_pods(8, {"d0"})
+    starting = [replace(p, ready=False) if p.name in ("d6", "d7") else p for p in pods]
+    drained, blocked = _run(SPEC, starting)
+    assert drained == [] and "2 unavailable" in blocked["d0"]
+    drained, blocked = _run(SPEC, pods[:6], desired={"decode": 8})  # two being replaced
+    assert drained == [] and "circuit breaker" in blocked["d0"]
+    assert _run(SPEC, pods, desired={"decode": 8})[0] == ["d0"]
+
+
+def test_a_restarted_loop_keeps_its_cooldown_and_hourly_budget() -> None:
+    """Regression (issue 15): the last drain and the drain count lived in memory only, so an
+    operator restart (or a crash loop) reset the cooldown and let drains run unbounded."""
+    pods = _hot_pods(8, {"d0"})
+    before = GuardState(last_drain={"decode": 990.0}, recent_drains=(990.0,))
+    record = GuardState.restored(before.drain_record())
+    assert record.last_drain == {"decode": 990.0} and record.recent_drains == (990.0,)
+    drained, blocked = _run(SPEC, pods, state=record)
+    assert drained == [] and "cooldown" in blocked["d0"]
+    spent = GuardState.restored(
+        GuardState(recent_drains=tuple(900.0 + t for t in range(6))).drain_record()
+    )
+    drained, blocked = _run(SPEC, pods, state=spent)  # 6 drains this hour: the default budget
+    assert drained == [] and "replacement budget" in blocked["d0"]
+    later = GuardState(recent_drains=tuple(t - 3600.0 for t in spent.recent_drains))
+    assert _run(SPEC, pods, state=later)[0] == ["d0"]
 
 
 def test_cooldown_spaces_drains_in_a_pool() -> None:

@@ -16,6 +16,7 @@ from cas_operator.api import constants as c
 from cas_operator.autoscale.loop import Autoscaler
 from cas_operator.fleet_tick import FleetTick, PodSnapshot
 from cas_operator.observe.types import PodSignals
+from cas_operator.types import rfc3339
 from tests.fakes import HEALTHY, CannedMetrics, MemoryPods
 
 CORRUPT = PodSignals(checked=2000, trips_low_accept=80, trips_high_accept=0, running=4)
@@ -142,6 +143,26 @@ def test_a_corrupted_pod_is_drained_only_in_its_own_resource() -> None:
         (name, e) for name, e in posted
     ]
     assert sections(g, "b")["draining"][0]["pod"] == "b-d3"
+
+
+def test_a_drain_is_recorded_in_status_and_a_restarted_tick_keeps_its_cooldown() -> None:
+    """Regression (issue 15): a restarted operator forgot its last drain and drained again
+    at once; the record now travels in status.anomaly."""
+    store, source = fleets(), CannedMetrics()
+    source.by_name["b-d3"] = source.by_name["b-d1"] = CORRUPT
+    spec = {"model": {"name": "glm-5"}, "anomalyGuard": {"maxDrainingPercent": 100}}
+    g, _ = guard(store, source)
+    for t in (0, 5):
+        g.tick([{**resource("b"), "spec": spec}], now=T0 + t)
+    record = sections(g, "b")["anomaly"]
+    assert record["lastDrain"] == {"decode": rfc3339(T0 + 5)}
+    assert record["recentDrains"] == [rfc3339(T0 + 5)]
+    restarted, _ = guard(store, source)
+    for t in (10, 15, 20):
+        restarted.tick([{**resource("b", status={"anomaly": record}), "spec": spec}], now=T0 + t)
+    drained = [n for (_, n), p in store.pods.items() if ANNOTATION_DRAINING_SINCE in
+               p["metadata"]["annotations"]]  # fmt: skip
+    assert len(drained) == 1, drained  # the second bad pod waits for the cooldown
 
 
 def test_a_failing_event_post_does_not_cost_the_findings() -> None:

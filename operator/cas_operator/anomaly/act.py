@@ -186,6 +186,7 @@ def anomaly_tick(
     policy: Policy | None = None,
     drain_policy: DrainPolicy | None = None,
     routers: Routers | None = None,
+    desired: dict[str, int] | None = None,
 ) -> TickResult:
     """One observe -> decide -> act pass for one CodingAgentServing.
 
@@ -196,7 +197,8 @@ def anomaly_tick(
     3. decide (pure); 4. start the drains it ordered (label off, annotations) and deregister
     every draining pod, and every pod being deleted, from every router replica (`routers`,
     default: the resource's router pods over HTTP); 5. advance drains in progress;
-    6. report status.draining, the Degraded messages and per-pool anomaly rates;
+    6. report status.draining, the Degraded messages and per-pool anomaly rates.
+    `desired` is each pool's desired instance count (the circuit breaker counts missing ones).
     """
     drain_policy = drain_policy or DrainPolicy()
     pods = engine_pods(api, namespace, name)
@@ -205,7 +207,7 @@ def anomaly_tick(
     decision: AnomalyDecision | None = None
     if spec.enabled:
         views = [view_of(p, observation.signals.get(_meta(p)["name"])) for p in pods]
-        decision = decide(spec, views, state.guard, now, policy)
+        decision = decide(spec, views, state.guard, now, policy, desired)
         state.guard = decision.state
         events += decision.events
         by_name = {_meta(p)["name"]: p for p in pods}

@@ -17,16 +17,22 @@ Rules, in order:
 4. A pod is drained after `enter_observations` hot ticks not broken by `exit_observations`
    clear ticks (Schmitt trigger: ticks in between hold the streak), subject to the action
    (Observe drains nothing), the pool floor (never the last serving instance), the circuit
-   breaker (`maxDrainingPercent` of the pool) and a per-pool cooldown.
+   breaker (`maxDrainingPercent` of the pool's desired count: instances draining, not Ready or
+   missing all count), a per-pool cooldown and a budget of drains per hour
+   (`maxReplacementsPerHour`). The last drain per pool and the drains of the last hour are
+   what `GuardState.restored` reads back from `status.anomaly`, so a restart resets neither.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from cas_operator.api.models import AnomalyGuardSpec, GuardAction
 from cas_operator.observe.types import PodSignals, PodView
+from cas_operator.types import parse_time, rfc3339
 
 REASON_LOW_ACCEPT = "low_accept_length"
 REASON_HIGH_ACCEPT = "high_accept_rate"
@@ -51,6 +57,7 @@ class Policy:
     min_coverage: float = 0.5  # share of serving pods with data needed to act at all
     cooldown_seconds: float = 60.0  # per pool, between two drain starts
     min_serving: int = 1  # floor per pool: serving pods left after a drain
+    budget_window_seconds: float = 3600.0  # maxReplacementsPerHour counts drains this recent
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,27 @@ class GuardState:
     fleet_hot: int = 0
     fleet_clear: int = 0
     last_drain: dict[str, float] = field(default_factory=dict)  # role -> time of last drain
+    recent_drains: tuple[float, ...] = ()  # drain starts of the budget window, any pool
+
+    @classmethod
+    def restored(cls, anomaly: Mapping[str, Any] | None) -> GuardState:
+        """The durable part of a state, from `status.anomaly` (`drain_record` wrote it)."""
+        anomaly = anomaly or {}
+        last = {
+            role: t
+            for role, at in (anomaly.get("lastDrain") or {}).items()
+            if (t := parse_time(at)) is not None
+        }
+        parsed = (parse_time(at) for at in anomaly.get("recentDrains") or [])
+        recent = tuple(t for t in parsed if t is not None)
+        return cls(last_drain=last, recent_drains=recent)
+
+    def drain_record(self) -> dict[str, Any]:
+        """`status.anomaly.lastDrain` and `.recentDrains` (what `restored` reads)."""
+        return {
+            "lastDrain": {role: rfc3339(t) for role, t in sorted(self.last_drain.items())},
+            "recentDrains": [rfc3339(t) for t in self.recent_drains],
+        }
 
 
 @dataclass(frozen=True)
@@ -250,11 +278,13 @@ def _select_drains(
     spec: AnomalyGuardSpec,
     now: float,
     policy: Policy,
+    desired: Mapping[str, int],
 ) -> tuple[list[DrainOrder], dict[str, str], GuardState]:
     """Rule 4's gates, per pool, worst pods (longest streak) first."""
     drains: list[DrainOrder] = []
     blocked: dict[str, str] = {}
     last = dict(state.last_drain)
+    recent = [t for t in state.recent_drains if now - t < policy.budget_window_seconds]
     for role in ROLES:
         pool = [p for p in pods if p.role == role]
         wanted = sorted(
@@ -266,24 +296,31 @@ def _select_drains(
             key=lambda p: (-state.hot_streak.get(p.name, 0), p.name),
         )
         serving = sum(1 for p in pool if p.in_rotation and p.ready)
-        draining = sum(1 for p in pool if not p.in_rotation)
-        cap = drain_capacity(len(pool), spec.max_draining_percent)
+        size = max(len(pool), desired.get(role, 0))
+        unavailable = size - serving  # draining, not Ready, or not there (being replaced)
+        cap = drain_capacity(size, spec.max_draining_percent)
         for pod in wanted:
-            why = _gate(spec, serving, draining, cap, last.get(role), now, policy)
+            why = _gate(spec, serving, unavailable, cap, last.get(role), now, policy)
+            if why is None and len(recent) >= spec.max_replacements_per_hour:
+                why = (
+                    f"replacement budget: {len(recent)} drains in the last hour, "
+                    f"maxReplacementsPerHour is {spec.max_replacements_per_hour}"
+                )
             if why is not None:
                 blocked[pod.name] = why
                 continue
             drains.append(DrainOrder(pod.name, role, verdicts[pod.name].reason))
             serving -= 1 if pod.ready else 0
-            draining += 1
+            unavailable += 1 if pod.ready else 0
             last[role] = now
-    return drains, blocked, replace(state, last_drain=last)
+            recent.append(now)
+    return drains, blocked, replace(state, last_drain=last, recent_drains=tuple(recent))
 
 
 def _gate(
     spec: AnomalyGuardSpec,
     serving: int,
-    draining: int,
+    unavailable: int,
     cap: int,
     last: float | None,
     now: float,
@@ -294,8 +331,11 @@ def _gate(
         return "action is Observe"
     if serving - 1 < policy.min_serving:
         return f"floor: would leave fewer than {policy.min_serving} serving"
-    if draining >= cap:
-        return f"circuit breaker: {draining} draining, maxDrainingPercent allows {cap}"
+    if unavailable >= cap:
+        return (
+            f"circuit breaker: {unavailable} unavailable (draining, not Ready or missing), "
+            f"maxDrainingPercent allows {cap}"
+        )
     if last is not None and now - last < policy.cooldown_seconds:
         return f"cooldown: last drain {now - last:.0f}s ago"
     return None
@@ -331,8 +371,10 @@ def decide(
     state: GuardState,
     now: float,
     policy: Policy | None = None,
+    desired: Mapping[str, int] | None = None,
 ) -> AnomalyDecision:
-    """One tick: judge every in-rotation pod, update hysteresis, pick drains (or none)."""
+    """One tick: judge every in-rotation pod, update hysteresis, pick drains (or none).
+    `desired`: each pool's desired instance count (missing ones count as unavailable)."""
     policy = policy or Policy()
     verdicts = [
         judge_pod(p, [q for q in pods if q.role == p.role and q.in_rotation], spec, policy)
@@ -352,7 +394,9 @@ def decide(
         why = "fleet-wide incident" if degraded is not None else "signal unavailable"
         blocked = {n: why for n, h in state.hot_streak.items() if h >= policy.enter_observations}
     elif spec.enabled:
-        drains, blocked, state = _select_drains(pods, by_name, state, spec, now, policy)
+        drains, blocked, state = _select_drains(
+            pods, by_name, state, spec, now, policy, desired or {}
+        )
     for order in drains:
         events.append(("Warning", "DrainingPod", f"{order.role} pod {order.name}: {order.reason}"))
     for name, why in sorted(blocked.items()):  # once, when the pod first becomes wanted

@@ -400,7 +400,20 @@ class AnomalyGuardSpec(Spec):
     pod_anomaly_rate_threshold: float = Field(default=0.001, ge=0.0, le=1.0)
     window_seconds: int = Field(default=300, ge=10, le=86400)
     action: GuardAction = GuardAction.REPLACE
-    max_draining_percent: int = Field(default=25, ge=0, le=100)
+    max_draining_percent: int = Field(
+        default=25,
+        ge=0,
+        le=100,
+        description="Most of a pool that may be unavailable (draining, not Ready, or missing "
+        "from its desired count) for the loop to start another drain.",
+    )
+    max_replacements_per_hour: int = Field(
+        default=6,
+        ge=0,
+        le=1000,
+        description="Most drains the loop starts in any hour, over both pools (kept in "
+        "status.anomaly.recentDrains, so a restarted operator keeps counting).",
+    )
 
 
 class CanaryStep(Spec):
