@@ -540,3 +540,30 @@ def test_the_operators_gpu_cap_refuses_a_resource_over_it(
         operator.stop()
         operator.extra_args = ()
         operator.start()
+
+
+@pytest.mark.parametrize("sample", ["minimal.yaml", "multinode-decode.yaml"])
+def test_pods_are_admitted_in_a_namespace_that_enforces_restricted(
+    operator: OperatorProcess, kubectl: Kubectl, namespace: str, sample: str
+) -> None:
+    """Regression (issue 17): engine and router pods ran as root with the default
+    capabilities; the API server's own Pod Security admission refused them in a namespace
+    enforcing "restricted". With `engine.rdma` (IPC_LOCK) it still refuses, with the reason."""
+    kubectl("label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted",
+            "pod-security.kubernetes.io/enforce-version=latest")  # fmt: skip
+    apply(kubectl, namespace, small(sample))
+    wait_ready(kubectl, namespace, load_sample(sample)["metadata"]["name"])
+    pods = json.loads(kubectl("get", "pods", "-n", namespace, "-o", "json"))["items"]
+    roles = {p["metadata"]["labels"]["cas.dev/role"] for p in pods}
+    assert roles == {"prefill", "decode", "router"}, roles
+    if sample != "minimal.yaml":
+        return
+    kubectl("delete", "cas", "--all", "-n", namespace, "--wait=true", timeout=120)
+    apply(kubectl, namespace, small(sample, engine={"rdma": {"resource": "rdma/hca"}}))
+
+    def refused() -> str:
+        out = kubectl("get", "events", "-n", namespace, "--field-selector", "reason=FailedCreate",
+                      "-o", "jsonpath={.items[*].message}")  # fmt: skip
+        return out if "violates PodSecurity" in out else ""
+
+    assert "IPC_LOCK" in wait_until("RDMA pods refused by Pod Security", refused)

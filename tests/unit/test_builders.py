@@ -324,3 +324,56 @@ def test_engine_pods_wait_for_requests_in_flight_before_they_stop() -> None:
         if m["kind"] == "Deployment" and m["metadata"]["labels"][c.LABEL_ROLE] != "router"
     ]
     assert [p["terminationGracePeriodSeconds"] for p in engines] == [630, 630]
+
+
+def pod_specs(plan: Plan) -> dict[str, dict[str, Any]]:
+    """Pod spec by workload name (an LWS: its leader's and its worker's)."""
+    found: dict[str, dict[str, Any]] = {}
+    for m in build_all(Owner("demo", "ns", "uid-1"), plan):
+        spec = m.get("spec", {})
+        if "template" in spec:
+            found[m["metadata"]["name"]] = spec["template"]["spec"]
+        for part in ("leaderTemplate", "workerTemplate"):
+            if part in spec.get("leaderWorkerTemplate", {}):
+                found[f"{m['metadata']['name']}/{part}"] = spec["leaderWorkerTemplate"][part][
+                    "spec"
+                ]
+    return found
+
+
+@pytest.mark.parametrize("sample_file", SAMPLE_FILES)
+def test_every_pod_meets_the_restricted_pod_security_level(sample_file: str) -> None:
+    """Regression (issue 17): engine and router pods ran as the image's user (root in the
+    SGLang image) with every default capability. The API server's own Pod Security admission
+    is checked in e2e/tests/test_operator_core.py."""
+    _, plan = plan_sample(sample_file)
+    for name, spec in pod_specs(plan).items():
+        pod = spec["securityContext"]
+        assert pod["runAsNonRoot"] and pod["runAsUser"] != 0, name
+        assert pod["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        for container in spec["containers"]:
+            ctx = container["securityContext"]
+            assert ctx == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+        engine = "router" not in name
+        assert spec.get("automountServiceAccountToken", True) is not engine, (
+            name
+        )  # router: discovery
+        if engine:
+            assert {"name": "HOME", "value": "/tmp"} in spec["containers"][0]["env"]
+            shm = next(v for v in spec["volumes"] if v["name"] == "shm")
+            assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "32Gi"}
+
+
+def test_rdma_opt_in_adds_only_ipc_lock_and_the_device_resource() -> None:
+    plan = plan_of(engine={"rdma": {"resource": "rdma/roce", "count": 2}})
+    for name, spec in pod_specs(plan).items():
+        (container,) = spec["containers"]
+        if "router" in name:
+            assert "add" not in container["securityContext"]["capabilities"]
+            continue
+        assert container["securityContext"]["capabilities"] == {
+            "drop": ["ALL"],
+            "add": ["IPC_LOCK"],
+        }
+        assert container["resources"]["limits"]["rdma/roce"] == "2"
+        assert container["resources"]["requests"]["rdma/roce"] == "2"

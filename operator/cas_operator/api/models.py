@@ -202,6 +202,21 @@ _OWNED_FLAGS_RE = "^(" + "|".join(sorted(c.OWNED_ENGINE_FLAGS)) + ")(=.*)?$"
 _OWNED_ENV = ", ".join(f"'{name}'" for name in sorted(c.OWNED_ENGINE_ENV))
 
 
+class RdmaSpec(Spec):
+    """RDMA for KV transfers (mooncake over InfiniBand/RoCE): the device resource the
+    cluster's RDMA device plugin offers, and IPC_LOCK for pinned memory. Pods that have it
+    are above the "restricted" Pod Security level (their namespace must allow it)."""
+
+    resource: str = Field(
+        default="rdma/hca",
+        min_length=1,
+        max_length=253,
+        pattern=r"^([a-z0-9.-]+/)?[A-Za-z0-9._-]+$",
+        description="Extended resource name of one RDMA device (the device plugin's).",
+    )
+    count: int = Field(default=1, ge=1, le=16, description="RDMA devices per engine pod.")
+
+
 class EngineSpec(Spec):
     model_config = _config(
         cel(
@@ -254,6 +269,16 @@ class EngineSpec(Spec):
         description="Most seconds a deleted engine pod waits for its requests in flight to "
         "finish before it stops (its preStop hook; terminationGracePeriodSeconds is this plus "
         "30). Long coding-agent generations run for minutes.",
+    )
+    shm_size: Quantity = Field(
+        default="32Gi",
+        description="Size of the pods' /dev/shm (memory-backed; NCCL and the HiCache host "
+        "pool use it).",
+    )
+    rdma: RdmaSpec | None = Field(
+        default=None,
+        description="Opt in to RDMA devices and IPC_LOCK; without it engine pods meet the "
+        '"restricted" Pod Security level.',
     )
     transfer_backend: TransferBackend = TransferBackend.MOONCAKE
     speculative: SpeculativeSpec | None = None

@@ -16,6 +16,12 @@ from cas_operator.desired.resources.meta import (
     selector_labels,
     with_user_keys,
 )
+from cas_operator.desired.resources.security import (
+    HOME,
+    container_security,
+    pod_security,
+    rdma_resources,
+)
 
 GPU_RESOURCE = "nvidia.com/gpu"
 PRESTOP = ["python3", "-m", "cas_engine.prestop"]
@@ -45,8 +51,9 @@ def pool_labels(plan: Plan, pool: PoolPlan) -> dict[str, str]:
 def _resources(plan: Plan, pool: PoolPlan) -> dict[str, Any]:
     gpus = str(pool.shape.gpus_per_pod)
     user = pool_spec(plan, pool).resources
-    requests = {**((user.requests or {}) if user else {}), GPU_RESOURCE: gpus}
-    limits = {**((user.limits or {}) if user else {}), GPU_RESOURCE: gpus}
+    rdma = rdma_resources(plan)
+    requests = {**((user.requests or {}) if user else {}), GPU_RESOURCE: gpus, **rdma}
+    limits = {**((user.limits or {}) if user else {}), GPU_RESOURCE: gpus, **rdma}
     return {"requests": requests, "limits": limits}
 
 
@@ -88,8 +95,15 @@ def _ports(pool: PoolPlan) -> list[dict[str, Any]]:
 
 
 def _volumes(plan: Plan) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    volumes: list[dict[str, Any]] = [{"name": "shm", "emptyDir": {"medium": "Memory"}}]
-    mounts: list[dict[str, Any]] = [{"name": "shm", "mountPath": "/dev/shm"}]
+    shm = {"medium": "Memory", "sizeLimit": plan.spec.engine.shm_size}
+    volumes: list[dict[str, Any]] = [
+        {"name": "shm", "emptyDir": shm},
+        {"name": "tmp", "emptyDir": {}},  # $HOME and /tmp of a non-root user
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "shm", "mountPath": "/dev/shm"},
+        {"name": "tmp", "mountPath": HOME},
+    ]
     if plan.spec.model.pvc_name:
         volumes.append(
             {"name": "models", "persistentVolumeClaim": {"claimName": plan.spec.model.pvc_name}}
@@ -106,17 +120,20 @@ def pod_template(plan: Plan, pool: PoolPlan, *, serving: bool = True) -> Manifes
         "image": plan.spec.engine.image,
         "command": LAUNCHER,
         "args": engine_args(plan, pool),
-        "env": engine_env(plan),
+        "env": [{"name": "HOME", "value": HOME}, *engine_env(plan)],
         "ports": _ports(pool),
         "resources": _resources(plan, pool),
         "volumeMounts": mounts,
         "lifecycle": _lifecycle(plan, serving=serving),
+        "securityContext": container_security(plan),
         **_probes(serving=serving),
     }
     annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(c.ENGINE_PORT)}
     if pool.role == c.ROLE_PREFILL:
         annotations[c.ANNOTATION_BOOTSTRAP_PORT] = str(c.BOOTSTRAP_PORT)
     spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "securityContext": pod_security(),
         "containers": [container],
         "volumes": volumes,
         "terminationGracePeriodSeconds": plan.spec.engine.drain_seconds + SHUTDOWN_MARGIN_S,

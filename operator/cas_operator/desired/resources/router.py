@@ -15,6 +15,7 @@ from cas_operator.desired.resources.meta import (
     selector_labels,
     with_user_keys,
 )
+from cas_operator.desired.resources.security import container_security, pod_security
 
 ROUTER_MODULE = ["python3", "-m", "sglang_router.launch_router"]
 
@@ -80,6 +81,7 @@ def build_router_deployment(owner: Owner, plan: Plan) -> Manifest:
             "periodSeconds": 15,
             "failureThreshold": 4,
         },
+        "securityContext": container_security(),
     }
     if router.resources:
         container["resources"] = router.resources.model_dump(by_alias=True, exclude_none=True)
@@ -99,6 +101,7 @@ def build_router_deployment(owner: Owner, plan: Plan) -> Manifest:
                 },
                 "spec": {
                     "serviceAccountName": service_account_name(plan),
+                    "securityContext": pod_security(),
                     "containers": [container],
                 },
             },
