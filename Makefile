@@ -82,7 +82,7 @@ sim-demo: setup ## Router + 1 prefill + 2 decode sims on loopback, coding-agent 
 
 ##@ Benchmarks
 
-bench: bench-race bench-guard bench-sim bench-operator bench-anomaly bench-planner ## All benchmarks (never part of make test)
+bench: bench-race bench-guard bench-sim bench-operator bench-anomaly bench-planner bench-lifecycle ## All benchmarks (never part of make test)
 
 bench-sim: setup ## Sim: 256-stream throughput; PD reclaim race Immediate/Upstream/Strict side by side
 	$(PY) -m bench.sim_throughput --streams 256 --tokens 400 --runs 3
@@ -94,6 +94,9 @@ bench-race: setup ## Race reproduction: bad requests per 10,000 by KV reclaim mo
 bench-anomaly: setup bins ## Anomaly reaction: onset -> out of rotation / replaced, false drains
 	$(PY) bench/anomaly.py --out bench/results/anomaly.json
 
+bench-lifecycle: setup bins ## Pod-removal paths under load: sent / failed / cut requests and seconds per path
+	$(PY) bench/lifecycle.py --out bench/results/lifecycle.json
+
 bench-planner: setup ## P:D planner vs 1:1, best fixed, mean-based and exhaustive on the fleet simulator
 	$(PY) -m bench.planner --quick --scale-tables --out bench/results/planner.json
 
@@ -104,4 +107,4 @@ bench-operator: setup bins ## N = 10, 50, 200 resources at once -> Ready latency
 	$(PY) -m bench.operator_scale
 
 .PHONY: run test help setup sysdeps cluster-status e2e crds verify lint lint-docker image typecheck unit bins cluster-up \
-	cluster-down bench bench-race bench-anomaly bench-planner bench-guard bench-operator bench-sim sim-demo
+	cluster-down bench bench-race bench-anomaly bench-lifecycle bench-planner bench-guard bench-operator bench-sim sim-demo

@@ -161,9 +161,12 @@ async def restart_mid_drain(kubectl: Kubectl, namespace: str, stack: LiveStack) 
     scale(kubectl, namespace, 2)
     await asyncio.to_thread(wait_for, "2 decodes", lambda: converged(kubectl, namespace, 1, 2), 180)
     scale(kubectl, namespace, 1)
-    await asyncio.to_thread(wait_for, "a decode retiring", lambda: any(
-        d.get("state") == "Retiring" for d in cas_status(kubectl, namespace).get("draining") or []
-    ), 60)  # fmt: skip
+
+    def retiring() -> bool:
+        draining = cas_status(kubectl, namespace).get("draining") or []
+        return any(d.get("state") in ("Retiring", "Released") for d in draining)
+
+    await asyncio.to_thread(wait_for, "a decode out of rotation for the scale-down", retiring, 90)
     assert stack.operator is not None
     stack.operator.kill()
     await asyncio.sleep(3)

@@ -97,7 +97,7 @@ def test_a_pool_above_its_count_shrinks_only_as_far_as_instances_are_released() 
     for full in (False, True):
         run(kube, SPEC, full=full)
         assert kube.objects[key]["spec"]["replicas"] == 4  # nothing released: nothing cut
-    floor = PoolFloor(revision, c.ROLE_PREFILL, keep=3)
+    floor = PoolFloor(revision, c.ROLE_PREFILL, keep=3, live=4)
     run(kube, SPEC, full=False, measured=Measured(floors=(floor,)))
     assert kube.objects[key]["spec"]["replicas"] == 3
     run(kube, SPEC, full=False, measured=Measured(floors=(replace(floor, keep=0),)))

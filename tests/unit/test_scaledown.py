@@ -21,6 +21,7 @@ from cas_operator.observe.types import PodSignals
 from cas_operator.scaledown.act import older_revisions, scale_down_tick, work_of
 from cas_operator.scaledown.decide import (
     Instance,
+    PoolFloor,
     RetirePolicy,
     RevisionLoad,
     replicas_to_apply,
@@ -96,17 +97,25 @@ def test_a_pod_drained_by_the_anomaly_loop_is_not_chosen() -> None:
 
 
 @pytest.mark.parametrize(
-    ("desired", "observed", "keep", "applied"),
+    ("desired", "observed", "floor", "applied"),
     [
         (4, 2, None, 4),  # up: at once
         (2, 4, None, 4),  # down: nothing released yet
-        (2, 4, 3, 3),
-        (2, 4, 0, 2),  # never below the desired count
-        (2, 3, 4, 3),  # a finding from before a scale-up does not raise it
+        (2, 4, (3, 4), 3),
+        (2, 4, (0, 4), 2),  # never below the desired count
+        (2, 3, (3, 4), 3),  # a finding from before a scale-up does not raise it
+        (2, 3, (3, 3), 3),  # after the released pod went: no second cut
+        # Regression (bench-lifecycle): a finding from before a scale-up (it saw 1 instance)
+        # lowered the workload at once when the count dropped again, and the ReplicaSet
+        # removed a pod that was never retired.
+        (1, 2, (1, 1), 2),
     ],
 )
-def test_replicas_to_apply(desired: int, observed: int, keep: int | None, applied: int) -> None:
-    assert replicas_to_apply(desired, observed, keep) == applied
+def test_replicas_to_apply(
+    desired: int, observed: int, floor: tuple[int, int] | None, applied: int
+) -> None:
+    found = PoolFloor("r1", "decode", *floor) if floor else None
+    assert replicas_to_apply(desired, observed, found) == applied
 
 
 def test_kv_transfers_in_flight_count_as_work() -> None:

@@ -136,7 +136,7 @@ def gate_scale_down(
     """Step 2b: a workload's replica count goes down only as far as the scale-down loop has
     released instances (its ReplicaSet or LWS then removes exactly those); up at once."""
     seen = {(w.kind, w.name): w for w in observed}
-    keep = {(f.revision, f.role): f.keep for f in floors}
+    found_floors = {(f.revision, f.role): f for f in floors}
     for m in manifests:
         found = (
             seen.get((m["kind"], m["metadata"]["name"])) if m["kind"] in WORKLOAD_KINDS else None
@@ -144,7 +144,7 @@ def gate_scale_down(
         if found is None or found.role == c.ROLE_ROUTER:
             continue
         desired = int(m["spec"]["replicas"])
-        floor = keep.get((found.revision, found.role))
+        floor = found_floors.get((found.revision, found.role))
         m["spec"]["replicas"] = replicas_to_apply(desired, found.replicas, floor)
 
 

@@ -143,7 +143,7 @@ def scale_down_tick(
         why = f"scale-down of the {role} pool from {len(instances)} to {desired} instances"
         namespace = str(mine[0]["metadata"].get("namespace", ""))
         events += _act(api, namespace, role, step, why, now)
-        floors.append(PoolFloor(str(revision), role, step.keep))
+        floors.append(PoolFloor(str(revision), role, step.keep, len(instances)))
     return ScaleDownResult(events, tuple(floors), older_revisions(pods, signals, str(revision)))
 
 

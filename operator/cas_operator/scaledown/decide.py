@@ -109,22 +109,28 @@ def retire_step(
     return RetireStep(len(instances) - released, mark, release, restore)
 
 
-def replicas_to_apply(desired: int, observed: int | None, keep: int | None) -> int:
+def replicas_to_apply(desired: int, observed: int | None, floor: PoolFloor | None) -> int:
     """The count the reconcile applies to a workload: the desired one, except that a
-    scale-down goes only as far as released instances allow (`keep`, the fleet tick's last
-    finding; None: nothing released yet, so the workload keeps what it has)."""
+    scale-down goes only as far as released instances allow (`floor`, the fleet tick's last
+    finding). A finding that saw fewer instances than the workload has now predates its
+    newest pods (a scale-up a moment ago): it says nothing about them, so the workload keeps
+    what it has until the next tick, as without a finding."""
     if observed is None or desired >= observed:
         return desired
-    return max(desired, min(observed, observed if keep is None else keep))
+    if floor is None or floor.live < observed:
+        return observed
+    return max(desired, min(observed, floor.keep))
 
 
 @dataclass(frozen=True)
 class PoolFloor:
-    """The fleet tick's finding for one pool: its workload may shrink to `keep` instances."""
+    """The fleet tick's finding for one pool: of the `live` instances it saw, the workload
+    may shrink to `keep` (the others are released)."""
 
     revision: str
     role: str
     keep: int
+    live: int
 
 
 @dataclass(frozen=True)
