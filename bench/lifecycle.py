@@ -14,7 +14,9 @@ fleet has converged (status at the new counts, nothing draining, one revision le
   SIGKILLed while a decode is Retiring and started again.
 
 Per path: requests sent while it ran, failed (an HTTP error or no answer), cut (an answer or a
-stream that ended short of its tokens), and the seconds until converged. Prints a table and
+stream that ended short of its tokens), retried (a connection that closed or was refused
+before the request went out, retried once as the OpenAI SDK does; a second such error is a
+failure), and the seconds until converged. Prints a table and
 writes ``bench/results/lifecycle.json``: a list of ``{path, sent, failed, cut, seconds}``.
 Not covered (said in docs/architecture.md): an operator upgrade with a changed build and a node
 drain through evictions (KWOK deletes a pod object at once, so an evicted pod's deregistration
@@ -59,6 +61,7 @@ class Request:
     ended: float = 0.0
     failed: bool = False
     cut: bool = False
+    retried: bool = False  # a connection that closed before the request went out, retried
     error: str = ""
 
 
@@ -81,8 +84,16 @@ class Load:
             step += 1
             tokens, stream = TOKENS[step % 2], (agent + step) % 2 == 0
             request = Request(time.monotonic())
+            prompt = f"agent {agent} step {step}"
             try:
-                got = await self._one(session, f"agent {agent} step {step}", tokens, stream)
+                try:
+                    got = await self._one(session, prompt, tokens, stream)
+                except aiohttp.ClientOSError as exc:
+                    # Not sent: a kept-alive connection the server closed as the client reused
+                    # it, or a refused connect. The OpenAI SDK retries these (max_retries=2); so
+                    # does this client, once, and counts it.
+                    request.retried, request.error = True, f"retried: {exc!r}"[:200]
+                    got = await self._one(session, prompt, tokens, stream)
                 request.cut = got != tokens
                 request.error = (
                     f"{got} of {tokens} tokens (stream: {stream})" if request.cut else ""
@@ -122,10 +133,10 @@ class Load:
         return [r for r in self.done if start <= r.started < end or start <= r.ended < end]
 
 
-def sample() -> dict[str, Any]:
+def sample(prefill: int, decode: int) -> dict[str, Any]:
     cas: dict[str, Any] = yaml.safe_load((REPO_ROOT / "config/samples/minimal.yaml").read_text())
-    cas["spec"]["prefill"] = {"replicas": 3}
-    cas["spec"]["decode"] = {"replicas": 4}
+    cas["spec"]["prefill"] = {"replicas": prefill}
+    cas["spec"]["decode"] = {"replicas": decode}
     cas["spec"]["engine"] = {"drainSeconds": 120}
     return cas
 
@@ -174,7 +185,7 @@ async def restart_mid_drain(kubectl: Kubectl, namespace: str, stack: LiveStack) 
 
 
 async def run_paths(kubectl: Kubectl, namespace: str, stack: LiveStack, load: Load,
-                    grace: float) -> list[dict[str, Any]]:  # fmt: skip
+                    grace: float, only: str | None = None) -> list[dict[str, Any]]:  # fmt: skip
     engine_env = [{"name": "CAS_BENCH_ROLL", "value": "2"}]
 
     async def act(step: Callable[[], None]) -> None:
@@ -193,6 +204,8 @@ async def run_paths(kubectl: Kubectl, namespace: str, stack: LiveStack, load: Lo
     ]  # fmt: skip
     results = []
     for name, start, (prefill, decode) in paths:
+        if only is not None and only not in name:
+            continue
         print(f"[bench] path: {name}", flush=True)
         began = time.monotonic()
         await start()
@@ -204,13 +217,20 @@ async def run_paths(kubectl: Kubectl, namespace: str, stack: LiveStack, load: Lo
         seen = load.between(began, time.monotonic())
         results.append({"path": name, "sent": len(seen),
                         "failed": sum(r.failed for r in seen), "cut": sum(r.cut for r in seen),
+                        "retried": sum(r.retried for r in seen),
                         "seconds": round(seconds, 1),
                         "errors": sorted({r.error for r in seen if r.error})[:5]})  # fmt: skip
         print(f"[bench] {results[-1]}", flush=True)
     return results
 
 
-async def live(kubeconfig: Path, kubectl_exe: Path | None, run: Path) -> list[dict[str, Any]]:
+START = {"decode": (3, 4), "prefill": (3, 2), "kubectl": (1, 2), "engine": (1, 1),
+         "operator": (1, 1)}  # fmt: skip
+
+
+async def live(
+    kubeconfig: Path, kubectl_exe: Path | None, run: Path, only: str | None = None
+) -> list[dict[str, Any]]:
     kubectl = _kubectl(kubeconfig, kubectl_exe)
     namespace = f"bench-lifecycle-{uuid.uuid4().hex[:6]}"
     await asyncio.to_thread(apply_crds, kubectl)
@@ -221,10 +241,11 @@ async def live(kubeconfig: Path, kubectl_exe: Path | None, run: Path) -> list[di
     load: Load | None = None
     try:
         stack.start(log=lambda line: print(f"[live] {line}", flush=True))
-        cas = sample()
+        prefill, decode = START[(only or "decode").split()[0]]
+        cas = sample(prefill, decode)
         kubectl("apply", "-n", namespace, "-f", "-", stdin=yaml.safe_dump(probed_by_runner(cas)))
-        await asyncio.to_thread(wait_for, "the fleet", lambda: converged(kubectl, namespace, 3, 4),
-                                240)  # fmt: skip
+        await asyncio.to_thread(wait_for, "the fleet", lambda: converged(
+            kubectl, namespace, prefill, decode), 240)  # fmt: skip
         ip = kubectl("get", "service", NAME, "-n", namespace, "-o", "jsonpath={.spec.clusterIP}")
         load = Load(f"http://{ip}")
         traffic = asyncio.create_task(load.run())
@@ -233,8 +254,12 @@ async def live(kubeconfig: Path, kubectl_exe: Path | None, run: Path) -> list[di
         await asyncio.to_thread(wait_for, "traffic through the entry Service",
                                 lambda: sum(not r.failed for r in load.done) >= 8, 120)  # fmt: skip
         return await run_paths(kubectl, namespace, stack, load,
-                               float(cas["spec"]["engine"]["drainSeconds"]))  # fmt: skip
+                               float(cas["spec"]["engine"]["drainSeconds"]), only)  # fmt: skip
     finally:
+        if stack.operator is not None:  # what the operator did, for a path that failed
+            kept = Path("bench/results/lifecycle-operator.log")
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            kept.write_text(stack.operator.log_path.read_text(errors="replace"))
         if load is not None:
             load.stop.set()
         if traffic is not None:
@@ -247,12 +272,14 @@ async def live(kubeconfig: Path, kubectl_exe: Path | None, run: Path) -> list[di
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python bench/lifecycle.py")
     p.add_argument("--out", type=Path, default=Path("bench/results/lifecycle.json"))
+    p.add_argument("--only", help="run only the path whose name contains this (e.g. engine)")
     args = p.parse_args(argv)
     with _cluster() as (kubeconfig, kubectl_exe), tempfile.TemporaryDirectory() as tmp:
-        results = asyncio.run(live(kubeconfig, kubectl_exe, Path(tmp)))
-    print(f"\n{'path':<28} {'sent':>5} {'failed':>6} {'cut':>4} {'seconds':>8}")
+        results = asyncio.run(live(kubeconfig, kubectl_exe, Path(tmp), args.only))
+    print(f"\n{'path':<28} {'sent':>5} {'failed':>6} {'cut':>4} {'retried':>7} {'seconds':>8}")
     for r in results:
-        print(f"{r['path']:<28} {r['sent']:>5} {r['failed']:>6} {r['cut']:>4} {r['seconds']:>8}")
+        print(f"{r['path']:<28} {r['sent']:>5} {r['failed']:>6} {r['cut']:>4} {r['retried']:>7} "
+              f"{r['seconds']:>8}")  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
     return 0 if all(r["failed"] == 0 and r["cut"] == 0 for r in results) else 1

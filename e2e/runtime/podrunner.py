@@ -370,8 +370,16 @@ class PodRunner:
         (`hook`) and still runs. Returns what it did."""
         run = self.running.pop(key)
         launch = run.launch
-        if not (hook and launch.prestop and procs.is_running(run.record)):
+        if not hook or not procs.is_running(run.record):
             return procs.stop(run.record, grace_s=5.0)
+        if not launch.prestop:  # as a kubelet: SIGTERM, then the pod's grace (a router drains)
+            threading.Thread(
+                target=lambda: print(
+                    f"podrunner: {procs.stop(run.record, grace_s=launch.grace_s)}", flush=True
+                ),
+                daemon=True,
+            ).start()
+            return f"SIGTERM to {launch.namespace}.{launch.name} (up to {launch.grace_s:.0f}s)"
         name = f"{launch.namespace}.{launch.name}"
         record = procs.spawn(f"{name}.prestop", list(launch.prestop), self.log_dir,
                              env=dict(launch.env), netns=self._netns(launch))  # fmt: skip
@@ -388,7 +396,8 @@ class PodRunner:
         while procs.is_running(hook) and time.monotonic() < deadline:
             time.sleep(0.2)
         procs.stop(hook, grace_s=1.0)
-        print(f"podrunner: {procs.stop(engine, grace_s=5.0)} after preStop", flush=True)
+        left = max(2.0, deadline - time.monotonic())  # the kubelet gives SIGTERM at least 2 s
+        print(f"podrunner: {procs.stop(engine, grace_s=left)} after preStop", flush=True)
         self.draining.pop(uid, None)
 
     def _scrape_targets(

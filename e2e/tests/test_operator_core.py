@@ -8,12 +8,14 @@ where the shape under test allows, to fit several fleets on the fake nodes at on
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
 import subprocess
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -41,6 +43,21 @@ def operator(cluster: Any, kubectl: Kubectl) -> Iterator[OperatorProcess]:
         yield proc
     finally:
         proc.stop()
+
+
+@contextlib.contextmanager
+def restarted(operator: OperatorProcess, *args: str) -> Iterator[OperatorProcess]:
+    """The session's operator restarted with `args`, and restarted as it was afterwards."""
+    before = operator.extra_args
+    operator.stop()
+    operator.extra_args = args
+    operator.start()
+    try:
+        yield operator
+    finally:
+        operator.stop()
+        operator.extra_args = before
+        operator.start()
 
 
 def wait_until(what: str, probe: Callable[[], Any], timeout: float = READY_TIMEOUT_S) -> Any:
@@ -522,10 +539,7 @@ def test_the_operators_gpu_cap_refuses_a_resource_over_it(
 ) -> None:
     """`cas-operator --max-gpus-per-resource`: a resource planning more GPUs is reported
     (Degraded/InvalidSpec naming the field and the cap) and gets no workloads."""
-    operator.stop()
-    operator.extra_args = ("--max-gpus-per-resource", "16")
-    try:
-        operator.start()
+    with restarted(operator, "--max-gpus-per-resource", "16"):
         apply(kubectl, namespace, small("minimal.yaml", decode={"replicas": 2}))
 
         def refused() -> dict[str, Any]:
@@ -536,10 +550,6 @@ def test_the_operators_gpu_cap_refuses_a_resource_over_it(
         assert degraded["reason"] == "InvalidSpec", degraded
         assert "spec.decode.replicas: 2:2 needs 32 GPUs" in degraded["message"], degraded
         assert children(kubectl, namespace, "deploy", "minimal") == []
-    finally:
-        operator.stop()
-        operator.extra_args = ()
-        operator.start()
 
 
 @pytest.mark.parametrize("sample", ["minimal.yaml", "multinode-decode.yaml"])
@@ -567,3 +577,37 @@ def test_pods_are_admitted_in_a_namespace_that_enforces_restricted(
         return out if "violates PodSecurity" in out else ""
 
     assert "IPC_LOCK" in wait_until("RDMA pods refused by Pod Security", refused)
+
+
+def test_two_operators_with_leader_election_never_act_at_once(
+    operator: OperatorProcess, kubectl: Kubectl, namespace: str, tmp_path: Path
+) -> None:
+    """Regression (issue 17): two replicas of the operator both acted (both drained, both
+    applied). With --leader-elect only the Lease holder acts; the standby takes over when the
+    holder dies (SIGKILL: no release), within the Lease duration, and carries on."""
+    elect = ("--leader-elect", "--leader-elect-namespace", namespace, "-n", namespace)
+    first, second = (OperatorProcess(operator.kubeconfig, tmp_path / f"{n}.log", extra_args=elect)
+                     for n in ("first", "second"))  # fmt: skip
+    with restarted(operator, "-n", "default"):  # the session's operator leaves this namespace
+        first.start()
+        try:
+            wait_until("first to lead", lambda: "leading: Lease" in first.log_tail(200), 60)
+            second.start()
+            wait_until("second to stand by", lambda: "standing by" in second.log_tail(200), 60)
+            apply(kubectl, namespace, small("minimal.yaml"))
+            wait_ready(kubectl, namespace, "minimal")
+            assert "re-applying" not in second.log_tail(400) and "applied" not in second.log_tail(
+                400
+            ), second.log_tail(40)
+            first.kill()
+            patch = {"spec": {"decode": {"replicas": 2}}}
+            kubectl("patch", "cas", "minimal", "-n", namespace, "--type=merge",
+                    "-p", json.dumps(patch))  # fmt: skip
+            wait_until("second to lead", lambda: "leading: Lease" in second.log_tail(200), 60)
+            cas = wait_until("the change applied by the new leader", lambda: (
+                c := get_json(kubectl, "cas", "minimal", "-n", namespace)
+            )["status"].get("decode", {}).get("readyReplicas") == 2 and c)  # fmt: skip
+            assert cas["status"]["decode"]["replicas"] == 2
+        finally:
+            first.stop()
+            second.stop()

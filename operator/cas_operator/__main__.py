@@ -13,6 +13,7 @@ import sys
 
 import kopf
 
+from cas_operator.api import constants as c
 from cas_operator.api.limits import MAX_GPUS_ENV
 
 
@@ -42,6 +43,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help=f"refuse a resource that plans more GPUs than this (sets {MAX_GPUS_ENV})",
     )
+    parser.add_argument(
+        "--leader-elect",
+        action="store_true",
+        help="act only while holding a Lease (run several replicas; one acts)",
+    )
+    parser.add_argument(
+        "--leader-elect-namespace",
+        default=os.environ.get("POD_NAMESPACE", "default"),
+        help="namespace of the Lease (default: $POD_NAMESPACE, else default)",
+    )
+    parser.add_argument("--leader-elect-name", default="cas-operator", help="the Lease's name")
     parser.add_argument("-v", "--verbose", action="store_true")
     return parser.parse_args(argv)
 
@@ -78,6 +90,10 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     if args.max_gpus_per_resource is not None:  # the handlers read it once, at import
         os.environ[MAX_GPUS_ENV] = str(args.max_gpus_per_resource)
+    if args.leader_elect:  # the handlers read it at start-up
+        os.environ[c.LEADER_ELECTION_ENV] = (
+            f"{args.leader_elect_namespace}/{args.leader_elect_name}"
+        )
     import cas_operator.handlers  # noqa: F401  (registers the handlers)
 
     if args.metrics_port:

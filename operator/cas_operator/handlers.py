@@ -19,6 +19,7 @@ import functools
 import logging
 import os
 import random
+import socket
 import time
 from typing import Any
 
@@ -28,7 +29,8 @@ from cas_operator.api import constants as c
 from cas_operator.api.limits import OperatorLimits
 from cas_operator.fleet_tick import FleetTick
 from cas_operator.kube import Kube
-from cas_operator.metrics import GUARD_TICK_SECONDS
+from cas_operator.leader import LeaderElection
+from cas_operator.metrics import GUARD_TICK_SECONDS, LEADER
 from cas_operator.observe.prometheus import PrometheusSource
 from cas_operator.observe.scrape import ScrapeSource
 from cas_operator.observe.types import MetricsSource
@@ -190,9 +192,25 @@ async def on_child_event(labels: kopf.Labels, namespace: str | None, **kwargs: A
     PASSES.child_changed((namespace, owner_name), deleted=kwargs["type"] == "DELETED")
 
 
+async def lead() -> None:
+    """With leader election on, wait until this process holds the Lease (kopf starts no
+    watch before the startup handlers return), then keep it; exit when it is lost."""
+    where = os.environ.get(c.LEADER_ELECTION_ENV)
+    if not where:
+        return
+    namespace, _, name = where.partition("/")
+    identity = f"{socket.gethostname()}-{os.getpid()}"
+    election = LeaderElection(kube(), namespace, name or "cas-operator", identity)
+    await asyncio.to_thread(election.acquire)
+    LEADER.set(1)
+    election.keep(on_lost=lambda: os._exit(1))
+
+
 @kopf.on.startup()
 async def start_fleet_tick(**kwargs: Any) -> None:
-    """Wire the passes to the indexes and start the fleet tick every TICK_SECONDS."""
+    """Hold the Lease (leader election), wire the passes to the indexes and start the fleet
+    tick every TICK_SECONDS."""
+    await lead()
     serving, deployments, lws = (
         kwargs[k] for k in ("serving_index", "deployment_index", "lws_index")
     )

@@ -40,6 +40,7 @@ KINDS: dict[str, KindInfo] = {
     "Service": KindInfo("v1", "services"),
     "Pod": KindInfo("v1", "pods"),
     "Event": KindInfo("v1", "events"),
+    "Lease": KindInfo("coordination.k8s.io/v1", "leases"),
     "Role": KindInfo("rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": KindInfo("rbac.authorization.k8s.io/v1", "rolebindings"),
     "PodDisruptionBudget": KindInfo("policy/v1", "poddisruptionbudgets"),
@@ -175,6 +176,29 @@ class Kube:
                 return None
             raise
         return found
+
+    def create(self, kind: str, namespace: str, manifest: Manifest) -> Manifest | None:
+        """Create; None when it exists already (409)."""
+        try:
+            made: Manifest = self._call("POST", KINDS[kind].base_path(namespace), body=manifest)
+        except ApiException as exc:
+            if exc.status == 409:
+                return None
+            raise
+        return made
+
+    def replace(self, kind: str, namespace: str, name: str, manifest: Manifest) -> Manifest | None:
+        """PUT with the manifest's resourceVersion as a precondition; None when someone
+        else wrote the object first (409)."""
+        try:
+            done: Manifest = self._call(
+                "PUT", f"{KINDS[kind].base_path(namespace)}/{name}", body=manifest
+            )
+        except ApiException as exc:
+            if exc.status == 409:
+                return None
+            raise
+        return done
 
     def delete(self, kind: str, namespace: str, name: str) -> None:
         """Delete with background propagation; a missing object is not an error. (Pods leave

@@ -7,7 +7,7 @@ operator.
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 API_REQUESTS = Counter(
     "cas_operator_api_requests_total",
@@ -39,4 +39,9 @@ REFRESH_WAIT_SECONDS = Histogram(
     "From a child workload's change (or the anomaly loop's finding) to the start of the pass "
     "it queued: how far the refresh workers are behind",
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+
+LEADER = Gauge(
+    "cas_operator_leader",
+    "1 while this process holds the leader-election Lease and acts (0: standing by)",
 )

@@ -155,8 +155,9 @@ def test_an_older_revision_leaves_the_entry_point_first_and_goes_once_idle() -> 
     first = run(kube, V2, generation=2, previous=previous, now=T0)
     new = first.status["revision"]
     assert entry_selector(kube)[c.LABEL_REVISION] == new and not kube.deleted
-    router = kube.objects[("Deployment", f"demo-router-{old}")]
-    assert router["metadata"]["annotations"][c.ANNOTATION_RETIRING_SINCE] == rfc3339(T0)
+    for role in ("router", "prefill", "decode"):
+        marked = kube.objects[("Deployment", f"demo-{role}-{old}")]["metadata"]["annotations"]
+        assert marked[c.ANNOTATION_RETIRING_SINCE] == rfc3339(T0)
     progressing = find_condition(first.status, c.COND_PROGRESSING)["message"]
     assert f"retiring {old}: out of the entry point" in progressing
     previous = first.status
@@ -167,8 +168,10 @@ def test_an_older_revision_leaves_the_entry_point_first_and_goes_once_idle() -> 
                    now=T0 + seconds)  # fmt: skip
 
     at(5, 0.0)  # a reading from before the entry moved may say idle
-    busy = at(20, 3.0)
     assert not kube.deleted
+    busy = at(20, 3.0)  # kube-proxy has dropped the old router: it drains (SIGTERM)
+    assert kube.deleted == [("Deployment", f"demo-router-{old}")]
+    assert [e[1] for e in busy.events] == ["RouterRetired"]
     assert "3 requests in flight" in find_condition(busy.status, c.COND_PROGRESSING)["message"]
     done = at(25, 0.0)
     assert {k for k in kube.objects if old in k[1]} == set()
@@ -184,7 +187,7 @@ def test_an_older_revision_whose_work_is_unknown_goes_after_the_drain_grace() ->
     measured = Measured(older=(RevisionLoad(old, None),))
     kwargs = {"generation": 2, "previous": first.status, "measured": measured, "full": False}
     run(kube, V2, now=T0 + 599, **kwargs)
-    assert not kube.deleted
+    assert kube.deleted == [("Deployment", f"demo-router-{old}")]  # only the router drains
     run(kube, V2, now=T0 + 600, **kwargs)  # engine.drainSeconds: their preStop holds the rest
     assert {k for k in kube.objects if old in k[1]} == set()
 

@@ -118,3 +118,6 @@ OWNED_ENGINE_ENV: Final = frozenset(
 OWNED_ENGINE_ENV_PREFIX: Final = "LWS_"  # LeaderWorkerSet injects these into every container
 MAX_ENGINE_ARGS: Final = 128
 MAX_ENGINE_ARG_LENGTH: Final = 1024
+
+# "namespace/name" of the Lease the operator holds while it acts (`--leader-elect`).
+LEADER_ELECTION_ENV: Final = "CAS_LEADER_ELECTION"

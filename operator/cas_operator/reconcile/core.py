@@ -317,23 +317,32 @@ def retire_stale(
     now: float,
 ) -> Retired:
     """Step 4b, once the current revision is Ready and the entry Service sends only to it:
-    each older revision's router is marked out of the entry point (`cas.dev/retiring-since`),
-    and its children are deleted once its engines are idle (`older`: the fleet tick's reading)
-    or the drain grace is over (`scaledown.decide.retire_revision`)."""
+    each older revision's workloads are marked out of the entry point
+    (`cas.dev/retiring-since`); after `min_wait_seconds` (kube-proxy has dropped the old
+    routers) its router Deployment is deleted: a router pod stops accepting on SIGTERM,
+    finishes what it proxies and closes its clients' kept-alive connections, so they reconnect
+    to the new one; the rest goes once its engines are idle (`older`: the fleet tick's
+    reading) or the drain grace is over (`scaledown.decide.retire_revision`)."""
     out = Retired()
     policy = RetirePolicy(max_wait_seconds=plan.spec.engine.drain_seconds)
     work = {load.revision: load.work for load in older}
     for revision in sorted({w.revision for w in observed if w.revision != plan.revision}):
-        router = next(
-            (w for w in observed if w.revision == revision and w.role == c.ROLE_ROUTER), None
-        )
-        since = router.retiring_since if router is not None else None
-        if router is not None and since is None:
-            mark = {"metadata": {"annotations": {c.ANNOTATION_RETIRING_SINCE: rfc3339(now)}}}
-            kube.patch("Deployment", plan.namespace, router.name, mark)
+        workloads = [w for w in observed if w.revision == revision]
+        marked = [w.retiring_since for w in workloads if w.retiring_since is not None]
+        since = min(marked) if marked else None
+        if since is None:
             since = now
+            mark = {"metadata": {"annotations": {c.ANNOTATION_RETIRING_SINCE: rfc3339(now)}}}
+            for w in workloads:
+                kube.patch(w.kind, plan.namespace, w.name, mark)
         step = retire_revision(since, work.get(revision), now, policy)
         if not step.delete:
+            router = next((w for w in workloads if w.role == c.ROLE_ROUTER), None)
+            if router is not None and now - since >= policy.min_wait_seconds:
+                kube.delete("Deployment", plan.namespace, router.name)
+                out.events.append(
+                    ("Normal", "RouterRetired", f"revision {revision}'s router draining")
+                )
             out.progress += (f"retiring {revision}: {step.progress}",)
             continue
         selector = {c.LABEL_NAME: plan.name, c.LABEL_REVISION: revision}

@@ -149,12 +149,10 @@ class RevisionRetire:
 
 
 def retire_revision(
-    since: float | None, work: float | None, now: float, policy: RetirePolicy
+    since: float, work: float | None, now: float, policy: RetirePolicy
 ) -> RevisionRetire:
     """Whether an older revision's children may go, `since` the entry Service stopped
-    sending to its router (None: it has no router left), with its engines' `work`."""
-    if since is None:
-        return RevisionRetire(True, "no router left")
+    sending to its router, with its engines' `work`."""
     waited = now - since
     if waited < policy.min_wait_seconds:
         return RevisionRetire(False, f"out of the entry point for {waited:.0f}s")

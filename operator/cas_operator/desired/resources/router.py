@@ -102,6 +102,9 @@ def build_router_deployment(owner: Owner, plan: Plan) -> Manifest:
                 "spec": {
                     "serviceAccountName": service_account_name(plan),
                     "securityContext": pod_security(),
+                    # SIGTERM: it stops accepting and finishes what it proxies (measured with
+                    # sglang-router 0.3.2); long generations need the engines' grace.
+                    "terminationGracePeriodSeconds": plan.spec.engine.drain_seconds + 30,
                     "containers": [container],
                 },
             },
