@@ -92,3 +92,29 @@ def requests_served(url: str) -> float:
         return 0.0
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("sglang:num_requests_total"))  # fmt: skip
+
+
+def long_chat(router: str, tokens: int) -> tuple[int, int]:
+    """One non-streaming chat request of exactly `tokens` generated tokens through `router`:
+    (HTTP status, completion tokens); a connection cut raises."""
+    body = {"model": "sim", "messages": [{"role": "user", "content": "refactor the module"}],
+            "max_tokens": tokens, "ignore_eos": True}  # fmt: skip
+    req = urllib.request.Request(f"{router}/v1/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=180) as resp:
+            return resp.status, int(json.loads(resp.read())["usage"]["completion_tokens"])
+    except urllib.error.HTTPError as exc:
+        return exc.code, 0
+
+
+def running(url: str) -> int:
+    """Requests in flight at the engine at `url` (its preStop hook's reading); 0 while it does
+    not answer."""
+    from cas_engine.prestop import in_flight
+
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=3) as resp:
+            return in_flight(resp.read().decode()) or 0
+    except OSError:
+        return 0

@@ -20,6 +20,7 @@ import pytest
 
 from cas_operator.anomaly.drain import ANNOTATION_DRAINING_SINCE
 from e2e.fleet.anomaly_stack import AnomalyStack, wait_for
+from e2e.fleet.fleetview import long_chat, running
 from e2e.traffic.simload import LoadStats, set_fault, steady_traffic
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(240)]
@@ -170,22 +171,3 @@ async def test_a_deleted_pod_finishes_its_request_behind_the_real_router(
         assert stack.pod_names(fresh)[fresh[0]] != pod
     finally:
         await stack.close()
-
-
-def long_chat(router_url: str, tokens: int) -> tuple[int, int]:
-    body = {"model": "sim", "messages": [{"role": "user", "content": "refactor"}],
-            "max_tokens": tokens, "ignore_eos": True}  # fmt: skip
-    req = urllib.request.Request(f"{router_url}/v1/chat/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})  # fmt: skip
-    try:
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            return resp.status, int(json.loads(resp.read())["usage"]["completion_tokens"])
-    except urllib.error.HTTPError as exc:
-        return exc.code, 0
-
-
-def running(url: str) -> int:
-    from cas_engine.prestop import in_flight
-
-    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
-        return in_flight(resp.read().decode()) or 0

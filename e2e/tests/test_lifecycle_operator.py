@@ -13,17 +13,23 @@ from __future__ import annotations
 
 import asyncio
 import json
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from cas_engine.prestop import in_flight
 from cas_engine.sim.fleet import router_available
 from e2e.fleet.anomaly_stack import wait_for
-from e2e.fleet.fleetview import NAME, Kubectl, cas_status, role_pods, router_workers
+from e2e.fleet.fleetview import (
+    NAME,
+    Kubectl,
+    cas_status,
+    long_chat,
+    role_pods,
+    router_workers,
+    running,
+)
 from e2e.fleet.livestack import LiveStack, http_ok, resource_live
 from e2e.paths import REPO_ROOT as ROOT
 
@@ -52,26 +58,6 @@ def decode_urls(kubectl: Kubectl, namespace: str) -> dict[str, str]:
         for p in role_pods(kubectl, namespace, "decode")
         if p.get("status", {}).get("podIP")
     }
-
-
-def running(url: str) -> int:
-    try:
-        with urllib.request.urlopen(f"{url}/metrics", timeout=3) as resp:
-            return in_flight(resp.read().decode()) or 0
-    except OSError:
-        return 0
-
-
-def long_chat(router: str, tokens: int) -> tuple[int, int]:
-    body = {"model": "sim", "messages": [{"role": "user", "content": "refactor the module"}],
-            "max_tokens": tokens, "ignore_eos": True}  # fmt: skip
-    req = urllib.request.Request(f"{router}/v1/chat/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})  # fmt: skip
-    try:
-        with urllib.request.urlopen(req, timeout=180) as resp:
-            return resp.status, int(json.loads(resp.read())["usage"]["completion_tokens"])
-    except urllib.error.HTTPError as exc:
-        return exc.code, 0
 
 
 def retiring(status: dict[str, Any]) -> list[str]:
