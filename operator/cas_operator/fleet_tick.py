@@ -92,7 +92,7 @@ class PodSnapshot:
 class Prefetched:
     """A `MetricsSource` answering from one batched observation per window (taken once per
     tick for every resource's engine pods): the source is asked once per tick and window, not
-    once per resource (at N=200 with Prometheus that was ~2,400 queries per tick; now 14 per
+    once per resource (at N=200 with Prometheus that was ~2,400 queries per tick; now 15 per
     namespace). Pods outside the batch, or a batch that failed, read as unavailable."""
 
     batches: dict[float, Observation]

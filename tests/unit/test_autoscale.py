@@ -19,6 +19,7 @@ from cas_operator.autoscale.controller import (
     ControlState,
     ScaleHint,
     auto_step,
+    failing_sides,
 )
 from cas_operator.autoscale.model import ObservedSignals, SloInputs
 from cas_operator.autoscale.signals import histogram_quantile, observed_signals, quantized
@@ -104,6 +105,23 @@ def test_ttft_p90_from_the_decode_pods_histograms() -> None:
     assert observed_signals(pods[2:], 60.0).ttft_p90_s == pytest.approx(0.45)
     assert histogram_quantile(0.9, [(1.0, 0.0), (inf, 0.0)]) is None  # no requests: unknown
     assert histogram_quantile(0.9, [(1.0, 1.0), (inf, 10.0)]) == 1.0  # in +Inf: top bound
+
+
+def test_itl_from_the_decode_pods_histograms_makes_decode_fail_over_its_slo() -> None:
+    """Regression (issue 15): the ITL SLO had no measured input (ObservedSignals.itl_ms was
+    never set), so a decode pool slowing every token stayed "not failing". The median of the
+    decode pods' per-token histogram (SGLang divides a chunk's interval over its tokens) is
+    compared with the SLO's mean ITL per request."""
+    inf = math.inf
+    slow = ((0.02, 1.0), (0.05, 2.0), (0.1, 10.0), (inf, 10.0))
+    pods = [view("d0", c.ROLE_DECODE, itl_buckets=slow),
+            view("p0", c.ROLE_PREFILL, itl_buckets=((0.001, 9.0), (inf, 9.0)))]  # fmt: skip
+    o = observed_signals(pods, 60.0)
+    assert o.itl_ms == pytest.approx(50.0 + 50.0 * 3.0 / 8.0)  # rank 5 in (0.05, 0.1]
+    slo = SloInputs(ttft_s=4.0, itl_ms=40.0)
+    assert failing_sides(o, slo) == (False, True)
+    assert failing_sides(ObservedSignals(itl_ms=45.0), slo) == (False, False)  # within 1.2x
+    assert observed_signals(pods[1:], 60.0).itl_ms is None  # prefill pods do not decode
 
 
 def test_no_counters_means_unknown_not_zero() -> None:

@@ -431,3 +431,31 @@ def test_prometheus_ttft_buckets_join_per_pod(serve: Callable[[Server], Server])
     assert obs.signals["d1"].ttft_buckets is None  # no series: unknown, not zero
     (q,) = [q for q in srv.seen if "time_to_first_token" in q]
     assert "le)" in q and "[60s]" in q
+
+
+def test_prometheus_itl_buckets_join_per_pod(serve: Callable[[Server], Server]) -> None:
+    """The PromQL path asks for inter-token latency bucket increases by pod and `le`, as for
+    TTFT (issue 15: ITL was not measured at all)."""
+    answers = prom_answers({"d0": 1.0, "d1": 1.0, "p0": 1.0}, {"d0": 1.0, "d1": 1.0, "p0": 1.0})
+
+    def respond(path: str, query: dict[str, list[str]]) -> tuple[int, bytes]:
+        if "inter_token_latency_seconds_bucket" in query["query"][0]:
+            return 200, vector([(pod("d1", le=le), v) for le, v in (("0.05", 7.0), ("+Inf", 9.0))])
+        return answers(path, query)
+
+    srv = serve(Server(respond))
+    obs = PrometheusSource(f"http://127.0.0.1:{srv.port}").observe(TARGETS, 60)
+    assert obs.signals["d1"].itl_buckets == ((0.05, 7.0), (math.inf, 9.0))
+    assert obs.signals["d0"].itl_buckets is None and obs.signals["d1"].ttft_buckets is None
+
+
+def test_scrape_keeps_ttft_and_itl_buckets_apart() -> None:
+    text = exposition(10, 0, 0) + (
+        'sglang:inter_token_latency_seconds_bucket{le="0.05"} 4.0\n'
+        'sglang:inter_token_latency_seconds_bucket{le="+Inf"} 5.0\n'
+        'sglang:time_to_first_token_seconds_bucket{le="+Inf"} 2.0\n'
+    )
+    scrape = parse_exposition(text, 0.0)
+    signals = signals_from(scrape.counters, scrape.gauges, has_guard=True)
+    assert signals.itl_buckets == ((0.05, 4.0), (math.inf, 5.0))
+    assert signals.ttft_buckets == ((math.inf, 2.0),)

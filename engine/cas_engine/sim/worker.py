@@ -468,7 +468,11 @@ class SimWorker:
             run.t_first = now
             self.metrics.ttft.labels(self.m).observe(now - run.t_start)
         else:
-            self.metrics.itl.labels(self.m).observe((now - run.t_last) / max(1, len(pieces)))
+            # As SGLang (metrics_collector.py:2161-2173): the chunk's interval over its tokens,
+            # observed once per token.
+            itl = self.metrics.itl.labels(self.m)
+            for _ in range(max(1, len(pieces))):
+                itl.observe((now - run.t_last) / max(1, len(pieces)))
         run.t_last = now
         run.generated += len(pieces)
         self._kv_used += len(pieces)

@@ -243,13 +243,15 @@ def failing_sides(
     observed: ObservedSignals, slo: SloInputs, tolerance: float = 1.2
 ) -> tuple[bool, bool]:
     """(prefill failing, decode failing) now: prefill when TTFT p90 is over ``tolerance`` x SLO
-    with a prefill queue; decode when its KV is over 95%, or TTFT is over with transferred
-    requests waiting for decode admission. Aborts are not decode evidence (in PD most are
-    prefill time-budget aborts)."""
+    with a prefill queue; decode when its KV is over 95%, when its measured median ITL is over
+    ``tolerance`` x the ITL SLO (decode batches set the inter-token time), or TTFT is over with
+    transferred requests waiting for decode admission. Aborts are not decode evidence (in PD
+    most are prefill time-budget aborts)."""
     ttft_bad = observed.ttft_p90_s is not None and observed.ttft_p90_s > slo.ttft_s * tolerance
     prefill_bad = ttft_bad and (observed.prefill_queue_depth or 0.0) > 0.0
     kv_bad = (observed.decode_kv_usage or 0.0) > 0.95
-    decode_bad = kv_bad or (ttft_bad and (observed.decode_queue_depth or 0.0) > 0.0)
+    itl_bad = observed.itl_ms is not None and observed.itl_ms > slo.itl_ms * tolerance
+    decode_bad = kv_bad or itl_bad or (ttft_bad and (observed.decode_queue_depth or 0.0) > 0.0)
     return prefill_bad, decode_bad
 
 

@@ -188,6 +188,7 @@ def observed_status(o: ObservedSignals) -> Status:
         "decodeKvUsage": o.decode_kv_usage,
         "decodeQueue": o.decode_queue_depth,
         "ttftP90Seconds": o.ttft_p90_s,
+        "itlMilliseconds": o.itl_ms,
         "abortsPerSecond": o.aborts_per_s,
     }
     return {k: v for k, v in fields.items() if v is not None}

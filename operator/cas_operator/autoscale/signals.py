@@ -55,11 +55,11 @@ def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> floa
     return lower
 
 
-def merged_buckets(signals: Sequence[PodSignals]) -> list[tuple[float, float]]:
-    """One histogram from the pods' TTFT buckets (counts summed per bound)."""
+def merged_buckets(signals: Sequence[PodSignals], itl: bool = False) -> list[tuple[float, float]]:
+    """One histogram from the pods' TTFT (or ITL) buckets (counts summed per bound)."""
     merged: dict[float, float] = {}
     for s in signals:
-        for bound, count in s.ttft_buckets or ():
+        for bound, count in (s.itl_buckets if itl else s.ttft_buckets) or ():
             merged[bound] = merged.get(bound, 0.0) + count
     return sorted(merged.items())
 
@@ -68,13 +68,17 @@ def observed_signals(pods: Sequence[PodView], window_s: float) -> ObservedSignal
     """The fleet's load over the window: arrivals from the decode pods' finished requests (each
     PD request ends on one decode; prefill pods count when there are no decode numbers), hit
     rate from the prefill pods' cached/prompt tokens, mean prefill and decode queues, decode KV
-    use, aborts on either side, and TTFT p90 from the decode pods' TTFT histograms (the decode
+    use, aborts on either side, TTFT p90 from the decode pods' TTFT histograms (the decode
     streams the answer, so its TTFT includes prefill, transfer and admission; prefill pods'
-    when decodes have none)."""
+    when decodes have none), and the median ITL from the decode pods' inter-token histograms."""
     prefill, decode = _measured(pods, c.ROLE_PREFILL), _measured(pods, c.ROLE_DECODE)
     ttft = histogram_quantile(0.9, merged_buckets(decode))
     if ttft is None:
         ttft = histogram_quantile(0.9, merged_buckets(prefill))
+    # SGLang observes each chunk's interval divided over its tokens (speculative decoding
+    # emits several at once), so the median token is the request's typical ITL: what the SLO's
+    # mean ITL per request is compared with.
+    itl_s = histogram_quantile(0.5, merged_buckets(decode, itl=True))
     window = max(window_s, 1.0)
     finished = _total([s.requests for s in decode]) or _total([s.requests for s in prefill])
     prompt = _total([s.prompt_tokens for s in prefill])
@@ -90,6 +94,7 @@ def observed_signals(pods: Sequence[PodView], window_s: float) -> ObservedSignal
         decode_queue_depth=_mean([s.queued for s in decode]),
         aborts_per_s=None if aborted is None else aborted / window,
         ttft_p90_s=ttft,
+        itl_ms=None if itl_s is None else itl_s * 1000.0,
     )
 
 
@@ -116,6 +121,6 @@ def quantized(o: ObservedSignals) -> ObservedSignals:
         decode_queue_depth=_two_digits(o.decode_queue_depth),
         transfer_backlog_bytes=o.transfer_backlog_bytes,
         ttft_p90_s=_two_digits(o.ttft_p90_s),
-        itl_ms=o.itl_ms,
+        itl_ms=_two_digits(o.itl_ms),
         aborts_per_s=_two_digits(o.aborts_per_s),
     )

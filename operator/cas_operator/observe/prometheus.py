@@ -74,11 +74,14 @@ class PrometheusSource:
                 for name in m.LOAD_COUNTERS
             },
         }
-        ttft = self._query(
-            "ttft",
-            f"sum by ({self.namespace_label}, {self.pod_label}, le) "
-            f"(increase({m.TTFT_BUCKET}{sel}{w}))",
-            extra="le",
+        ttft, itl = (
+            self._query(
+                purpose,
+                f"sum by ({self.namespace_label}, {self.pod_label}, le) "
+                f"(increase({histogram}{sel}{w}))",
+                extra="le",
+            )
+            for purpose, histogram in (("ttft", m.TTFT_BUCKET), ("itl", m.ITL_BUCKET))
         )
         trips = self._query(
             "trips",
@@ -106,6 +109,9 @@ class PrometheusSource:
             pod_counters = {k: v[key][""] for k, v in counters.items() if key in v}
             pod_counters.update(trips.get(key, {}))
             pod_counters.update({m.bucket_key(le): v for le, v in ttft.get(key, {}).items()})
+            pod_counters.update(
+                {m.bucket_key(le, m.ITL_BUCKET): v for le, v in itl.get(key, {}).items()}
+            )
             pod_gauges = {k: v[key][""] for k, v in gauges.items() if key in v}
             result[target.name] = m.signals_from(
                 pod_counters, pod_gauges, has_guard=m.CHECKED in pod_counters

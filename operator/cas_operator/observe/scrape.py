@@ -56,8 +56,8 @@ def parse_exposition(text: str, at: float) -> Scrape:
                 counters[key] = counters.get(key, 0.0) + value
             elif sample.name in (m.CHECKED, m.ABORTED, *m.LOAD_COUNTERS):
                 counters[sample.name] = counters.get(sample.name, 0.0) + value
-            elif sample.name == m.TTFT_BUCKET:
-                key = m.bucket_key(sample.labels.get("le", ""))
+            elif sample.name in m.HISTOGRAMS:
+                key = m.bucket_key(sample.labels.get("le", ""), sample.name)
                 counters[key] = counters.get(key, 0.0) + value
             elif sample.name in m.GAUGES:
                 gauge_values.setdefault(sample.name, []).append(value)
@@ -147,7 +147,7 @@ class ScrapeSource:
         while hist.samples and hist.samples[0].at < result.at - 2 * window:
             hist.samples.popleft()
         counters = {}
-        buckets = [k for k in result.counters if k.startswith(m.TTFT_BUCKET)]
+        buckets = [k for k in result.counters if k.startswith(m.HISTOGRAMS)]
         for key in (*COUNTER_KEYS, *buckets):
             inc = windowed_increase(hist.samples, key, window)
             if inc is not None:

@@ -22,6 +22,9 @@ PROMPT_TOKENS: Final = "sglang:prompt_tokens_total"
 CACHED_TOKENS: Final = "sglang:cached_tokens_total"
 LOAD_COUNTERS: Final = (REQUESTS, PROMPT_TOKENS, CACHED_TOKENS)  # feed the ratio autoscaler
 TTFT_BUCKET: Final = "sglang:time_to_first_token_seconds_bucket"  # cumulative, label `le`
+# SGLang 0.5.23 srt/observability/metrics_collector.py:2051; decode pods observe it per token.
+ITL_BUCKET: Final = "sglang:inter_token_latency_seconds_bucket"
+HISTOGRAMS: Final = (TTFT_BUCKET, ITL_BUCKET)
 REASON_LOW: Final = "low_accept_length"
 REASON_HIGH: Final = "high_accept_rate"
 # PD queues of requests whose KV is not handed over yet (SGLang 0.5.23
@@ -58,6 +61,7 @@ class PodSignals:
     cached_tokens: float | None = None
     # TTFT histogram over the window: (bucket upper bound s, cumulative count), by bound
     ttft_buckets: tuple[tuple[float, float], ...] | None = None
+    itl_buckets: tuple[tuple[float, float], ...] | None = None  # inter-token latency, the same way
     error: str | None = None
 
     @property
@@ -113,14 +117,17 @@ class MetricsSource(Protocol):
     def observe(self, targets: Sequence[PodTarget], window_seconds: float) -> Observation: ...
 
 
-def bucket_key(le: str) -> str:
-    """The counters key of one TTFT histogram bucket (its `le` label as exposed)."""
-    return f"{TTFT_BUCKET}{{le={le}}}"
+def bucket_key(le: str, histogram: str = TTFT_BUCKET) -> str:
+    """The counters key of one bucket of a histogram (HISTOGRAMS; its `le` label as exposed)."""
+    return f"{histogram}{{le={le}}}"
 
 
-def _buckets(counters: dict[str, float]) -> tuple[tuple[float, float], ...] | None:
-    """(upper bound, windowed count) of every TTFT bucket in `counters`, by bound; None if none."""
-    prefix = bucket_key("")[:-1]
+def _buckets(
+    counters: dict[str, float], histogram: str = TTFT_BUCKET
+) -> tuple[tuple[float, float], ...] | None:
+    """(upper bound, windowed count) of every bucket of `histogram` in `counters`, by bound;
+    None if none."""
+    prefix = bucket_key("", histogram)[:-1]
     found = [(float(k[len(prefix) : -1]), v) for k, v in counters.items() if k.startswith(prefix)]
     return tuple(sorted(found)) or None
 
@@ -131,8 +138,8 @@ def signals_from(
     """Assemble PodSignals from windowed increases and latest gauges of one pod.
 
     `counters` keys: CHECKED, REASON_LOW, REASON_HIGH, ABORTED, LOAD_COUNTERS and
-    `bucket_key(le)` per TTFT bucket (absent = series missing); `gauges` keys: GAUGES and
-    KV_TRANSFERS (the sum of the pod's KV_TRANSFER_QUEUES; absent outside PD).
+    `bucket_key(le, histogram)` per TTFT and ITL bucket (absent = series missing); `gauges`
+    keys: GAUGES and KV_TRANSFERS (the sum of the pod's KV_TRANSFER_QUEUES; absent outside PD).
     A pod without guard series (a prefill, or an engine without the guard) gets None trip fields,
     which the planner reads as "insufficient data", not as healthy.
     """
@@ -151,4 +158,5 @@ def signals_from(
         prompt_tokens=counters.get(PROMPT_TOKENS),
         cached_tokens=counters.get(CACHED_TOKENS),
         ttft_buckets=_buckets(counters),
+        itl_buckets=_buckets(counters, ITL_BUCKET),
     )
