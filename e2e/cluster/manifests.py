@@ -153,7 +153,9 @@ startTime: {{ $now | Quote }}
 def kwok_config(stages_dir: Path) -> str:
     """KWOK's default stages (copied from its module by build-bins.sh) as one YAML stream, with
     pods that tolerate READINESS_TOLERATION_KEY=PROBED_READINESS split off ``pod-ready`` into
-    ``pod-running-unready`` (Running, IPs assigned, not Ready; see READINESS_TOLERATION_KEY)."""
+    ``pod-running-unready`` (Running, IPs assigned, not Ready; see READINESS_TOLERATION_KEY) and
+    out of ``pod-delete``: the pod runner removes such a pod once it has stopped it, else
+    ``pod-delete-at-deadline`` at its deletionTimestamp (the delete time plus its grace)."""
     files = sorted(stages_dir.glob("*.yaml"))
     if not files:
         raise FileNotFoundError(f"no KWOK stages in {stages_dir} (run e2e/cluster/build-bins.sh)")
@@ -167,7 +169,20 @@ def kwok_config(stages_dir: Path) -> str:
     probed = {"key": _PROBED, "values": [PROBED_READINESS]}
     ready["spec"]["selector"]["matchExpressions"].append({**probed, "operator": "NotIn"})
     unready["spec"]["selector"]["matchExpressions"].append({**probed, "operator": "In"})
-    return yaml.safe_dump_all([*stages, unready], sort_keys=False)
+    # A deleted pod the runner runs stays (Terminating) until the runner has stopped it, as a
+    # kubelet keeps it through its preStop hook and grace (e2e.runtime.podrunner).
+    delete = next((s for s in stages if s["metadata"]["name"] == "pod-delete"), None)
+    if delete is None:
+        raise ValueError(f"KWOK's pod-delete stage is missing from {stages_dir}")
+    backstop = copy.deepcopy(delete)  # ... or at its grace deadline (a kubelet's SIGKILL)
+    delete["spec"]["selector"]["matchExpressions"].append({**probed, "operator": "NotIn"})
+    backstop["metadata"]["name"] = "pod-delete-at-deadline"
+    backstop["spec"]["selector"]["matchExpressions"].append({**probed, "operator": "In"})
+    backstop["spec"]["delay"] = {
+        "durationMilliseconds": 1000,
+        "durationFrom": {"expressionFrom": ".metadata.deletionTimestamp"},
+    }
+    return yaml.safe_dump_all([*stages, unready, backstop], sort_keys=False)
 
 
 def lws_config(*, webhook_port: int, cert_dir: Path, health_port: int) -> str:

@@ -41,7 +41,7 @@ from cas_operator.observe import MetricsSource, ScrapeSource
 from cas_operator.routers import HttpRouters, Routers
 from e2e.cluster.manifests import READINESS_TOLERATION
 from e2e.cluster.podnet import load_for_kubeconfig
-from e2e.runtime.podrunner import PodRunner, kube_pod_lister, kube_status_patcher
+from e2e.runtime.podrunner import PodRunner, kube_pod_deleter, kube_pod_lister, kube_status_patcher
 from e2e.traffic.simload import REPETITION_MARK
 
 NAME = "anomaly-demo"
@@ -212,6 +212,7 @@ class AnomalyStack:
                            extra_args=["--sim-speedup", f"{speedup:g}"],
                            restart_backoff_s=2.0,
                            patch_status=kube_status_patcher(kubeconfig),
+                           delete_pod=kube_pod_deleter(kubeconfig),
                            network=load_for_kubeconfig(kubeconfig))  # fmt: skip
         stack = cls(kube=kube, namespace=namespace, runner=runner)
         stack._thread = threading.Thread(

@@ -42,6 +42,7 @@ from e2e.runtime.podrunner import (
     ROUTER_SHIM,
     PodRunner,
     http_probe,
+    kube_pod_deleter,
     kube_pod_lister,
     kube_status_patcher,
 )
@@ -102,6 +103,7 @@ class LiveStack:
             extra_args=self.sim_args, restart_backoff_s=2.0,
             kubeconfig=self.kubeconfig.resolve(),
             patch_status=kube_status_patcher(self.kubeconfig),
+            delete_pod=kube_pod_deleter(self.kubeconfig),
             network=load_for_kubeconfig(self.kubeconfig),
         )  # fmt: skip
         self._thread = threading.Thread(target=self._run_pods, name="podrunner", daemon=True)

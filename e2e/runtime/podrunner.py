@@ -279,6 +279,10 @@ class PodRunner:
     # by pod uid, pods gone whose preStop hook runs: the engine's record and the hook's
     draining: dict[str, tuple[procs.ProcRecord, procs.ProcRecord]] = field(default_factory=dict)
     _probe_failures: dict[tuple[str, str], int] = field(default_factory=dict)
+    # set: the kubelet's last step for pods KWOK leaves to the runner (PROBED_READINESS): a
+    # deleted pod's object goes (namespace, name, uid) once its processes have stopped
+    delete_pod: Callable[[str, str, str], None] | None = None
+    stopping: set[str] = field(default_factory=set)  # uids whose process is being stopped
 
     def __post_init__(self) -> None:
         if self.network is not None and self.network.enabled:
@@ -296,14 +300,33 @@ class PodRunner:
             if launch is not None:
                 wanted[(launch.namespace, launch.name)] = launch
         for key in [k for k, r in self.running.items() if wanted.get(k) != r.launch]:
-            actions.append(self._stop(key))
+            actions.append(self._stop(key, replaced=key in wanted))
         for key, launch in wanted.items():
             actions += self._ensure(key, launch)
         if self.patch_status is not None:
             actions += self._probe_readiness(pods, wanted)
+        if self.delete_pod is not None:
+            actions += self._finalize_deleted(pods)
         if self.sd_file is not None:
             write_file_sd(self.sd_file, self._scrape_targets(pods, wanted))
         return [a for a in actions if a]
+
+    def _finalize_deleted(self, pods: list[Pod]) -> list[str]:
+        """Delete the objects of terminating pods KWOK leaves to the runner once nothing of
+        theirs runs (a kubelet removes a pod after its preStop hook and SIGTERM)."""
+        assert self.delete_pod is not None
+        busy = self.stopping | set(self.draining) | {r.launch.uid for r in self.running.values()}
+        done = []
+        for pod in pods:
+            meta = pod.get("metadata", {})
+            uid = str(meta.get("uid", ""))
+            if not meta.get("deletionTimestamp") or not leaves_readiness_to_runner(pod):
+                continue
+            if uid in busy:
+                continue
+            self.delete_pod(str(meta.get("namespace", "")), str(meta.get("name", "")), uid)
+            done.append(f"removed {meta.get('namespace')}.{meta.get('name')} (stopped)")
+        return done
 
     def _ensure(self, key: tuple[str, str], launch: Launch) -> list[str]:
         current = self.running.get(key)
@@ -365,20 +388,23 @@ class PodRunner:
             return self.network.netns_for_ip(launch.ip)
         return None
 
-    def _stop(self, key: tuple[str, str], *, hook: bool = True) -> str:
+    def _stop(self, key: tuple[str, str], *, hook: bool = True, replaced: bool = False) -> str:
         """Stop a pod's process; first its preStop hook, in the background, when it has one
-        (`hook`) and still runs. Returns what it did."""
+        (`hook`) and still runs. A pod without a hook that went away gets SIGTERM and its
+        grace in the background; one `replaced` by a new pod of the same name (whose process
+        takes the same IP and port) is stopped at once. Returns what it did."""
         run = self.running.pop(key)
         launch = run.launch
-        if not hook or not procs.is_running(run.record):
+        if not hook or not procs.is_running(run.record) or (replaced and not launch.prestop):
             return procs.stop(run.record, grace_s=5.0)
         if not launch.prestop:  # as a kubelet: SIGTERM, then the pod's grace (a router drains)
-            threading.Thread(
-                target=lambda: print(
-                    f"podrunner: {procs.stop(run.record, grace_s=launch.grace_s)}", flush=True
-                ),
-                daemon=True,
-            ).start()
+            self.stopping.add(launch.uid)
+
+            def stop() -> None:
+                print(f"podrunner: {procs.stop(run.record, grace_s=launch.grace_s)}", flush=True)
+                self.stopping.discard(launch.uid)
+
+            threading.Thread(target=stop, daemon=True).start()
             return f"SIGTERM to {launch.namespace}.{launch.name} (up to {launch.grace_s:.0f}s)"
         name = f"{launch.namespace}.{launch.name}"
         record = procs.spawn(f"{name}.prestop", list(launch.prestop), self.log_dir,
@@ -470,6 +496,27 @@ def kube_status_patcher(kubeconfig: Path) -> Callable[[str, str, dict[str, Any]]
     return patch
 
 
+def kube_pod_deleter(kubeconfig: Path) -> Callable[[str, str, str], None]:
+    """A function that removes one terminating pod's object (grace 0, its uid a precondition:
+    a new pod under the same name is never hit); gone already is fine."""
+    from kubernetes import client, config
+    from kubernetes.client.exceptions import ApiException
+
+    load = config.new_client_from_config
+    core = client.CoreV1Api(load(config_file=str(kubeconfig)))  # type: ignore[no-untyped-call]
+
+    def delete(namespace: str, name: str, uid: str) -> None:
+        body = client.V1DeleteOptions(grace_period_seconds=0,
+                                      preconditions=client.V1Preconditions(uid=uid))  # fmt: skip
+        try:
+            core.delete_namespaced_pod(name, namespace, body=body, _request_timeout=10)
+        except ApiException as exc:
+            if exc.status not in (404, 409):
+                raise
+
+    return delete
+
+
 def http_probe(url: str, timeout: float = 1.0) -> bool:
     """True when GET `url` answers 2xx/3xx within `timeout` (a kubelet's HTTP probe)."""
     try:
@@ -493,7 +540,8 @@ def main(argv: list[str] | None = None) -> int:
     runner = PodRunner(lister, args.log_dir, args.sd_file, extra_args=args.sim_arg,
                        kubeconfig=args.kubeconfig.resolve() if args.routers else None,
                        network=load_for_kubeconfig(args.kubeconfig),
-                       patch_status=kube_status_patcher(args.kubeconfig))  # fmt: skip
+                       patch_status=kube_status_patcher(args.kubeconfig),
+                       delete_pod=kube_pod_deleter(args.kubeconfig))  # fmt: skip
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # stop the sims before exiting
     try:

@@ -127,9 +127,12 @@ def test_runner_follows_pods(runner: tuple[PodRunner, list[dict[str, Any]]]) -> 
     assert any("stopped" in a for a in replaced) and any("started ns.d0" in a for a in replaced)
     assert healthy(IP, port)
 
-    pods.clear()
-    assert any("stopped" in a for a in r.sync())
-    assert r.running == {} and not healthy(IP, port, timeout=1.0)
+    pods.clear()  # gone: SIGTERM, then its grace in the background (as a kubelet)
+    assert any("SIGTERM to ns.d0" in a for a in r.sync())
+    deadline = time.monotonic() + 10
+    while r.stopping and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert r.running == {} and not r.stopping and not healthy(IP, port, timeout=1.0)
     assert r.sd_file is not None and json.loads(r.sd_file.read_text()) == []
 
 

@@ -23,7 +23,7 @@ import yaml
 import e2e.cluster.manifests as manifests
 from e2e.cluster.bins import read_versions
 from e2e.cluster.podnet import load_for_kubeconfig
-from e2e.runtime.podrunner import PodRunner, kube_pod_lister, kube_status_patcher
+from e2e.runtime.podrunner import PodRunner, kube_pod_deleter, kube_pod_lister, kube_status_patcher
 
 pytestmark = pytest.mark.e2e
 
@@ -238,6 +238,7 @@ def test_probed_pods_are_ready_only_while_their_process_answers(
     assert ready == "False", "KWOK marked a probed pod Ready before anything answered"
     runner = PodRunner(kube_pod_lister(kubeconfig, namespace), tmp_path / "logs",
                        patch_status=kube_status_patcher(kubeconfig),
+                       delete_pod=kube_pod_deleter(kubeconfig),
                        network=load_for_kubeconfig(kubeconfig),
                        restart_backoff_s=60.0)  # fmt: skip
     try:

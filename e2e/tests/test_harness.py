@@ -250,3 +250,20 @@ def test_missing_binaries_skip_locally_but_fail_in_ci(tmp_path: Path, ci: str) -
         assert proc.returncode == 0, proc.stdout
         assert "1 skipped" in proc.stdout
         assert "make bins" in proc.stdout
+
+
+def test_kwok_leaves_deleted_probed_pods_to_the_runner_until_their_deadline() -> None:
+    """Regression (issue 15): KWOK removed a deleted pod's object at once, so the operator
+    never saw it Terminating (no deregistration to test) while its process still drained. A
+    pod the runner runs (PROBED_READINESS) now leaves ``pod-delete`` and goes through
+    ``pod-delete-at-deadline``, at its deletionTimestamp, unless the runner removed it first."""
+    from e2e.cluster.bins import resolve
+
+    config = manifests.kwok_config(resolve().kwok_stages)  # built by `make bins`
+    stages = {s["metadata"]["name"]: s for s in yaml.safe_load_all(config)}
+    probed = [e for e in stages["pod-delete"]["spec"]["selector"]["matchExpressions"]
+              if e.get("values") == [manifests.PROBED_READINESS]]  # fmt: skip
+    assert [e["operator"] for e in probed] == ["NotIn"]
+    deadline = stages["pod-delete-at-deadline"]["spec"]
+    assert deadline["delay"]["durationFrom"] == {"expressionFrom": ".metadata.deletionTimestamp"}
+    assert deadline["next"] == {"delete": True}

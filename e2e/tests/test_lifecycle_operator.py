@@ -148,3 +148,41 @@ async def test_a_retired_revision_finishes_its_request_through_the_entry_service
         gone = lambda: old not in revisions_of(kubectl, namespace)  # noqa: E731
         await asyncio.to_thread(wait_for, "the old revision retired", gone, 60)
     assert result == (200, 2 * TOKENS), result
+
+
+async def test_a_deleted_decode_leaves_the_router_while_it_finishes_its_request(
+    kubeconfig: Path, namespace: str, kubectl: Kubectl, tmp_path: Path, crds: None
+) -> None:
+    """Regression (issue 15): the router (0.3.2) kept sending a deleted pod new requests (6 of
+    12 in 7 s), which its preStop hook then waited on until the grace cut them. A deleted pod
+    now stays Terminating while it drains (as a kubelet keeps it; the local stack's KWOK leaves
+    it to the pod runner), the operator deregisters it from the router at once, its request in
+    flight completes, and only then does the pod go."""
+    stack = LiveStack(kubeconfig, namespace, tmp_path / "live", sim_args=["--sim-speedup", "2"],
+                      scrape_interval_s=2.0, operator_args=("-n", namespace))  # fmt: skip
+    with resource_live(stack, kubectl, sample(2), log=lambda s: print(f"[live] {s}")) as r:
+        urls = wait_for("2 decodes", lambda: (u := decode_urls(kubectl, namespace))
+                        and len(u) == 2 and u, 60)  # fmt: skip
+        wait_for("the router to list both decodes", lambda: http_ok(f"{r}/readiness")
+                 and set(urls.values()) <= router_workers(r), 60)  # fmt: skip
+        request = asyncio.create_task(asyncio.to_thread(long_chat, r, TOKENS))
+        busy = await asyncio.to_thread(wait_for, "the request decoding", lambda: next(
+            (n for n, u in urls.items() if running(u) > 0), None), 60)  # fmt: skip
+        kubectl("delete", "pod", busy, "-n", namespace, "--wait=false")
+
+        def terminating() -> bool:
+            out = kubectl("get", "pod", busy, "-n", namespace, "-o", "json", check=False)
+            return bool(out) and bool(json.loads(out)["metadata"].get("deletionTimestamp"))
+
+        await asyncio.to_thread(wait_for, f"{busy} out of the router while Terminating",
+                                lambda: terminating() and urls[busy] not in router_workers(r),
+                                30)  # fmt: skip
+        assert not request.done(), "the request ended before the pod left the router"
+        result = await request
+
+        def gone() -> bool:
+            return not kubectl("get", "pod", busy, "-n", namespace, "--ignore-not-found",
+                               "-o", "name").strip()  # fmt: skip
+
+        await asyncio.to_thread(wait_for, f"{busy} removed once stopped", gone, 60)
+    assert result == (200, TOKENS), result

@@ -28,7 +28,7 @@ import pytest
 
 from e2e.cluster import manifests, podnet
 from e2e.cluster.stack import GATEWAY_NAME, GATEWAY_NAMESPACE, ClusterHandle
-from e2e.runtime.podrunner import PodRunner, kube_pod_lister, kube_status_patcher
+from e2e.runtime.podrunner import PodRunner, kube_pod_deleter, kube_pod_lister, kube_status_patcher
 from e2e.tests.conftest import in_ci
 from e2e.tests.test_cluster import apply, get_json, wait_until
 
@@ -62,7 +62,8 @@ def runner(
 ) -> Iterator[PodRunner]:
     """The pod runner for the test's namespace, syncing every 0.3 s in a thread."""
     r = PodRunner(kube_pod_lister(kubeconfig, namespace), tmp_path / "pods",
-                  patch_status=kube_status_patcher(kubeconfig), restart_backoff_s=2.0,
+                  patch_status=kube_status_patcher(kubeconfig),
+                  delete_pod=kube_pod_deleter(kubeconfig), restart_backoff_s=2.0,
                   network=pod_net)  # fmt: skip
     stop = threading.Event()
     thread = threading.Thread(target=r.run, args=(stop, 0.3), daemon=True)

@@ -113,6 +113,7 @@ OWNED_ENGINE_ENV: Final = frozenset(
         "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT",
         "SGLANG_DISAGGREGATION_WAITING_TIMEOUT",
         "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE",
+        "HOME",  # the non-root user's writable home (desired/resources/security.py)
     }
 )
 OWNED_ENGINE_ENV_PREFIX: Final = "LWS_"  # LeaderWorkerSet injects these into every container
