@@ -156,13 +156,11 @@ def _parsed(resource: Manifest) -> CodingAgentServingSpec | None:
 
 def desired_counts(status: Status) -> dict[str, int]:
     """Each pool's desired instance count, as the last pass wrote it."""
-    pools = ((role, status.get(role)) for role in (c.ROLE_PREFILL, c.ROLE_DECODE))
+    pools = ((role, status.get(role)) for role in c.POOL_ROLES)
     return {role: int(pool["replicas"]) for role, pool in pools if pool and "replicas" in pool}
 
 
-def anomaly_status(
-    result: TickResult, scale: ScaleOutcome | None, guard: GuardState | None = None
-) -> Status:
+def anomaly_status(result: TickResult, scale: ScaleOutcome | None, guard: GuardState) -> Status:
     """`status.anomaly` and `status.draining` from one tick (the conditions derive from them)."""
     rates = {role: rate for role, rate in result.pool_rate.items() if rate is not None}
     worst = max(rates.values(), default=None)
@@ -171,7 +169,7 @@ def anomaly_status(
         "pools": {role: round(rate, 6) for role, rate in rates.items()},
         "fleetWide": result.degraded,
         "signalUnavailable": result.unavailable,
-        **(guard or GuardState()).drain_record(),
+        **guard.drain_record(),
     }
     if scale is not None:
         hint = scale.hint
@@ -265,7 +263,7 @@ class FleetTick:
             )
             retired = scale_down_tick(
                 snapshot,
-                engine_pods(snapshot, namespace, name),
+                result.pods,
                 {view.name: view.signals for view in result.views},
                 current,
                 float(spec.engine.drain_seconds),
@@ -293,10 +291,7 @@ class FleetTick:
 
 
 def measured_from(
-    result: TickResult,
-    scaled: AutoscaleResult,
-    retired: ScaleDownResult | None = None,
-    guard: GuardState | None = None,
+    result: TickResult, scaled: AutoscaleResult, retired: ScaleDownResult, guard: GuardState
 ) -> Measured:
     """One resource's findings of this tick, as the passes write them."""
     sections = anomaly_status(result, scaled.scale, guard)
@@ -306,8 +301,8 @@ def measured_from(
         observed=scaled.observed,
         auto_replicas=scaled.auto_replicas,
         sections=sections,
-        floors=retired.floors if retired else (),
-        older=retired.older if retired else (),
+        floors=retired.floors,
+        older=retired.older,
     )
 
 

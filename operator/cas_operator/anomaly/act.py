@@ -75,6 +75,7 @@ class TickResult:
     pool_rate: dict[str, float | None]
     decision: AnomalyDecision | None = None
     views: list[PodView] = field(default_factory=list)  # the pods left, with their signals
+    pods: list[Manifest] = field(default_factory=list)  # the same pods, as listed and marked
 
 
 def engine_pods(api: PodApi, namespace: str, name: str) -> list[Manifest]:
@@ -228,6 +229,7 @@ def anomaly_tick(
         pool_rate=decision.pool_rate if decision else {},
         decision=decision,
         views=views,
+        pods=remaining,
     )
 
 

@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from cas_operator.api import constants as c
 from cas_operator.api.models import AnomalyGuardSpec, GuardAction
 from cas_operator.observe.types import PodSignals, PodView
 from cas_operator.types import parse_time, rfc3339
@@ -37,7 +38,7 @@ from cas_operator.types import parse_time, rfc3339
 REASON_LOW_ACCEPT = "low_accept_length"
 REASON_HIGH_ACCEPT = "high_accept_rate"
 REASON_QUARANTINE = "kv_quarantine"
-ROLES = ("prefill", "decode")
+ROLES = c.POOL_ROLES
 
 
 @dataclass(frozen=True)
@@ -249,18 +250,18 @@ def _streaks(verdicts: list[Verdict], state: GuardState, policy: Policy) -> Guar
     hot: dict[str, int] = {}
     clear: dict[str, int] = {}
     for v in verdicts:
-        h, c = state.hot_streak.get(v.name, 0), state.clear_streak.get(v.name, 0)
+        h, k = state.hot_streak.get(v.name, 0), state.clear_streak.get(v.name, 0)
         if v.state == "hot":
-            h, c = h + 1, 0
+            h, k = h + 1, 0
         elif v.state == "clear":
-            c += 1
-            if c >= policy.exit_observations:
+            k += 1
+            if k >= policy.exit_observations:
                 h = 0
         # elevated / holding / insufficient / unavailable: hold both
         if h:
             hot[v.name] = h
-        if c and h:
-            clear[v.name] = c
+        if k and h:
+            clear[v.name] = k
     return replace(state, hot_streak=hot, clear_streak=clear)
 
 

@@ -31,6 +31,7 @@ ANNOTATION_RETIRING_SINCE: Final = "cas.dev/retiring-since"
 ROLE_PREFILL: Final = "prefill"
 ROLE_DECODE: Final = "decode"
 ROLE_ROUTER: Final = "router"
+POOL_ROLES: Final = (ROLE_PREFILL, ROLE_DECODE)  # the engine pools, in that order
 
 # Ports the engine and the router listen on inside their pods.
 ENGINE_PORT: Final = 30000

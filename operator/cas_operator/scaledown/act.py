@@ -45,8 +45,6 @@ from cas_operator.scaledown.decide import (
 )
 from cas_operator.types import Event, Manifest, Status
 
-POOLS = (c.ROLE_PREFILL, c.ROLE_DECODE)
-
 
 @dataclass(frozen=True)
 class ScaleDownResult:
@@ -65,14 +63,15 @@ def work_of(signals: PodSignals | None) -> float | None:
 def instance_of(pod: Manifest, signals: PodSignals | None) -> Instance:
     meta = pod["metadata"]
     labels = meta.get("labels", {})
-    state = drain_state(pod) if draining_since(pod) is not None else None
+    since = draining_since(pod)
+    state = drain_state(pod) if since is not None else None
     group = labels.get(c.LWS_GROUP_INDEX_LABEL)
     return Instance(
         name=meta["name"],
         work=work_of(signals),
         ready=is_ready(pod),
         state=state if state in RETIRE_STATES else None,
-        retiring_since=draining_since(pod) if state in RETIRE_STATES else None,
+        retiring_since=since if state in RETIRE_STATES else None,
         group_index=int(group) if group is not None and group.isdigit() else None,
         drained_by_anomaly=state is not None and state not in RETIRE_STATES,
     )
@@ -128,7 +127,7 @@ def scale_down_tick(
     policy = policy or RetirePolicy(max_wait_seconds=drain_seconds)
     events: list[Event] = []
     floors = []
-    for role in POOLS:
+    for role in c.POOL_ROLES:
         desired = (status.get(role) or {}).get("replicas")
         mine = [
             p
