@@ -8,9 +8,11 @@ with numpy, and event times inside a step are kept exact where they are determin
 - Routing (prefix-aware): a returning turn whose prefix is still cached on its home prefill
   instance goes there; otherwise to the least-backlogged ready instance (only the shared system
   prefix is cached there). Tiers: GPU and host (HiCache, loaded at the profile's load rate).
-- Prefill: each instance is a FIFO server (chunked prefill over cached context is in the
-  profile's time function); finish times come from the Lindley recursion, vectorised over all
-  instances with a segmented running maximum.
+- Prefill: each instance admits requests FIFO while their whole contexts fit in its KV capacity
+  (LayerSplit raises it); an admitted request loads its host-tier prefix (GPU free for others),
+  then computes on the instance's one GPU queue (chunked prefill over cached context is in the
+  profile's time function), then sends its KV; its KV stays resident until the send is done
+  (``kv_bounded_prefill``, the bound ``model.closed_throughput`` predicts).
 - KV transfer: the whole context leaves through the prefill instance's NIC, FIFO per instance.
 - Decode: a request is admitted when its context fits in a decode instance's free KV (else it
   waits: that time counts toward TTFT); each step every instance advances its batch by
@@ -28,6 +30,7 @@ Pure computation (no I/O, no clock). Outputs per-request records and a per-tick 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -38,7 +41,6 @@ from cas_operator.autoscale.model import InstanceProfile
 from .workload import SessionWorkload, Trace, lognormal
 
 OFF, STARTING, READY, DRAINING = 0, 1, 2, 3
-_BIG = 1e9
 
 
 @dataclass(frozen=True)
@@ -134,36 +136,52 @@ class SimResult:
         }
 
 
-def fifo_finish(
-    inst: np.ndarray, arrival: np.ndarray, service: np.ndarray, busy_until: np.ndarray
-) -> np.ndarray:
-    """FIFO finish times for jobs on many servers at once (updates ``busy_until`` in place).
+@dataclass(frozen=True)
+class PrefillTimes:
+    """Per request: when its prefill compute ends and when its KV has reached decode."""
 
-    Lindley per server: ``f_k = max(f_{k-1}, a_k) + s_k`` with ``f_{-1} = busy_until``, unrolled
-    as ``f_k = S_k + max(B, max_{j<=k}(a_j - S_{j-1}))`` (S = inclusive service cumsum within the
-    server) and computed with one sort and a running maximum offset per server.
+    computed: np.ndarray
+    sent: np.ndarray
+
+
+def kv_bounded_prefill(
+    inst: np.ndarray,
+    arrival: np.ndarray,
+    load_s: np.ndarray,
+    busy_s: np.ndarray,
+    send_s: np.ndarray,
+    tokens: np.ndarray,
+    capacity_tokens: float,
+    pool: _Pool,
+) -> PrefillTimes:
+    """Exact per-instance recursion of prefill with resident-KV admission (updates ``pool``).
+
+    In arrival order per instance: admit when the request's ``tokens`` fit beside the KV of the
+    requests still resident (FIFO: never before the previous admission), load its host-tier
+    prefix for ``load_s``, compute for ``busy_s`` once the GPU is free, send for ``send_s`` once
+    the NIC is free, release its KV when sent. A context larger than the whole capacity is
+    admitted alone (SGLang would refuse it; the sim serves it at the cost of the instance).
     """
     n = inst.size
-    if n == 0:
-        return np.empty(0)
-    order = np.lexsort((arrival, inst))
-    g, a, s = inst[order], arrival[order], service[order]
-    csum = np.cumsum(s)
-    first = np.ones(n, dtype=bool)
-    first[1:] = g[1:] != g[:-1]
-    seg_start = np.maximum.accumulate(np.where(first, np.arange(n), 0))
-    base = csum[seg_start] - s[seg_start]
-    incl = csum - base
-    excl = incl - s
-    v = a - excl + g * _BIG
-    m = np.maximum.accumulate(v) - g * _BIG
-    fin = incl + np.maximum(busy_until[g], m)
-    last = np.ones(n, dtype=bool)
-    last[:-1] = g[:-1] != g[1:]
-    busy_until[g[last]] = fin[last]
-    out = np.empty(n)
-    out[order] = fin
-    return out
+    computed, sent = np.empty(n), np.empty(n)
+    for k in np.lexsort((arrival, inst)):
+        i = int(inst[k])
+        held = pool.resident[i]
+        need = min(float(tokens[k]), capacity_tokens)
+        t = max(float(arrival[k]), pool.admit[i])
+        while held and held[0][0] <= t:
+            pool.used[i] -= held.popleft()[1]
+        while held and pool.used[i] + need > capacity_tokens:
+            release, size = held.popleft()
+            pool.used[i] -= size
+            t = max(t, release)
+        start = max(pool.busy[i], t + float(load_s[k]))
+        computed[k] = pool.busy[i] = start + float(busy_s[k])
+        sent[k] = pool.link[i] = max(pool.link[i], computed[k]) + float(send_s[k])
+        held.append((sent[k], need))
+        pool.used[i] += need
+        pool.admit[i] = t
+    return PrefillTimes(computed, sent)
 
 
 def spread(n: int, load: np.ndarray, eligible: np.ndarray) -> np.ndarray:
@@ -210,6 +228,9 @@ class _Pool:
         self.remove_at = np.full(cap, np.inf)
         self.busy = np.zeros(cap)
         self.link = np.zeros(cap)
+        self.admit = np.zeros(cap)  # last admission (FIFO) per instance
+        self.used = np.zeros(cap)  # resident KV tokens of in-flight prefills
+        self.resident: list[deque[tuple[float, float]]] = [deque() for _ in range(cap)]
 
     def spec(self) -> int:
         return int(((self.state == READY) | (self.state == STARTING)).sum())
@@ -226,6 +247,10 @@ class _Pool:
             self.ready_at[free] = now + start_s
             self.busy[free] = now + start_s
             self.link[free] = now + start_s
+            self.admit[free] = now + start_s
+            self.used[free] = 0.0
+            for i in free:
+                self.resident[i].clear()
             return int(free.size)
         if target < cur:
             live = np.flatnonzero((self.state == STARTING) | (self.state == READY))
@@ -483,10 +508,12 @@ class Simulator:
         inst = np.where(hit, home, -1)
         miss = ~hit
         inst[miss] = spread(int(miss.sum()), P.busy, ready_p)
-        service = prof.prefill_time_array(inp - cached, cached, host)
-        pfin = fifo_finish(inst, ta, service, P.busy)
+        load = prof.host_load_s_per_token * host
+        busy = prof.prefill_time_array(inp - cached, cached)
         xfer = inp * prof.kv_bytes_per_token / min(prof.nic_bytes_per_s, cfg.decode.nic_bytes_per_s)
-        ready = fifo_finish(inst, pfin, xfer, P.link)
+        ready = kv_bounded_prefill(
+            inst, ta, load, busy, xfer, inp, prof.kv_capacity_tokens, P
+        ).sent
         b = self.bins
         b["arr"][step] += sid.size
         b["inp"][step] += inp.sum()

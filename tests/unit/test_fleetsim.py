@@ -22,7 +22,8 @@ from bench.fleetsim.engine import (
     FleetView,
     Metrics,
     Simulator,
-    fifo_finish,
+    _Pool,
+    kv_bounded_prefill,
     spread,
 )
 from bench.fleetsim.policies import (
@@ -32,7 +33,7 @@ from bench.fleetsim.policies import (
 )
 from bench.fleetsim.workload import synth_trace_lines
 from cas_operator.autoscale import profiles as pf
-from cas_operator.autoscale.model import Bounds, SloInputs
+from cas_operator.autoscale.model import Bounds, SloInputs, closed_throughput
 from cas_operator.autoscale.search import recommend
 
 SPEC = pf.load_spec("glm5-fp8-h200")
@@ -66,18 +67,66 @@ def baseline() -> SimResult:
     return simulate(_cfg(5, 2), WL)
 
 
-def test_fifo_finish_matches_lindley_per_server() -> None:
-    """Guards the vectorised Lindley recursion: two servers, out-of-order input, a busy
-    server; compared with a plain per-server loop."""
+def _pool(n: int) -> _Pool:
+    return _Pool(n, n)
+
+
+def test_prefill_without_a_kv_bound_is_fifo_per_instance() -> None:
+    """Guards the prefill recursion with room for everything: two instances, out-of-order
+    input, a busy GPU; each instance is a FIFO server and sends after computing."""
     inst = np.array([1, 0, 1, 0, 1])
     arr = np.array([0.5, 0.0, 0.2, 3.0, 0.3])
     svc = np.array([1.0, 2.0, 1.0, 1.0, 0.5])
-    busy = np.array([0.0, 1.0])
-    fin = fifo_finish(inst, arr, svc, busy)
-    # server 0: jobs at 0.0 (2s) -> 2.0, at 3.0 -> 4.0; server 1 busy until 1.0:
-    # 0.2 -> 2.0, 0.3 -> 2.5, 0.5 -> 3.5
-    assert fin.tolist() == pytest.approx([3.5, 2.0, 2.0, 4.0, 2.5])
-    assert busy.tolist() == pytest.approx([4.0, 3.5])
+    pool = _pool(2)
+    pool.busy[:] = [0.0, 1.0]
+    zero = np.zeros(5)
+    times = kv_bounded_prefill(inst, arr, zero, svc, zero, np.ones(5), 1e9, pool)
+    # instance 0: 0.0 (2s) -> 2.0, 3.0 -> 4.0; instance 1 busy until 1.0: 0.2 -> 2.0,
+    # 0.3 -> 2.5, 0.5 -> 3.5
+    assert times.computed.tolist() == pytest.approx([3.5, 2.0, 2.0, 4.0, 2.5])
+    assert times.sent.tolist() == pytest.approx(times.computed.tolist())
+    assert pool.busy.tolist() == pytest.approx([4.0, 3.5])
+
+
+def test_prefill_admits_only_what_fits_and_releases_when_sent() -> None:
+    """Guards the LayerSplit mechanism in the simulator: with room for two contexts, the third
+    request waits until the first one's KV has been sent, although the GPU is free sooner."""
+    inst = np.zeros(3, dtype=np.int64)
+    arr = np.zeros(3)
+    load = np.full(3, 0.5)  # host-tier prefix: GPU free for others meanwhile
+    busy = np.ones(3)
+    send = np.full(3, 2.0)
+    pool = _pool(1)
+    times = kv_bounded_prefill(inst, arr, load, busy, send, np.full(3, 100.0), 200.0, pool)
+    # r0: load to 0.5, GPU 0.5-1.5, send 1.5-3.5; r1: load to 0.5, GPU 1.5-2.5, send 3.5-5.5;
+    # r2 is admitted at 3.5 (r0 sent), loads to 4.0, GPU 4.0-5.0, sends 5.5-7.5.
+    assert times.computed.tolist() == pytest.approx([1.5, 2.5, 5.0])
+    assert times.sent.tolist() == pytest.approx([3.5, 5.5, 7.5])
+    roomy = kv_bounded_prefill(inst, arr, load, busy, send, np.full(3, 100.0), 300.0, _pool(1))
+    assert roomy.computed.tolist() == pytest.approx([1.5, 2.5, 3.5])
+
+
+def test_simulated_prefill_throughput_matches_the_closed_network_bound() -> None:
+    """Guards model/simulator agreement on the KV bound: a saturated instance sustains what
+    ``closed_throughput`` predicts for its concurrency, within the gap between exponential
+    (model) and fixed (simulated) service times."""
+    n = 4000
+    for slots in (1, 2, 4):
+        pool = _pool(1)
+        times = kv_bounded_prefill(
+            np.zeros(n, dtype=np.int64),
+            np.linspace(0.0, 100.0, n),  # far beyond capacity
+            np.full(n, 0.3),
+            np.ones(n),
+            np.full(n, 0.4),
+            np.full(n, 10.0),
+            10.0 * slots,
+            pool,
+        )
+        sim = (n - 1000) / (times.sent[-1] - times.sent[999])
+        model = closed_throughput(1.0, 0.7, slots)
+        assert sim == pytest.approx(min(slots / 1.7, 1.0), rel=0.01)
+        assert model <= sim + 1e-9 and sim / model < 1.2
 
 
 def test_spread_prefers_least_loaded_eligible() -> None:

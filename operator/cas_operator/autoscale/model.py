@@ -22,6 +22,15 @@ Model (per request class, see docs/planner.md for the derivation):
    ``P(W > t) = C(c, a) * exp(-2 (c*mu - lambda) t / (1 + cs^2))``. TTFT of a class is wait +
    its prefill time + KV transfer + one decode step; the p90 is solved exactly over the class
    mixture.
+3a. Resident KV bounds prefill concurrency. An in-flight prefill keeps its whole context's KV
+   resident on every CP rank from admission (host-tier prefix loaded first) until the decode
+   side has pulled it, so an instance runs at most ``C = floor(capacity / context)`` requests
+   at once (LayerSplit raises ``capacity`` by ``L / (ceil(L/cp) + 1)``). Per request the GPU is
+   busy for the compute ``D``; the host load and the transfer hold KV without the GPU (``Z``).
+   The instance's throughput is that of a closed network of one queue (``D``) and one delay
+   (``Z``) with ``C`` jobs (exact mean value analysis, ``closed_throughput``): ``1/(D+Z)`` at
+   ``C = 1``, ``1/D`` as ``C`` grows; ``1/X(C)`` is the service time the waits use. (In-flight
+   KV is the most recently used prefix, so the LRU of step 1 already counts it.)
 4. KV transfer: the whole context moves prefill -> decode; the link pool is the smaller of the
    two sides' NIC totals; per-transfer time is stretched by ``1 / (1 - rho_link)``.
 5. Decode: per-instance active requests ``c`` from Little's law with the step time that itself
@@ -214,6 +223,61 @@ class RatioRecommendation:
 # ---------------------------------------------------------------- model pieces
 
 
+def kv_concurrency(capacity_tokens: float, context_tokens: float) -> int:
+    """In-flight prefills an instance can hold: whole contexts that fit in its KV capacity (0
+    when one context does not fit: SGLang refuses such a request)."""
+    if context_tokens <= 0.0:
+        return 1_000_000
+    return int(capacity_tokens // context_tokens)
+
+
+def closed_throughput(busy_s: float, idle_s: float, population: int) -> float:
+    """Requests/s of ``population`` jobs cycling through one queueing station (service
+    ``busy_s``, the GPU) and one delay station (``idle_s``, KV resident without the GPU): exact
+    mean value analysis. ``1/(busy+idle)`` at 1, rising to ``1/busy``; 0 with no population."""
+    if population <= 0 or busy_s <= 0.0:
+        return 0.0 if population <= 0 else math.inf
+    population = min(population, 256)  # beyond that, within 1e-6 of 1/busy for idle < 50 busy
+    queue = 0.0
+    throughput = 0.0
+    for n in range(1, population + 1):
+        residence = busy_s * (1.0 + queue)
+        throughput = n / (residence + idle_s)
+        queue = throughput * residence
+    return throughput
+
+
+@dataclass(frozen=True)
+class PrefillCapacity:
+    """What one prefill instance sustains for one request shape (see ``prefill_capacity``)."""
+
+    concurrency: int  # requests whose KV fits at once
+    busy_s: float  # GPU seconds per request
+    idle_s: float  # seconds its KV stays resident without the GPU (host load + transfer)
+    throughput_rps: float  # closed_throughput at ``concurrency``
+
+    @property
+    def compute_bound_rps(self) -> float:
+        return 1.0 / self.busy_s if self.busy_s > 0.0 else math.inf
+
+
+def prefill_capacity(
+    prefill: InstanceProfile,
+    context_tokens: float,
+    cached_tokens: float,
+    host_cached_tokens: float,
+    transfer_bytes_per_s: float,
+) -> PrefillCapacity:
+    """Saturated throughput of one prefill instance for requests of ``context_tokens`` with
+    ``cached_tokens`` of them cached (``host_cached_tokens`` of those on the host tier)."""
+    new = max(context_tokens - cached_tokens, 0.0)
+    busy = prefill.prefill_time(new, cached_tokens)
+    load = prefill.host_load_s_per_token * host_cached_tokens
+    xfer = context_tokens * prefill.kv_bytes_per_token / transfer_bytes_per_s
+    c = kv_concurrency(prefill.kv_capacity_tokens, context_tokens)
+    return PrefillCapacity(c, busy, load + xfer, closed_throughput(busy, load + xfer, c))
+
+
 def erlang_c(servers: int, offered: float) -> float:
     """Probability an arrival waits in M/M/c with ``offered = lambda/mu`` (Erlang B recursion)."""
     if offered <= 0.0:
@@ -274,6 +338,7 @@ class _Class:
     cached: float
     service_s: float
     sticky: bool = True  # routed to its cache home (a hit); else to the least-backlogged instance
+    load_s: float = 0.0  # of service_s: host-tier load, KV resident but the GPU free for others
 
 
 def _lognormal_points(sigma: float, k: int = 6) -> list[float]:
@@ -314,6 +379,7 @@ def _request_classes(
             cached,
             prefill.prefill_time(inp - cached, cached, host),
             sticky=0 < i < len(spec) - 1 and i >= n_first,
+            load_s=prefill.host_load_s_per_token * host,
         )
         for i, (p, inp, cached, host) in enumerate(spec)
         if p > 0.0
@@ -450,6 +516,20 @@ class ModelLimits:
     session_imbalance: bool = True  # per-instance load varies with the sessions homed there
 
 
+def _pool_capacity(
+    classes: Sequence[_Class],
+    transfer_s: Sequence[float],
+    context_tokens: float,
+    prefill: InstanceProfile,
+) -> PrefillCapacity:
+    """``prefill_capacity`` over the class mixture: mean GPU and mean resident-idle seconds,
+    concurrency from the mean context (every class is a whole context held until sent)."""
+    busy = sum(c.prob * (c.service_s - c.load_s) for c in classes)
+    idle = sum(c.prob * (c.load_s + x) for c, x in zip(classes, transfer_s, strict=True))
+    c = kv_concurrency(prefill.kv_capacity_tokens, context_tokens)
+    return PrefillCapacity(c, busy, idle, closed_throughput(busy, idle, c))
+
+
 def evaluate(
     wl: WorkloadInputs,
     slo: SloInputs,
@@ -470,28 +550,30 @@ def evaluate(
     # Hit rate: one fixed-point pass on the session cycle (pause + ~TTFT + decode time).
     decode_s = w.avg_output_tokens * (step if math.isfinite(step) else 1.0) / decode.accept_length
     cycle = w.tool_pause_s + decode_s + prefill.prefill_overhead_s
+    link_bw = min(n_prefill * prefill.nic_bytes_per_s, n_decode * decode.nic_bytes_per_s)
     p_gpu, p_any = hit_probabilities(
         w, n_prefill * prefill.kv_capacity_tokens, n_prefill * prefill.host_cache_tokens, cycle
     )
     p_gpu, p_any = min(1.0, p_gpu * hit_scale), min(1.0, p_any * hit_scale)
     classes = _request_classes(w, prefill, p_gpu, p_any)
     total_in = sum(c.prob * c.input_tokens for c in classes)
-    hit_rate = sum(c.prob * c.cached for c in classes) / total_in if total_in else 0.0
-    mean_s = sum(c.prob * c.service_s for c in classes)
-    second = sum(c.prob * c.service_s**2 for c in classes)
-    cs2 = max(second / mean_s**2 - 1.0, 0.0) if mean_s > 0 else 0.0
-    offered = w.request_rate * mean_s
-    util = offered / n_prefill
-    link_bw = min(n_prefill * prefill.nic_bytes_per_s, n_decode * decode.nic_bytes_per_s)
     link_util = w.request_rate * total_in * prefill.kv_bytes_per_token / link_bw
     flow_bw = min(prefill.nic_bytes_per_s, decode.nic_bytes_per_s) * max(1.0 - link_util, 1e-3)
+    transfer = [c.input_tokens * prefill.kv_bytes_per_token / flow_bw for c in classes]
+    capacity = _pool_capacity(classes, transfer, w.avg_input_tokens, prefill)
+    hit_rate = sum(c.prob * c.cached for c in classes) / total_in if total_in else 0.0
+    mean_s = 1.0 / capacity.throughput_rps if capacity.throughput_rps > 0.0 else math.inf
+    served = sum(c.prob * c.service_s for c in classes)
+    second = sum(c.prob * c.service_s**2 for c in classes)
+    cs2 = max(second / served**2 - 1.0, 0.0) if served > 0 else 0.0
+    util = w.request_rate * mean_s / n_prefill
     first_step = decode.decode_step(active, active * w.avg_input_tokens) if active < 1e12 else 1.0
-    extra = [c.input_tokens * prefill.kv_bytes_per_token / flow_bw + first_step for c in classes]
+    extra = [x + first_step for x in transfer]
     if util < 1.0 and math.isfinite(step):
         live = w.request_rate * cycle
         sticky_work = sum(c.prob * c.service_s for c in classes if c.sticky)
         hits, misses = _prefill_waits(
-            w.request_rate, n_prefill, mean_s, cs2, live, limits, sticky_work / mean_s
+            w.request_rate, n_prefill, mean_s, cs2, live, limits, sticky_work / served
         )
         waits = [hits if c.sticky else misses for c in classes]
         ttft = _ttft_quantile(classes, extra, waits, slo.ttft_quantile)

@@ -8,6 +8,11 @@ attention), so counts map 1:1; only a shape the profile cannot express (contextP
 dividing tensorParallel) is planned in the profile's default shape and converted through GPU
 totals, rounded up.
 
+For DSA models (the ones SGLang runs LayerSplit for) it also compares the valid prefill shapes
+(`contextParallel` dividing `tensorParallel`, with and without LayerSplit) for the declared
+workload and names the cheapest (`ShapeAdvice`): changing the shape is a new revision, so it is
+only ever advice, never applied by Auto.
+
 Pure and cached: the same spec gives the same answer, computed once per process (the search
 takes up to a second). The fleet tick's measured load (`observed`) replaces or rescales
 the spec's estimates.
@@ -16,10 +21,10 @@ the spec's estimates.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from cas_operator.api.models import CodingAgentServingSpec, RatioMode
+from cas_operator.api.models import MAX_DSA_CP_TENSOR_PARALLEL, CodingAgentServingSpec, RatioMode
 from cas_operator.autoscale.model import (
     Bounds,
     InstanceProfile,
@@ -36,6 +41,38 @@ PROFILE_BY_MODEL = (("glm-5", "glm5-fp8-h200"), ("deepseek-v3", "deepseek-v3-bf1
 
 
 @dataclass(frozen=True)
+class ShapePlan:
+    """The planner's plan for one prefill shape: instances, GPUs of both pools, TTFT p90."""
+
+    context_parallel: int
+    layer_split: bool
+    prefill: int
+    decode: int
+    gpus: int
+    ttft_p90_seconds: float
+    meets_slo: bool
+    goodput_rps: float
+
+    def better_than(self, other: ShapePlan) -> bool:
+        """Worth a new revision: meets the SLOs when `other` does not, or both meet and this
+        needs fewer GPUs, or neither meets and this serves 5% more within the SLOs."""
+        if self.meets_slo != other.meets_slo:
+            return self.meets_slo
+        if self.meets_slo:
+            return self.gpus < other.gpus
+        return self.goodput_rps >= 1.05 * other.goodput_rps
+
+
+@dataclass(frozen=True)
+class ShapeAdvice:
+    """The running prefill shape's plan next to the cheapest valid one (equal when it is)."""
+
+    current: ShapePlan
+    recommended: ShapePlan
+    reason: str
+
+
+@dataclass(frozen=True)
 class Recommendation:
     """The planner's answer in the resource's terms, or why there is none."""
 
@@ -46,6 +83,7 @@ class Recommendation:
     itl_milliseconds: float | None = None
     hit_rate: float | None = None
     meets_slo: bool | None = None
+    shape: ShapeAdvice | None = None
 
     @property
     def ratio(self) -> str | None:
@@ -93,15 +131,80 @@ def recommendation_for(
         prefix_cache_hit_rate=spec.workload.prefix_cache_hit_rate,
     )
     slo = SloInputs(ttft_s=spec.slo.ttft_seconds, itl_ms=spec.slo.itl_milliseconds)
-    return _recommend(
-        profile,
-        workload,
-        slo,
-        Bounds(gpu_budget=spec.ratio.gpu_budget),
-        (prefill.tensor_parallel, prefill.context_parallel),
-        (resolved or resolve(spec)).layer_split,
-        (prefill.gpus, decode.gpus),
-        observed,
+    resolved = resolved or resolve(spec)
+    bounds = Bounds(gpu_budget=spec.ratio.gpu_budget)
+    tp_cp = (prefill.tensor_parallel, prefill.context_parallel)
+    gpus = (prefill.gpus, decode.gpus)
+    result = _recommend(profile, workload, slo, bounds, tp_cp, resolved.layer_split, gpus, observed)
+    if not resolved.dsa or result.prefill is None:
+        return result
+    advice = shape_advice(profile, workload, slo, bounds, tp_cp, resolved.layer_split, gpus)
+    return replace(result, shape=advice)
+
+
+def prefill_shapes(tensor_parallel: int) -> list[tuple[int, bool]]:
+    """Valid (contextParallel, layerSplit) of a DSA model's prefill at this tensorParallel:
+    CP divides TP, CP > 1 only up to TP 8 (`MAX_DSA_CP_TENSOR_PARALLEL`), LayerSplit only
+    with CP > 1."""
+    shapes = [(1, False)]
+    if tensor_parallel <= MAX_DSA_CP_TENSOR_PARALLEL:
+        for cp in range(2, tensor_parallel + 1):
+            if tensor_parallel % cp == 0:
+                shapes += [(cp, False), (cp, True)]
+    return shapes
+
+
+@lru_cache(maxsize=64)
+def shape_advice(
+    profile: str,
+    workload: WorkloadInputs,
+    slo: SloInputs,
+    bounds: Bounds,
+    prefill_tp_cp: tuple[int, int],
+    layer_split: bool,
+    instance_gpus: tuple[int, int],
+) -> ShapeAdvice:
+    """Plan every valid prefill shape for the declared workload (~0.1 s each, cached) and
+    name the cheapest; the running shape wins ties, so the advice never churns."""
+    spec = load_spec(profile)
+    tp, cp = prefill_tp_cp
+    plans = {}
+    for shape_cp, shape_ls in prefill_shapes(tp):
+        prefill_instance, decode_instance = instance_profiles(
+            spec, (tp, shape_cp), shape_ls, instance_gpus
+        )
+        result = recommend(workload, slo, prefill_instance, decode_instance, bounds)
+        n_prefill = convert_count(result.n_prefill, prefill_instance.gpus, instance_gpus[0])
+        n_decode = convert_count(result.n_decode, decode_instance.gpus, instance_gpus[1])
+        plans[(shape_cp, shape_ls)] = ShapePlan(
+            context_parallel=shape_cp,
+            layer_split=shape_ls,
+            prefill=n_prefill,
+            decode=n_decode,
+            gpus=n_prefill * instance_gpus[0] + n_decode * instance_gpus[1],
+            ttft_p90_seconds=round(result.ttft_p90_s, 3),
+            meets_slo=result.meets_slo,
+            goodput_rps=round(result.goodput_rps, 3),
+        )
+    current = plans[(cp, layer_split and cp > 1)]
+    best = current
+    for plan in plans.values():
+        if plan.better_than(best):
+            best = plan
+    return ShapeAdvice(current=current, recommended=best, reason=_shape_reason(current, best))
+
+
+def _shape_name(plan: ShapePlan) -> str:
+    return f"contextParallel {plan.context_parallel}" + (", layerSplit" if plan.layer_split else "")
+
+
+def _shape_reason(current: ShapePlan, best: ShapePlan) -> str:
+    if best is current:
+        return f"{_shape_name(current)} is the cheapest valid prefill shape for the workload"
+    return (
+        f"{_shape_name(best)} would serve the workload with {best.gpus} GPUs "
+        f"(TTFT p90 {best.ttft_p90_seconds:.2f}s) against {current.gpus} "
+        f"(TTFT p90 {current.ttft_p90_seconds:.2f}s) now; a shape change is a new revision"
     )
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from cas_operator.api import constants as c
 from cas_operator.desired.plan import Plan, PoolPlan
+from cas_operator.desired.recommend import ShapeAdvice, ShapePlan
 from cas_operator.desired.resources.config import plan_summary
 from cas_operator.types import parse_time
 
@@ -269,7 +270,30 @@ def ratio_status(plan: Plan) -> dict[str, Any]:
                 "hitRate": rec.hit_rate,
                 "meetsSlo": rec.meets_slo,
             }
+        if rec.shape is not None:
+            status["prefillShape"] = shape_status(rec.shape)
     return status
+
+
+def shape_status(advice: ShapeAdvice) -> dict[str, Any]:
+    """`status.ratio.prefillShape`: the running and the cheapest valid prefill shape with the
+    planner's GPUs and TTFT for each (advice only: a shape change is a new revision)."""
+
+    def shape(plan: ShapePlan) -> dict[str, Any]:
+        return {
+            "contextParallel": plan.context_parallel,
+            "layerSplit": plan.layer_split,
+            "replicas": f"{plan.prefill}:{plan.decode}",
+            "gpus": plan.gpus,
+            "ttftP90Seconds": plan.ttft_p90_seconds,
+            "meetsSlo": plan.meets_slo,
+        }
+
+    return {
+        "current": shape(advice.current),
+        "recommended": shape(advice.recommended),
+        "reason": advice.reason,
+    }
 
 
 def invalid_status(message: str, generation: int) -> Status:

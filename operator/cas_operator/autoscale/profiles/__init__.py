@@ -33,6 +33,7 @@ __all__ = [
     "available",
     "decode_profile",
     "layer_split_capacity_factor",
+    "layer_split_load_share",
     "load_spec",
     "prefill_profile",
 ]
@@ -102,6 +103,14 @@ def layer_split_capacity_factor(cp: int, num_layers: int) -> float:
     return num_layers / (-(-num_layers // cp) + 1)
 
 
+def layer_split_load_share(cp: int, num_layers: int) -> float:
+    """Share of a token's KV bytes the busiest rank loads from the host tier with LayerSplit:
+    its ``ceil(num_layers / cp)`` owned layers (the scratch layer is filled by broadcast)."""
+    if cp <= 1:
+        return 1.0
+    return -(-num_layers // cp) / num_layers
+
+
 def prefill_profile(
     spec: ProfileSpec, *, tp: int | None = None, cp: int = 1, layer_split: bool = True
 ) -> InstanceProfile:
@@ -118,6 +127,10 @@ def prefill_profile(
     nodes = gpus / spec.gpus_per_node
     per_rank_tokens = spec.kv_bytes_per_gpu / spec.kv_bytes_per_token
     factor = layer_split_capacity_factor(cp, spec.num_layers) if layer_split else 1.0
+    # Each rank loads its own copy of a host-tier prefix over its own PCIe link: all layers
+    # when replicated (MLA KV is replicated over TP), its block of layers with LayerSplit.
+    share = layer_split_load_share(cp, spec.num_layers) if layer_split else 1.0
+    rank_load_bytes_per_s = spec.host_load_bytes_per_s_per_node / spec.gpus_per_node
     eff = spec.prefill_cp_efficiency if cp > 1 else 1.0
     speedup = nodes * eff
     return InstanceProfile(
@@ -131,8 +144,7 @@ def prefill_profile(
         prefill_overhead_s=spec.prefill_overhead_s,
         prefill_s_per_token=1.0 / (spec.prefill_tokens_per_s_per_node * speedup),
         prefill_attn_s_per_token_pair=spec.prefill_attn_s_per_token_pair / speedup,
-        host_load_s_per_token=spec.kv_bytes_per_token
-        / (spec.host_load_bytes_per_s_per_node * nodes),
+        host_load_s_per_token=spec.kv_bytes_per_token * share / rank_load_bytes_per_s,
         decode_step_base_s=spec.decode_step_base_s,
         decode_step_per_seq_s=spec.decode_step_per_seq_s,
         decode_step_per_ctx_token_s=spec.decode_step_per_ctx_token_s,
