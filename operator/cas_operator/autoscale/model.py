@@ -256,10 +256,6 @@ class PrefillCapacity:
     idle_s: float  # seconds its KV stays resident without the GPU (host load + transfer)
     throughput_rps: float  # closed_throughput at ``concurrency``
 
-    @property
-    def compute_bound_rps(self) -> float:
-        return 1.0 / self.busy_s if self.busy_s > 0.0 else math.inf
-
 
 def prefill_capacity(
     prefill: InstanceProfile,
