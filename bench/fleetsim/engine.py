@@ -511,9 +511,7 @@ class Simulator:
         load = prof.host_load_s_per_token * host
         busy = prof.prefill_time_array(inp - cached, cached)
         xfer = inp * prof.kv_bytes_per_token / min(prof.nic_bytes_per_s, cfg.decode.nic_bytes_per_s)
-        ready = kv_bounded_prefill(
-            inst, ta, load, busy, xfer, inp, prof.kv_capacity_tokens, P
-        ).sent
+        ready = kv_bounded_prefill(inst, ta, load, busy, xfer, inp, prof.kv_capacity_tokens, P).sent
         b = self.bins
         b["arr"][step] += sid.size
         b["inp"][step] += inp.sum()
