@@ -97,8 +97,9 @@ bench-anomaly: setup bins ## Anomaly reaction: onset -> out of rotation / replac
 bench-lifecycle: setup bins ## Pod-removal paths under load: sent / failed / cut requests and seconds per path
 	$(PY) bench/lifecycle.py --out bench/results/lifecycle.json
 
-bench-planner: setup ## P:D planner vs 1:1, best fixed, mean-based and exhaustive on the fleet simulator
+bench-planner: setup ## P:D planner vs 1:1, best fixed, mean-based, exhaustive; LayerSplit gain table
 	$(PY) -m bench.planner --quick --scale-tables --out bench/results/planner.json
+	$(PY) -m bench.layersplit --out bench/results/layersplit.json
 
 bench-guard: setup ## Quality-gate overhead per verify step (batch 1/64/256)
 	$(PY) -m bench.guard_overhead

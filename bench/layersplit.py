@@ -7,14 +7,17 @@ as it is between the turns of a long-context agent) the planner's saturated thro
 (`fleetsim.engine.kv_bounded_prefill`, the recursion the fleet simulator runs, fed Poisson
 arrivals beyond capacity) -> gain = LayerSplit / replicated - 1 for each.
 
-`sensitivity` repeats the model for smaller per-GPU KV budgets: the gain depends on how many
-whole contexts fit per rank, so it shows where the published figures sit (docs/planner.md).
-Called by `bench/planner.py` (``make bench-planner``); pure computation apart from its caller's
-JSON.
+The same rows repeat for smaller per-GPU KV budgets: the gain depends on how many whole
+contexts fit per rank, so they show where the published figures sit (docs/planner.md).
+``make bench-planner`` runs ``main`` after bench/planner.py; it prints the table and writes
+bench/results/layersplit.json (one object per row).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -28,38 +31,50 @@ CONTEXTS = (40_000, 80_000, 120_000)
 HIT_RATE = 0.9
 CONTEXT_PARALLEL = 4
 PUBLISHED = {40_000: 0.10, 120_000: 1.32}  # production report: +10% at 40K to +132% at 120K
+PROFILE = "glm5-fp8-h200"
+BUDGETS_GB = (16.0, 12.0, 8.0)
+CONTEXT_SIGMA = 0.5  # simulated contexts vary around the row's length (lognormal sigma)
 
 
 @dataclass(frozen=True)
 class Layouts:
     replicated: InstanceProfile
     layer_split: InstanceProfile
-    transfer_bytes_per_s: float
+    decode: InstanceProfile
+
+    def transfer_bytes_per_s(self, prefill: InstanceProfile) -> float:
+        """One request's transfer rate: the smaller side (conn.py pulls from one TP rank, from
+        every CP rank only with LayerSplit, into one decode DP rank)."""
+        return min(prefill.flow_bytes_per_s, self.decode.flow_bytes_per_s)
 
 
 def layouts(spec: pf.ProfileSpec) -> Layouts:
+    """The replicated and the LayerSplit prefill instance of ``spec`` and its decode instance."""
     rep = pf.prefill_profile(spec, cp=CONTEXT_PARALLEL, layer_split=False)
     split = pf.prefill_profile(spec, cp=CONTEXT_PARALLEL, layer_split=True)
     decode = pf.decode_profile(spec)
-    return Layouts(rep, split, min(rep.nic_bytes_per_s, decode.nic_bytes_per_s))
+    return Layouts(rep, split, decode)
 
 
 def simulated_throughput(
-    prefill: InstanceProfile, context: float, transfer_bytes_per_s: float, seed: int, n: int = 3000
+    prefill: InstanceProfile, context: float, transfer_bytes_per_s: float, seed: int, n: int = 4000
 ) -> float:
     """Requests/s one simulated instance completes under Poisson arrivals at twice its compute
-    bound (the first third of the requests is warm-up)."""
-    cached = HIT_RATE * context
-    busy = prefill.prefill_time(context - cached, cached)
+    bound (the first third of the requests is warm-up). Contexts are lognormal around
+    ``context`` (``CONTEXT_SIGMA``; a context longer than the instance's KV is cut to it)."""
     rng = np.random.default_rng(seed)
-    arrival = np.cumsum(rng.exponential(busy / 2.0, n))
+    spread = np.exp(rng.normal(-(CONTEXT_SIGMA**2) / 2.0, CONTEXT_SIGMA, n))
+    ctx = np.minimum(context * spread, prefill.kv_capacity_tokens)
+    cached = HIT_RATE * ctx
+    busy = prefill.prefill_time_array(ctx - cached, cached)
+    arrival = np.cumsum(rng.exponential(float(np.mean(busy)) / 2.0, n))
     times = kv_bounded_prefill(
         np.zeros(n, dtype=np.int64),
         arrival,
-        np.full(n, prefill.host_load_s_per_token * cached),
-        np.full(n, busy),
-        np.full(n, context * prefill.kv_bytes_per_token / transfer_bytes_per_s),
-        np.full(n, context),
+        prefill.host_load_s_per_token * cached,
+        busy,
+        ctx * prefill.kv_bytes_per_token / transfer_bytes_per_s,
+        ctx,
         prefill.kv_capacity_tokens,
         _Pool(1, 1),
     )
@@ -73,79 +88,87 @@ def _model(prefill: InstanceProfile, context: float, bw: float) -> Any:
     return prefill_capacity(prefill, context, cached, cached, bw)
 
 
-def table(seed: int) -> list[dict[str, Any]]:
-    """One row per context length at the profile's own numbers."""
-    lay = layouts(pf.load_spec("glm5-fp8-h200"))
-    rows = []
-    for context in CONTEXTS:
-        rep = _model(lay.replicated, context, lay.transfer_bytes_per_s)
-        split = _model(lay.layer_split, context, lay.transfer_bytes_per_s)
-        sim_rep = simulated_throughput(lay.replicated, context, lay.transfer_bytes_per_s, seed)
-        sim_split = simulated_throughput(lay.layer_split, context, lay.transfer_bytes_per_s, seed)
-        rows.append(
-            {
-                "context_tokens": context,
-                "hit_rate": HIT_RATE,
-                "gain_model": round(split.throughput_rps / rep.throughput_rps - 1.0, 4),
-                "gain_sim": round(sim_split / sim_rep - 1.0, 4),
-                "gain_published": PUBLISHED.get(context),
-                "concurrency_replicated": rep.concurrency,
-                "concurrency_layer_split": split.concurrency,
-                "gpu_s_per_request": round(rep.busy_s, 3),
-                "resident_idle_s_replicated": round(rep.idle_s, 3),
-                "resident_idle_s_layer_split": round(split.idle_s, 3),
-                "model_rps": [round(rep.throughput_rps, 4), round(split.throughput_rps, 4)],
-                "sim_rps": [round(sim_rep, 4), round(sim_split, 4)],
-            }
-        )
-    return rows
+def _spec_with_budget(spec: pf.ProfileSpec, kv_gb_per_gpu: float | None) -> pf.ProfileSpec:
+    """The profile, or the profile with ``kv_gb_per_gpu`` of HBM left for KV."""
+    if kv_gb_per_gpu is None:
+        return spec
+    weights = spec.hbm_bytes_per_gpu * spec.mem_fraction_static - kv_gb_per_gpu * 1e9
+    return replace(spec, weight_bytes_per_gpu=weights)
 
 
-def sensitivity(budgets_gb: tuple[float, ...] = (16.0, 12.0, 8.0)) -> list[dict[str, Any]]:
-    """The model's gain when each GPU has ``budget`` GB for KV instead of the profile's."""
-    spec = pf.load_spec("glm5-fp8-h200")
+def _row(lay: Layouts, context: int, kv_gb: float, seed: int) -> dict[str, Any]:
+    bw_rep = lay.transfer_bytes_per_s(lay.replicated)
+    bw_split = lay.transfer_bytes_per_s(lay.layer_split)
+    rep = _model(lay.replicated, context, bw_rep)
+    split = _model(lay.layer_split, context, bw_split)
+    sim_rep = simulated_throughput(lay.replicated, context, bw_rep, seed)
+    sim_split = simulated_throughput(lay.layer_split, context, bw_split, seed)
+    return {
+        "context_tokens": context,
+        "hit_rate": HIT_RATE,
+        "gain_model": round(split.throughput_rps / rep.throughput_rps - 1.0, 4),
+        "gain_sim": round(sim_split / sim_rep - 1.0, 4),
+        "gain_published": PUBLISHED.get(context),
+        "kv_gb_per_gpu": round(kv_gb, 1),
+        "concurrency_replicated": rep.concurrency,
+        "concurrency_layer_split": split.concurrency,
+        "gpu_s_per_request": round(rep.busy_s, 3),
+        "resident_idle_s_replicated": round(rep.idle_s, 3),
+        "resident_idle_s_layer_split": round(split.idle_s, 3),
+        "model_rps": [round(rep.throughput_rps, 4), round(split.throughput_rps, 4)],
+        "sim_rps": [round(sim_rep, 4), round(sim_split, 4)],
+    }
+
+
+def table(seed: int, budgets_gb: tuple[float, ...] = BUDGETS_GB) -> list[dict[str, Any]]:
+    """One row per context length at the profile's own KV budget (``profile`` true), then the
+    same for each smaller per-GPU KV budget: the gain depends on how many whole contexts fit
+    per rank, so these rows show where the published figures sit."""
+    spec = pf.load_spec(PROFILE)
     rows = []
-    for budget in (spec.kv_bytes_per_gpu / 1e9, *budgets_gb):
-        weights = spec.hbm_bytes_per_gpu * spec.mem_fraction_static - budget * 1e9
-        lay = layouts(replace(spec, weight_bytes_per_gpu=weights))
-        row: dict[str, Any] = {"kv_gb_per_gpu": round(budget, 1)}
+    for budget in (None, *budgets_gb):
+        budget_spec = _spec_with_budget(spec, budget)
+        lay = layouts(budget_spec)
         for context in CONTEXTS:
-            rep = _model(lay.replicated, context, lay.transfer_bytes_per_s)
-            split = _model(lay.layer_split, context, lay.transfer_bytes_per_s)
-            gain = split.throughput_rps / rep.throughput_rps - 1.0 if rep.throughput_rps else None
-            row[str(context)] = {
-                "gain": None if gain is None else round(gain, 4),
-                "concurrency": [rep.concurrency, split.concurrency],
-            }
-        rows.append(row)
+            row = _row(lay, context, budget_spec.kv_bytes_per_gpu / 1e9, seed)
+            row["profile"] = budget is None
+            rows.append(row)
     return rows
 
 
-def render(rows: list[dict[str, Any]], sens: list[dict[str, Any]]) -> str:
+def render(rows: list[dict[str, Any]]) -> str:
     out = [
-        f"LayerSplit at a {HIT_RATE:.0%} hit rate (glm5-fp8-h200, TP 8, CP {CONTEXT_PARALLEL}, "
+        f"LayerSplit at a {HIT_RATE:.0%} hit rate ({PROFILE}, TP 8, CP {CONTEXT_PARALLEL}, "
         "prefix on the host tier): saturated prefill throughput, LayerSplit / replicated - 1",
-        "| context | in flight (repl / LS) | model | simulator | published |",
-        "|---|---|---|---|---|",
+        "| KV GB per GPU | context | in flight (repl / LS) | GPU s | resident idle s (repl / LS)"
+        " | model | simulator | published |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        pub = r["gain_published"]
+        pub = r["gain_published"] if r["profile"] else None
+        budget = f"{r['kv_gb_per_gpu']}{' (profile)' if r['profile'] else ''}"
         out.append(
-            f"| {r['context_tokens'] // 1000}K | {r['concurrency_replicated']} / "
-            f"{r['concurrency_layer_split']} | {r['gain_model']:+.1%} | {r['gain_sim']:+.1%} | "
+            f"| {budget} | {r['context_tokens'] // 1000}K | {r['concurrency_replicated']} / "
+            f"{r['concurrency_layer_split']} | {r['gpu_s_per_request']:.2f} | "
+            f"{r['resident_idle_s_replicated']:.2f} / {r['resident_idle_s_layer_split']:.2f} | "
+            f"{r['gain_model']:+.1%} | {r['gain_sim']:+.1%} | "
             f"{'' if pub is None else f'{pub:+.0%}'} |"
         )
-    out += [
-        "",
-        "Model gain by KV budget per GPU (in flight replicated / LayerSplit):",
-        "| KV GB per GPU | " + " | ".join(f"{c // 1000}K" for c in CONTEXTS) + " |",
-        "|---|" + "---|" * len(CONTEXTS),
-    ]
-    for s in sens:
-        cells = []
-        for c in CONTEXTS:
-            cell = s[str(c)]
-            gain = "-" if cell["gain"] is None else f"{cell['gain']:+.1%}"
-            cells.append(f"{gain} ({cell['concurrency'][0]} / {cell['concurrency'][1]})")
-        out.append(f"| {s['kv_gb_per_gpu']} | " + " | ".join(cells) + " |")
     return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", default="bench/results/layersplit.json")
+    args = ap.parse_args()
+    rows = table(args.seed)
+    print(render(rows))
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as fh:
+        json.dump(rows, fh, indent=1)
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

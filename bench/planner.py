@@ -58,10 +58,16 @@ class Scenario:
         p = replace(
             p,
             nic_bytes_per_s=p.nic_bytes_per_s * self.nic_factor,
+            flow_bytes_per_s=p.flow_bytes_per_s * self.nic_factor,
             host_cache_tokens=p.host_cache_tokens * self.host_cache_factor,
             pod_start_s=600.0,
         )
-        d = replace(d, nic_bytes_per_s=d.nic_bytes_per_s * self.nic_factor, pod_start_s=600.0)
+        d = replace(
+            d,
+            nic_bytes_per_s=d.nic_bytes_per_s * self.nic_factor,
+            flow_bytes_per_s=d.flow_bytes_per_s * self.nic_factor,
+            pod_start_s=600.0,
+        )
         return p, d
 
 

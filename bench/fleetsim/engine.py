@@ -510,7 +510,8 @@ class Simulator:
         inst[miss] = spread(int(miss.sum()), P.busy, ready_p)
         load = prof.host_load_s_per_token * host
         busy = prof.prefill_time_array(inp - cached, cached)
-        xfer = inp * prof.kv_bytes_per_token / min(prof.nic_bytes_per_s, cfg.decode.nic_bytes_per_s)
+        flow = min(prof.flow_bytes_per_s, cfg.decode.flow_bytes_per_s)
+        xfer = inp * prof.kv_bytes_per_token / flow
         ready = kv_bounded_prefill(inst, ta, load, busy, xfer, inp, prof.kv_capacity_tokens, P).sent
         b = self.bins
         b["arr"][step] += sid.size

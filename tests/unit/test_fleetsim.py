@@ -174,7 +174,9 @@ def test_decode_kv_pressure_makes_requests_wait(baseline: SimResult) -> None:
 def test_narrow_nic_stretches_ttft(baseline: SimResult) -> None:
     """Guards the KV transfer link: 1% of the NIC bandwidth makes whole-context transfers
     queue on the prefill side's link."""
-    narrow_p = replace(P, nic_bytes_per_s=P.nic_bytes_per_s * 0.01)
+    narrow_p = replace(
+        P, nic_bytes_per_s=P.nic_bytes_per_s * 0.01, flow_bytes_per_s=P.flow_bytes_per_s * 0.01
+    )
     base = baseline.goodput(3.0, 50.0)
     slow = simulate(_cfg(5, 2, prefill=narrow_p), WL).goodput(3.0, 50.0)
     assert slow["ttft_p90_s"] > base["ttft_p90_s"] + 0.5

@@ -56,6 +56,7 @@ def _toy(**kw: float) -> InstanceProfile:
         accept_length=1.0,
         max_running=10_000,
         nic_bytes_per_s=1e12,
+        flow_bytes_per_s=1e12,
         pod_start_s=60.0,
         drain_s=10.0,
     )
@@ -175,7 +176,7 @@ def test_deepseek_decode_matches_the_published_tp_bound_not_the_ep72_figure() ->
 def test_single_class_no_wait_ttft_is_service_plus_transfer() -> None:
     """Guards the TTFT composition: at negligible load, p90 TTFT = prefill + transfer + one
     decode step (first turns only, nothing cached)."""
-    toy = _toy(kv_bytes_per_token=1000.0, nic_bytes_per_s=1e9)
+    toy = _toy(kv_bytes_per_token=1000.0, nic_bytes_per_s=1e9, flow_bytes_per_s=1e9)
     wl = WorkloadInputs(
         request_rate=1e-6,
         avg_input_tokens=10_000,

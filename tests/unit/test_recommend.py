@@ -8,7 +8,13 @@ from typing import Any
 from cas_operator.api.models import parse_spec
 from cas_operator.autoscale.profiles import load_spec as load_spec_profile
 from cas_operator.desired.build import build_plan
-from cas_operator.desired.recommend import convert_count, instance_profiles
+from cas_operator.desired.recommend import (
+    ShapePlan,
+    candidate_shapes,
+    convert_count,
+    instance_profiles,
+    prefill_shapes,
+)
 from cas_operator.reconcile.status import ratio_status
 from tests.paths import load_sample
 
@@ -88,3 +94,61 @@ def test_planner_instances_are_the_resources_instances_when_shapes_match() -> No
     rec = plan.recommendation
     assert rec is not None and rec.prefill is not None and rec.decode is not None
     assert rec.prefill * plan.prefill.shape.gpus + rec.decode * plan.decode.shape.gpus <= 64
+
+
+def test_prefill_shapes_are_the_ones_sglang_accepts() -> None:
+    """Guards the shape list behind status.ratio.prefillShape: CP divides TP, CP > 1 only up
+    to TP 8 for DSA models, LayerSplit only with CP > 1 (the same rules `validate` enforces)."""
+    assert prefill_shapes(8) == [
+        (1, False),
+        (2, False),
+        (2, True),
+        (4, False),
+        (4, True),
+        (8, False),
+        (8, True),
+    ]
+    assert prefill_shapes(16) == [(1, False)]
+    assert (3, True) in prefill_shapes(6) and (4, True) not in prefill_shapes(6)
+    # replicated CP is planned only when it runs (the model never prefers it to CP 1)
+    assert candidate_shapes(8, (4, True)) == [(1, False), (2, True), (4, True), (8, True)]
+    assert (4, False) in candidate_shapes(8, (4, False))
+
+
+def _plan(gpus: int, meets: bool, goodput: float, cp: int = 4) -> ShapePlan:
+    return ShapePlan(cp, True, 3, 2, gpus, 3.0, meets, goodput)
+
+
+def test_shape_advice_prefers_slo_then_gpus_then_goodput() -> None:
+    """Guards the ordering of shapes: meeting the SLOs beats any GPU count, fewer GPUs win
+    among shapes that meet them, and without one that meets them only a 5% goodput gain is
+    worth a new revision (so the advice does not churn on noise)."""
+    assert _plan(64, True, 5.0).better_than(_plan(40, False, 9.0))
+    assert _plan(40, True, 5.0).better_than(_plan(48, True, 5.0))
+    assert not _plan(48, True, 9.0).better_than(_plan(48, True, 5.0))
+    assert _plan(64, False, 6.4).better_than(_plan(64, False, 6.0))
+    assert not _plan(64, False, 6.2).better_than(_plan(64, False, 6.0))
+
+
+def test_dsa_resource_reports_its_prefill_shape_and_auto_keeps_it() -> None:
+    """Issue 19: status.ratio.prefillShape names the running and the cheapest valid prefill
+    shape with the planner's GPUs and TTFT for each; Auto never changes the shape (a shape
+    change is a new revision), and a non-DSA model gets no shape advice."""
+    plan = build_plan("x", "ns", parse_spec(glm5(mode="Recommend")))
+    shape = ratio_status(plan)["prefillShape"]
+    current, best = shape["current"], shape["recommended"]
+    assert (current["contextParallel"], current["layerSplit"]) == (4, True)
+    assert current["replicas"] == ratio_status(plan)["recommended"]  # the same search
+    for s in (current, best):
+        assert s["gpus"] <= 64 and s["ttftP90Seconds"] > 0
+        assert (s["contextParallel"], s["layerSplit"]) in prefill_shapes(8)
+    assert (best["meetsSlo"], best["goodputRps"]) >= (current["meetsSlo"], current["goodputRps"])
+    if best != current:
+        assert "new revision" in shape["reason"]
+    auto = build_plan("x", "ns", parse_spec(glm5(mode="Auto", min=0.1, max=10)))
+    assert (auto.prefill.shape.context_parallel, auto.layer_split) == (4, True)
+    assert "prefillShape" in ratio_status(auto)
+    raw = glm5(mode="Recommend")
+    raw["model"] = {**raw["model"], "name": "deepseek-ai/DeepSeek-V3"}
+    raw["prefill"] = {**raw["prefill"], "contextParallel": 1, "layerSplit": False}
+    assert "prefillShape" not in ratio_status(build_plan("x", "ns", parse_spec(raw)))

@@ -32,7 +32,9 @@ Model (per request class, see docs/planner.md for the derivation):
    ``C = 1``, ``1/D`` as ``C`` grows; ``1/X(C)`` is the service time the waits use. (In-flight
    KV is the most recently used prefix, so the LRU of step 1 already counts it.)
 4. KV transfer: the whole context moves prefill -> decode; the link pool is the smaller of the
-   two sides' NIC totals; per-transfer time is stretched by ``1 / (1 - rho_link)``.
+   two sides' NIC totals; one request's transfer runs at the smaller of the two sides'
+   ``flow_bytes_per_s`` (the NICs that carry it, see ``profiles``), stretched by
+   ``1 / (1 - rho_link)``.
 5. Decode: per-instance active requests ``c`` from Little's law with the step time that itself
    depends on ``c`` and total context (closed-form fixed point). Constraints: ITL = step/accept
    under the SLO, and the 95th percentile of the summed context of ``c`` requests (per-request
@@ -115,7 +117,8 @@ class InstanceProfile:
     decode_step_per_ctx_token_s: float
     accept_length: float
     max_running: int
-    nic_bytes_per_s: float
+    nic_bytes_per_s: float  # the NICs that carry the instance's KV transfers, together
+    flow_bytes_per_s: float  # one request's transfer from (or into) this instance
     pod_start_s: float
     drain_s: float
 
@@ -386,37 +389,50 @@ _Wait = tuple[float, float, float]  # (share of requests, P(wait > 0), tail rate
 _Waits = Sequence[_Wait]  # a waiting-time mixture
 
 
+def _tail_terms(
+    classes: Sequence[_Class], extra_s: Sequence[float], waits: Sequence[_Waits]
+) -> list[tuple[float, float, float, float]]:
+    """(delay D, mass, mass that waits, tail rate theta) per class and wait group."""
+    return [
+        (c.service_s + x, share * c.prob, share * c.prob * wait_prob, theta)
+        for c, x, mix in zip(classes, extra_s, waits, strict=True)
+        for share, wait_prob, theta in mix
+    ]
+
+
+def _tail_at(terms: Sequence[tuple[float, float, float, float]], t: float) -> float:
+    total = 0.0
+    for d, mass, waiting, theta in terms:
+        if t < d:
+            total += mass
+        elif theta <= 0.0:
+            total += waiting
+        else:
+            total += waiting * math.exp(-theta * (t - d))
+    return total
+
+
 def _ttft_tail(
     classes: Sequence[_Class], extra_s: Sequence[float], waits: Sequence[_Waits], t: float
 ) -> float:
     """P(W + D > t): D is the class delay; W is the class's wait mixture over instance groups,
     each with an atom at 0 and an exponential tail of rate ``theta`` with mass P(wait > 0)."""
-    total = 0.0
-    for c, x, mix in zip(classes, extra_s, waits, strict=True):
-        d = c.service_s + x
-        for share, wait_prob, theta in mix:
-            if t < d:
-                total += share * c.prob
-            elif theta <= 0.0:
-                total += share * c.prob * wait_prob
-            else:
-                total += share * c.prob * wait_prob * math.exp(-theta * (t - d))
-    return total
+    return _tail_at(_tail_terms(classes, extra_s, waits), t)
 
 
 def _ttft_quantile(
     classes: Sequence[_Class], extra_s: Sequence[float], waits: Sequence[_Waits], q: float
 ) -> float:
-    """Smallest t with P(W + D > t) <= 1 - q (bisection; the tail is monotone in t)."""
-    delays = [c.service_s + x for c, x in zip(classes, extra_s, strict=True)]
-    slowest = min((w[2] for mix in waits for w in mix if w[2] > 0.0), default=0.0)
+    """Smallest t with P(W + D > t) <= 1 - q (bisection to 0.1 ms; the tail is monotone)."""
+    terms = _tail_terms(classes, extra_s, waits)
+    slowest = min((theta for *_, theta in terms if theta > 0.0), default=0.0)
     target = 1.0 - q
-    lo, hi = 0.0, max(delays) + (50.0 / slowest if slowest > 0 else 1e6)
-    if _ttft_tail(classes, extra_s, waits, hi) > target:
+    lo, hi = 0.0, max(d for d, *_ in terms) + (50.0 / slowest if slowest > 0 else 1e6)
+    if _tail_at(terms, hi) > target:
         return math.inf
-    for _ in range(40):
+    while hi - lo > 1e-4:
         mid = (lo + hi) / 2.0
-        if _ttft_tail(classes, extra_s, waits, mid) > target:
+        if _tail_at(terms, mid) > target:
             lo = mid
         else:
             hi = mid
@@ -554,7 +570,7 @@ def evaluate(
     classes = _request_classes(w, prefill, p_gpu, p_any)
     total_in = sum(c.prob * c.input_tokens for c in classes)
     link_util = w.request_rate * total_in * prefill.kv_bytes_per_token / link_bw
-    flow_bw = min(prefill.nic_bytes_per_s, decode.nic_bytes_per_s) * max(1.0 - link_util, 1e-3)
+    flow_bw = min(prefill.flow_bytes_per_s, decode.flow_bytes_per_s) * max(1.0 - link_util, 1e-3)
     transfer = [c.input_tokens * prefill.kv_bytes_per_token / flow_bw for c in classes]
     capacity = _pool_capacity(classes, transfer, w.avg_input_tokens, prefill)
     hit_rate = sum(c.prob * c.cached for c in classes) / total_in if total_in else 0.0

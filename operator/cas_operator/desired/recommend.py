@@ -154,6 +154,17 @@ def prefill_shapes(tensor_parallel: int) -> list[tuple[int, bool]]:
     return shapes
 
 
+def candidate_shapes(tensor_parallel: int, current: tuple[int, bool]) -> list[tuple[int, bool]]:
+    """The shapes worth planning: CP > 1 without LayerSplit caches what CP 1 caches, loads and
+    sends the same bytes and computes at the CP efficiency, so the model never prefers it to
+    CP 1; it is planned only when it is the running shape."""
+    return [
+        (cp, split)
+        for cp, split in prefill_shapes(tensor_parallel)
+        if cp == 1 or split or (cp, split) == current
+    ]
+
+
 @lru_cache(maxsize=64)
 def shape_advice(
     profile: str,
@@ -168,8 +179,9 @@ def shape_advice(
     name the cheapest; the running shape wins ties, so the advice never churns."""
     spec = load_spec(profile)
     tp, cp = prefill_tp_cp
+    running = (cp, layer_split and cp > 1)
     plans = {}
-    for shape_cp, shape_ls in prefill_shapes(tp):
+    for shape_cp, shape_ls in candidate_shapes(tp, running):
         prefill_instance, decode_instance = instance_profiles(
             spec, (tp, shape_cp), shape_ls, instance_gpus
         )
@@ -186,7 +198,7 @@ def shape_advice(
             meets_slo=result.meets_slo,
             goodput_rps=round(result.goodput_rps, 3),
         )
-    current = plans[(cp, layer_split and cp > 1)]
+    current = plans[running]
     best = current
     for plan in plans.values():
         if plan.better_than(best):
@@ -201,11 +213,16 @@ def _shape_name(plan: ShapePlan) -> str:
 def _shape_reason(current: ShapePlan, best: ShapePlan) -> str:
     if best is current:
         return f"{_shape_name(current)} is the cheapest valid prefill shape for the workload"
-    return (
-        f"{_shape_name(best)} would serve the workload with {best.gpus} GPUs "
-        f"(TTFT p90 {best.ttft_p90_seconds:.2f}s) against {current.gpus} "
-        f"(TTFT p90 {current.ttft_p90_seconds:.2f}s) now; a shape change is a new revision"
-    )
+    if best.meets_slo and current.meets_slo:
+        gain = f"with {best.gpus} GPUs against {current.gpus} now"
+    elif best.meets_slo:
+        gain = f"within the SLOs with {best.gpus} GPUs; {_shape_name(current)} cannot"
+    else:
+        gain = (
+            f"{best.goodput_rps:.1f} req/s within the SLOs on {best.gpus} GPUs against "
+            f"{current.goodput_rps:.1f} now"
+        )
+    return f"{_shape_name(best)} would serve {gain}; a shape change is a new revision"
 
 
 @lru_cache(maxsize=256)

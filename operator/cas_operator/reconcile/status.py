@@ -287,6 +287,7 @@ def shape_status(advice: ShapeAdvice) -> dict[str, Any]:
             "gpus": plan.gpus,
             "ttftP90Seconds": plan.ttft_p90_seconds,
             "meetsSlo": plan.meets_slo,
+            "goodputRps": plan.goodput_rps,
         }
 
     return {

@@ -18,6 +18,16 @@ for the layer being broadcast (SGLang 0.5.23: srt/layers/cp/utils.py:76-91 and
 srt/model_executor/pool_configurator.py:605-626; see ``cas_operator.desired.layersplit``), so
 per-rank bytes per token are ``B * (ceil(L / cp) + 1) / L`` and capacity grows by
 ``L / (ceil(L / cp) + 1)``.
+
+Per-rank links: MLA KV is replicated over the TP ranks, so each rank loads its own copy of a
+host-tier prefix over its own PCIe link (its layer block with LayerSplit,
+``layer_split_load_share``), and a decode rank pulls a request's KV from ONE prefill TP rank -
+from every CP rank with LayerSplit, from CP rank 0 otherwise (SGLang 0.5.23:
+srt/disaggregation/common/conn.py:1482-1513). The receiving side is one decode DP rank. So one
+decode rank's TP index is 0 under DP attention, so every transfer of a prefill instance leaves
+from the same rank (``cp`` ranks with LayerSplit): the prefill side's link is one GPU's NIC
+share (``nic_bytes_per_s_per_node / gpus_per_node``) times that, while a decode instance
+receives on all its DP ranks at once, one NIC share per request.
 """
 
 from __future__ import annotations
@@ -133,6 +143,7 @@ def prefill_profile(
     rank_load_bytes_per_s = spec.host_load_bytes_per_s_per_node / spec.gpus_per_node
     eff = spec.prefill_cp_efficiency if cp > 1 else 1.0
     speedup = nodes * eff
+    senders = cp if layer_split else 1
     return InstanceProfile(
         name=f"{spec.name}/prefill-tp{gpus}-cp{cp}{'-ls' if layer_split else ''}",
         gpus=gpus,
@@ -150,10 +161,15 @@ def prefill_profile(
         decode_step_per_ctx_token_s=spec.decode_step_per_ctx_token_s,
         accept_length=spec.decode_accept_length,
         max_running=spec.decode_max_running_per_gpu * gpus,
-        nic_bytes_per_s=spec.nic_bytes_per_s_per_node * nodes,
+        nic_bytes_per_s=_rank_nic(spec) * senders,  # every transfer leaves from these ranks
+        flow_bytes_per_s=_rank_nic(spec) * senders,
         pod_start_s=spec.pod_start_s,
         drain_s=spec.drain_s,
     )
+
+
+def _rank_nic(spec: ProfileSpec) -> float:
+    return spec.nic_bytes_per_s_per_node / spec.gpus_per_node
 
 
 def decode_profile(spec: ProfileSpec, *, dp: int | None = None) -> InstanceProfile:
@@ -178,6 +194,7 @@ def decode_profile(spec: ProfileSpec, *, dp: int | None = None) -> InstanceProfi
         accept_length=spec.decode_accept_length,
         max_running=spec.decode_max_running_per_gpu * gpus,
         nic_bytes_per_s=spec.nic_bytes_per_s_per_node * nodes,
+        flow_bytes_per_s=_rank_nic(spec),  # one DP rank receives each request
         pod_start_s=spec.pod_start_s,
         drain_s=spec.drain_s,
     )
