@@ -171,6 +171,12 @@ def test_glm5_sample_plans_layersplit_and_flags(
     assert decode[decode.index("--cas-guard-enabled") + 1] == "true"
     template = deployments["prefill"]["spec"]["template"]
     assert template["metadata"]["annotations"]["sglang.ai/bootstrap-port"] == "8998"
+    # Recommend mode (issue 19): the planner's P:D and prefill shape, replicas untouched
+    ratio = cas["status"]["ratio"]
+    assert ratio["current"] == "1:1" and ratio["replicasOwner"] == "spec"
+    shape = ratio["prefillShape"]
+    assert (shape["current"]["contextParallel"], shape["current"]["layerSplit"]) == (4, True)
+    assert shape["recommended"]["gpus"] <= 64 and shape["recommended"]["ttftP90Seconds"] > 0
 
 
 def test_multinode_instances_are_lws_groups(
