@@ -244,21 +244,6 @@ def test_bounds_are_respected() -> None:
     assert not rec.meets_slo
 
 
-def test_cp_hint_for_long_cold_first_turns() -> None:
-    """Guards the CP hint: 150K-token cold first turns under a 4 s TTFT need a larger CP group
-    (a multi-node instance, TP 8c with CP c); the hint names it while the recommendation stays
-    on the running shape."""
-    wl = replace(
-        WL, first_turn_input_tokens=150_000, avg_input_tokens=160_000, first_turn_fraction=0.15
-    )
-    alts = [pf.prefill_profile(SPEC, tp=8 * c, cp=c) for c in (2, 4, 8)]
-    rec = recommend(
-        wl, SloInputs(ttft_s=4.0, itl_ms=50.0), PREFILL, DECODE, prefill_alternatives=alts
-    )
-    assert rec.cp_hint is not None and rec.cp_hint > 1
-    assert "CP" in rec.reason
-
-
 def test_observed_hit_rate_recalibrates_the_model() -> None:
     """Guards the observed-signal path: a fleet measuring a lower hit rate than modelled needs
     at least as many prefill GPUs; a higher observed arrival rate replaces the declared one."""

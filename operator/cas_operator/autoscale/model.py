@@ -209,7 +209,7 @@ class PlanEvaluation:
 
 @dataclass(frozen=True)
 class RatioRecommendation:
-    """What the planner recommends; ``cp_hint`` names a better prefill CP size (restart)."""
+    """What the planner recommends for one prefill and one decode shape."""
 
     n_prefill: int
     n_decode: int
@@ -220,7 +220,6 @@ class RatioRecommendation:
     goodput_rps: float
     meets_slo: bool
     reason: str
-    cp_hint: int | None = None
 
 
 # ---------------------------------------------------------------- model pieces

@@ -10,7 +10,7 @@ sustainable rate's plan with the leftover spent decode first.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from cas_operator.autoscale.model import (
@@ -228,7 +228,6 @@ def recommend(
     decode: InstanceProfile,
     bounds: Bounds = Bounds(),
     observed: ObservedSignals | None = None,
-    prefill_alternatives: Sequence[InstanceProfile] = (),
     limits: ModelLimits = ModelLimits(),
 ) -> RatioRecommendation:
     """Recommend (N_P, N_D) for ``workload`` (rate replaced by the observed one when larger).
@@ -236,8 +235,7 @@ def recommend(
     ``observed.hit_rate`` measured at ``observed.prefill_replicas`` rescales the modelled
     returning-turn hit probability (clamped to [0.5, 1.5]); ``observed.decode_kv_usage`` at
     ``observed.decode_replicas`` rescales the modelled decode KV need (clamped to [1.0, 2.5]).
-    ``prefill_alternatives`` are other CP shapes of the prefill instance; one that needs 5%
-    fewer GPUs (or gives 5% more goodput at the cap) is reported as ``cp_hint``.
+    Other prefill shapes are compared by ``cas_operator.desired.recommend.shape_advice``.
     """
     wl = workload.resolved()
     seen = wl  # the load the observations were made at (the forecast may be higher)
@@ -248,22 +246,6 @@ def recommend(
     limits = replace(limits, kv_scale=_kv_scale(seen, decode, observed))
     ctx = _Ctx(slo, prefill, decode, bounds, limits, hit_scale)
     ev, rate, meets = _plan(ctx, wl)
-    hint = None
-    for alt in prefill_alternatives:
-        if alt.cp == prefill.cp and alt.layer_split == prefill.layer_split:
-            continue
-        aev, arate, ameets = _plan(replace(ctx, prefill=alt), wl)
-        better = (
-            (ameets and meets and aev.gpus <= 0.95 * ev.gpus)
-            or (ameets and not meets)
-            or (not ameets and not meets and arate >= 1.05 * rate)
-        )
-        if better:
-            hint = alt.cp
-            ev, rate, meets = aev, arate, ameets
-            ctx = replace(ctx, prefill=alt)
-    if hint is not None:  # the recommendation itself stays on the running CP size
-        ev, rate, meets = _plan(replace(ctx, prefill=prefill), wl)
     return RatioRecommendation(
         n_prefill=ev.n_prefill,
         n_decode=ev.n_decode,
@@ -273,9 +255,7 @@ def recommend(
         hit_rate=ev.hit_rate,
         goodput_rps=rate,
         meets_slo=meets,
-        reason=_reason(ev, meets, rate, wl.request_rate)
-        + (f"; prefill CP {hint} would need fewer GPUs (restart)" if hint else ""),
-        cp_hint=hint,
+        reason=_reason(ev, meets, rate, wl.request_rate),
     )
 
 
