@@ -19,7 +19,9 @@ KWOK only pretends to run containers; this runner makes engine pods real process
    (a new pod UID under the same name); as a kubelet does, it first runs the container's
    ``cas_engine.prestop`` preStop hook (at the pod IP, in the pod's namespace), in the
    background and bounded by the pod's ``terminationGracePeriodSeconds``, so a deleted pod
-   finishes its requests in flight before its process stops (other hooks are not run);
+   finishes its requests in flight before its process stops; a preStop ``sleep`` action (the
+   router's) delays the SIGTERM by its seconds, within the same grace (other hooks are not
+   run);
 4. rewrites the Prometheus file_sd targets (:func:`e2e.runtime.prometheus.write_file_sd`) for pods
    annotated ``prometheus.io/scrape: "true"``, labelled namespace/pod/role;
 5. with ``patch_status`` set, plays the kubelet's readiness prober for pods that opt in (the
@@ -80,6 +82,7 @@ class Launch:
     env: tuple[tuple[str, str], ...]
     prestop: tuple[str, ...] = ()  # the preStop hook's argv (empty: none this runner runs)
     grace_s: float = DEFAULT_GRACE_S  # the pod's terminationGracePeriodSeconds
+    prestop_sleep_s: float = 0.0  # a preStop `sleep` action: SIGTERM comes this much later
 
 
 def _container_running(pod: Pod, launchers: tuple[str, ...]) -> dict[str, Any] | None:
@@ -117,6 +120,16 @@ def prestop_for(container: dict[str, Any], python: str, ip: str) -> tuple[str, .
     return (python, *command[1:], "--host", ip)
 
 
+def prestop_sleep_for(container: dict[str, Any]) -> float:
+    """Seconds of the container's preStop `sleep` action (0 without one)."""
+    sleep = ((container.get("lifecycle") or {}).get("preStop") or {}).get("sleep") or {}
+    return float(sleep.get("seconds", 0))
+
+
+def _grace_of(pod: Pod) -> float:
+    return float(pod.get("spec", {}).get("terminationGracePeriodSeconds", DEFAULT_GRACE_S))
+
+
 def launch_for(
     pod: Pod,
     python: str,
@@ -145,7 +158,8 @@ def launch_for(
         argv=argv,
         env=tuple(sorted(env.items())),
         prestop=prestop_for(container, python, ip),
-        grace_s=float(pod.get("spec", {}).get("terminationGracePeriodSeconds", DEFAULT_GRACE_S)),
+        grace_s=_grace_of(pod),
+        prestop_sleep_s=prestop_sleep_for(container),
     )
 
 
@@ -194,6 +208,8 @@ def router_launch_for(
         port=port,
         argv=(python, "-m", ROUTER_SHIM, *args),
         env=tuple(sorted(env.items())),
+        grace_s=_grace_of(pod),
+        prestop_sleep_s=prestop_sleep_for(container),
     )
 
 
@@ -397,15 +413,21 @@ class PodRunner:
         launch = run.launch
         if not hook or not procs.is_running(run.record) or (replaced and not launch.prestop):
             return procs.stop(run.record, grace_s=5.0)
-        if not launch.prestop:  # as a kubelet: SIGTERM, then the pod's grace (a router drains)
+        if not launch.prestop:  # as a kubelet: a preStop sleep, SIGTERM, the rest of the grace
             self.stopping.add(launch.uid)
 
             def stop() -> None:
-                print(f"podrunner: {procs.stop(run.record, grace_s=launch.grace_s)}", flush=True)
+                slept = min(launch.prestop_sleep_s, launch.grace_s)
+                time.sleep(slept)
+                left = max(2.0, launch.grace_s - slept)  # the kubelet gives SIGTERM at least 2 s
+                print(f"podrunner: {procs.stop(run.record, grace_s=left)}", flush=True)
                 self.stopping.discard(launch.uid)
 
             threading.Thread(target=stop, daemon=True).start()
-            return f"SIGTERM to {launch.namespace}.{launch.name} (up to {launch.grace_s:.0f}s)"
+            return (
+                f"SIGTERM to {launch.namespace}.{launch.name} after {launch.prestop_sleep_s:.0f}s"
+                f" (up to {launch.grace_s:.0f}s)"
+            )
         name = f"{launch.namespace}.{launch.name}"
         record = procs.spawn(f"{name}.prestop", list(launch.prestop), self.log_dir,
                              env=dict(launch.env), netns=self._netns(launch))  # fmt: skip

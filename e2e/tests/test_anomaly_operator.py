@@ -224,5 +224,11 @@ def test_router_pods_run_as_real_routers_at_their_pod_ip(tmp_path: Path) -> None
     )
     assert dict(launch.env)["KUBECONFIG"] == str(tmp_path / "kubeconfig")
     assert (launch.ip, launch.port) == ("127.10.3.2", 8000)
+    assert (launch.prestop_sleep_s, launch.grace_s) == (0.0, 30.0)
+    # as a kubelet: the pod's grace, and a preStop sleep before the SIGTERM (issue 15)
+    pod["spec"]["terminationGracePeriodSeconds"] = 95
+    pod["spec"]["containers"][0]["lifecycle"] = {"preStop": {"sleep": {"seconds": 5}}}
+    launch = router_launch_for(pod, "py", tmp_path / "kubeconfig")
+    assert launch is not None and (launch.prestop_sleep_s, launch.grace_s) == (5.0, 95.0)
     pod["status"]["podIP"] = "10.0.0.7"  # not bindable here: not ours to run
     assert router_launch_for(pod, "py", tmp_path / "kubeconfig") is None

@@ -297,6 +297,20 @@ def test_router_pods_have_a_disruption_budget_of_their_revision() -> None:
     }  # fmt: skip
 
 
+def test_router_pods_keep_accepting_until_their_endpoint_is_gone() -> None:
+    """Regression (issue 15): a deleted router pod got SIGTERM at once and stopped accepting
+    while kube-proxy and the gateway still sent it new connections. A preStop sleep holds it
+    until its endpoint has left the entry Service; the grace covers the sleep and the drain."""
+    plan = plan_of(router={"replicas": 2})
+    manifests = build_all(Owner("demo", "ns", "u"), plan)
+    (router,) = [m for m in manifests if m["metadata"]["name"] == plan.router_name
+                 and m["kind"] == "Deployment"]  # fmt: skip
+    pod = router["spec"]["template"]["spec"]
+    sleep = pod["containers"][0]["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert sleep >= 2
+    assert pod["terminationGracePeriodSeconds"] == plan.spec.engine.drain_seconds + 30 + sleep
+
+
 def test_engine_pods_wait_for_requests_in_flight_before_they_stop() -> None:
     """Regression (issue 15): a deleted engine pod got SIGTERM at once and cut its requests.
     Serving pods run cas_engine.prestop on their own port; an LWS worker waits on its leader;

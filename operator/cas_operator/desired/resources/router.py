@@ -18,6 +18,9 @@ from cas_operator.desired.resources.meta import (
 from cas_operator.desired.resources.security import container_security, pod_security
 
 ROUTER_MODULE = ["python3", "-m", "sglang_router.launch_router"]
+# A deleted router pod keeps accepting this long before SIGTERM: the time for its endpoint to
+# leave the entry Service everywhere (kube-proxy syncs at most once a second by default).
+ROUTER_ENDPOINT_SETTLE_SECONDS = 5
 
 
 def discovery_selector(plan: Plan, role: str) -> list[str]:
@@ -82,6 +85,7 @@ def build_router_deployment(owner: Owner, plan: Plan) -> Manifest:
             "failureThreshold": 4,
         },
         "securityContext": container_security(),
+        "lifecycle": {"preStop": {"sleep": {"seconds": ROUTER_ENDPOINT_SETTLE_SECONDS}}},
     }
     if router.resources:
         container["resources"] = router.resources.model_dump(by_alias=True, exclude_none=True)
@@ -103,8 +107,13 @@ def build_router_deployment(owner: Owner, plan: Plan) -> Manifest:
                     "serviceAccountName": service_account_name(plan),
                     "securityContext": pod_security(),
                     # SIGTERM: it stops accepting and finishes what it proxies (measured with
-                    # sglang-router 0.3.2); long generations need the engines' grace.
-                    "terminationGracePeriodSeconds": plan.spec.engine.drain_seconds + 30,
+                    # sglang-router 0.3.2); long generations need the engines' grace. The
+                    # preStop sleep comes first: a deleted pod's endpoint leaves the Service
+                    # (EndpointSlice, then every kube-proxy and gateway) only after a moment,
+                    # and a router that stopped accepting at once refused what still came.
+                    "terminationGracePeriodSeconds": plan.spec.engine.drain_seconds
+                    + 30
+                    + ROUTER_ENDPOINT_SETTLE_SECONDS,
                     "containers": [container],
                 },
             },
