@@ -58,12 +58,12 @@ Pod = dict[str, Any]
 
 
 def probed_by_runner(manifest: dict[str, Any]) -> dict[str, Any]:
-    """A copy of a CodingAgentServing whose prefill and decode pods carry READINESS_TOLERATION
-    (:mod:`e2e.cluster.manifests`): the local stack's KWOK then leaves them not Ready
-    and the pod runner sets Ready from their readinessProbe (pure; a taint no node carries, so
-    scheduling is unchanged)."""
+    """A copy of a CodingAgentServing whose prefill, decode and router pods carry
+    READINESS_TOLERATION (:mod:`e2e.cluster.manifests`): the local stack's KWOK then leaves
+    them not Ready and the pod runner sets Ready from their readinessProbe (pure; a taint no
+    node carries, so scheduling is unchanged). The runner must run routers (``kubeconfig``)."""
     out = copy.deepcopy(manifest)
-    for role in ("prefill", "decode"):
+    for role in ("prefill", "decode", "router"):
         tolerations = out["spec"].setdefault(role, {}).setdefault("tolerations", [])
         if READINESS_TOLERATION not in tolerations:
             tolerations.append(dict(READINESS_TOLERATION))

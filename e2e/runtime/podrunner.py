@@ -97,6 +97,11 @@ def _engine_container(pod: Pod) -> dict[str, Any] | None:
     return _container_running(pod, LAUNCHERS)
 
 
+def _served_container(pod: Pod) -> dict[str, Any] | None:
+    """The container this runner runs for the pod: an engine's, else a router's."""
+    return _engine_container(pod) or _container_running(pod, (ROUTER_LAUNCHER,))
+
+
 def _expand(arg: str, env: dict[str, str]) -> str:
     """Kubernetes' $(VAR) expansion (unknown variables stay as written)."""
     return _VAR.sub(lambda m: env.get(m.group(1), m.group(0)), arg)
@@ -225,7 +230,7 @@ def readiness_url(launch: Launch, pod: Pod) -> str | None:
     """The URL a kubelet would probe for the pod's readiness (its engine container's
     readinessProbe httpGet, port by name or number, at the pod IP), or None when the container
     has no HTTP readiness probe (then running is ready, as for a kubelet) (pure)."""
-    container = _engine_container(pod) or {}
+    container = _served_container(pod) or {}
     http = (container.get("readinessProbe") or {}).get("httpGet")
     if not http:
         return None
@@ -239,7 +244,7 @@ def readiness_url(launch: Launch, pod: Pod) -> str | None:
 
 def failure_threshold(pod: Pod) -> int:
     """The engine container's readinessProbe failureThreshold (Kubernetes' default 3)."""
-    probe = (_engine_container(pod) or {}).get("readinessProbe") or {}
+    probe = (_served_container(pod) or {}).get("readinessProbe") or {}
     return max(1, int(probe.get("failureThreshold", 3)))
 
 

@@ -35,7 +35,7 @@ from e2e.fleet.fleetview import (
     speculative_sample,
 )
 from e2e.fleet.livestack import LiveStack, http_ok, resource_live
-from e2e.runtime.podrunner import ROUTER_SHIM, router_launch_for
+from e2e.runtime.podrunner import ROUTER_SHIM, readiness_url, router_launch_for
 from e2e.traffic.simload import LoadStats, set_fault, steady_traffic
 
 pytestmark = [
@@ -230,5 +230,11 @@ def test_router_pods_run_as_real_routers_at_their_pod_ip(tmp_path: Path) -> None
     pod["spec"]["containers"][0]["lifecycle"] = {"preStop": {"sleep": {"seconds": 5}}}
     launch = router_launch_for(pod, "py", tmp_path / "kubeconfig")
     assert launch is not None and (launch.prestop_sleep_s, launch.grace_s) == (5.0, 95.0)
+    # the runner plays the router's readinessProbe too (a replacement router is not Ready
+    # before it listens, as under a kubelet)
+    pod["spec"]["containers"][0]["readinessProbe"] = {
+        "httpGet": {"path": "/health", "port": "http"}
+    }
+    assert readiness_url(launch, pod) == "http://127.10.3.2:8000/health"
     pod["status"]["podIP"] = "10.0.0.7"  # not bindable here: not ours to run
     assert router_launch_for(pod, "py", tmp_path / "kubeconfig") is None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -186,3 +187,62 @@ async def test_a_deleted_decode_leaves_the_router_while_it_finishes_its_request(
 
         await asyncio.to_thread(wait_for, f"{busy} removed once stopped", gone, 60)
     assert result == (200, TOKENS), result
+
+
+def short_requests(url: str, until: float, out: list[tuple[int, str]]) -> None:
+    """Short chat requests to `url`, one after another, until the monotonic time `until`
+    (at most 400): (status, error) each, error "" when it completed."""
+    for _ in range(400):
+        if time.monotonic() >= until:
+            return
+        try:
+            status, _tokens = long_chat(url, 4)
+            out.append((status, ""))
+        except OSError as exc:  # refused or cut: what the preStop sleep is there to prevent
+            out.append((0, repr(exc)))
+
+
+async def test_a_deleted_router_pod_loses_no_request_at_the_entry_service(
+    kubeconfig: Path, namespace: str, kubectl: Kubectl, tmp_path: Path, crds: None
+) -> None:
+    """Regression (issue 15): a deleted router pod stopped accepting at its SIGTERM while its
+    endpoint was still in the entry Service (kube-proxy syncs after the EndpointSlice changes),
+    so connections in that window were refused. With the preStop sleep the pod keeps accepting
+    until its endpoint is gone, then drains: requests streaming through the Service's ClusterIP
+    all succeed, and a long one in flight on the deleted router completes."""
+    cas = sample(1)
+    cas["spec"]["router"] = {"replicas": 2}
+    stack = LiveStack(kubeconfig, namespace, tmp_path / "live", sim_args=["--sim-speedup", "2"],
+                      scrape_interval_s=2.0, operator_args=("-n", namespace))  # fmt: skip
+    with resource_live(stack, kubectl, cas, log=lambda s: print(f"[live] {s}")):
+        urls = wait_for("a decode", lambda: decode_urls(kubectl, namespace) or None, 60)
+
+        def routers_serving() -> list[str] | None:
+            pods = role_pods(kubectl, namespace, "router")
+            found = [f"http://{p['status']['podIP']}:8000" for p in pods
+                     if p.get("status", {}).get("podIP") and any(
+                         c["type"] == "Ready" and c["status"] == "True"
+                         for c in p["status"].get("conditions", []))]  # fmt: skip
+            ok = len(found) == 2 and all(
+                http_ok(f"{u}/readiness") and set(urls.values()) <= router_workers(u) for u in found
+            )
+            return found if ok else None
+
+        victim_url = (await asyncio.to_thread(wait_for, "2 routers serving", routers_serving, 90))[
+            0
+        ]
+        victim = next(p["metadata"]["name"] for p in role_pods(kubectl, namespace, "router")
+                      if victim_url.startswith(f"http://{p['status'].get('podIP')}:"))  # fmt: skip
+        ip = kubectl("get", "service", NAME, "-n", namespace, "-o", "jsonpath={.spec.clusterIP}")
+        long = asyncio.create_task(asyncio.to_thread(long_chat, victim_url, TOKENS // 3))
+        results: list[tuple[int, str]] = []
+        until = time.monotonic() + 20.0
+        streams = [asyncio.create_task(asyncio.to_thread(
+            short_requests, f"http://{ip}", until, results)) for _ in range(3)]  # fmt: skip
+        await asyncio.sleep(3.0)
+        kubectl("delete", "pod", victim, "-n", namespace, "--wait=false")
+        await asyncio.gather(*streams)
+        long_result = await long
+    failed = [r for r in results if r != (200, "")]
+    assert len(results) > 30 and not failed, (len(results), failed[:5])
+    assert long_result == (200, TOKENS // 3), long_result

@@ -407,6 +407,10 @@ class RouterSpec(Spec):
     policy: RouterPolicy = RouterPolicy.CACHE_AWARE
     retries: int = Field(default=3, ge=0, le=16)
     resources: Resources | None = None
+    node_selector: dict[str, str] | None = Field(
+        default=None, description="Where router pods run (they need no GPU)."
+    )
+    tolerations: list[Toleration] | None = None
 
 
 class PodMetadata(Spec):

@@ -91,6 +91,13 @@ def build_router_deployment(owner: Owner, plan: Plan) -> Manifest:
         container["resources"] = router.resources.model_dump(by_alias=True, exclude_none=True)
     user = plan.spec.pod_metadata
     annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(c.ROUTER_METRICS_PORT)}
+    placement: dict[str, Any] = {}
+    if router.node_selector:
+        placement["nodeSelector"] = dict(router.node_selector)
+    if router.tolerations:
+        placement["tolerations"] = [
+            t.model_dump(by_alias=True, exclude_none=True) for t in router.tolerations
+        ]
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -115,6 +122,7 @@ def build_router_deployment(owner: Owner, plan: Plan) -> Manifest:
                     + 30
                     + ROUTER_ENDPOINT_SETTLE_SECONDS,
                     "containers": [container],
+                    **placement,
                 },
             },
         },
