@@ -40,6 +40,10 @@ from cas_operator.reconcile.status import ObservedWorkload, is_true
 TIMER_SECONDS = 30.0  # a safety net: child events drive status
 TICK_SECONDS = 5.0  # the fleet tick's period (one tick covers every resource)
 FULL_APPLY_SECONDS = 300.0
+# A spec pass whose applies failed is retried by kopf after 2, 4, 8 ... at most 30 s: a refusal
+# is often brief (a just-installed CRD that the API server's admission has not mapped yet,
+# an API server restart); the 30 s timer alone left a new fleet without children for a minute.
+APPLY_RETRY_FIRST_S, APPLY_RETRY_MAX_S = 2.0, 30.0
 PROMETHEUS_URL_ENV = "CAS_PROMETHEUS_URL"
 CHILD_LABELS = {c.LABEL_MANAGED_BY: c.MANAGED_BY}
 
@@ -117,6 +121,9 @@ def on_spec(
     if outcome.invalid is not None:
         PASSES.post(dict(body), [("Warning", c.REASON_INVALID_SPEC, str(outcome.invalid))])
         raise kopf.PermanentError(f"invalid spec: {outcome.invalid}")
+    if outcome.failed:  # status says ApplyFailed with the server's answer; try again soon
+        delay = min(APPLY_RETRY_MAX_S, APPLY_RETRY_FIRST_S * 2 ** int(kwargs.get("retry") or 0))
+        raise kopf.TemporaryError(f"{outcome.failed} children not applied", delay=delay)
 
 
 def in_sync(meta: Any, status: Any) -> bool:

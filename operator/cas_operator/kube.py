@@ -286,9 +286,11 @@ def _kind_of(path: str) -> str:
 
 
 def _is_missing_kind(exc: ApiException) -> bool:
-    """A 404 for the resource type itself (vs. a missing namespace, which says 'namespaces')."""
+    """A 404 for the resource type itself: the server names no object ("the server could not
+    find the requested resource"). A 404 naming one (a missing namespace; a RoleBinding whose
+    Role the server cannot find yet while it checks escalation) is an ordinary failure."""
     try:
-        details = json.loads(exc.body or "{}").get("details", {})
+        details = json.loads(exc.body or "{}").get("details") or {}
     except ValueError:
         return True
-    return bool(details.get("kind") != "namespaces")
+    return "name" not in details

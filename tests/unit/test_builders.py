@@ -17,6 +17,7 @@ from cas_operator.desired.resources import build_all
 from cas_operator.desired.resources.engine_args import engine_args, engine_env
 from cas_operator.desired.resources.meta import Owner
 from cas_operator.desired.resources.router import router_args
+from cas_operator.reconcile.core import apply_tier
 from cas_operator.render import PLACEHOLDER_UID, render
 from tests.paths import ROOT, load_sample
 
@@ -84,6 +85,18 @@ def test_every_child_is_owned_labelled_and_hashed(sample_file: str) -> None:
         assert "app.kubernetes.io/instance" not in meta["labels"]
         assert len(meta["annotations"][c.ANNOTATION_SPEC_HASH]) == 16
         assert len(meta["name"]) <= 63
+
+
+def test_a_rolebinding_is_applied_after_its_role_and_before_the_router() -> None:
+    """Regression (issue 17, operator under the chart's token): Role and RoleBinding went out
+    in one parallel batch; without the `bind` verb the API server checks the Role exists, so a
+    RoleBinding that won the race was refused (404) and the router lost its pod reads."""
+    owner, plan = plan_sample("minimal.yaml")
+    tier = {(m["kind"], m["metadata"]["name"]): apply_tier(m) for m in build_all(owner, plan)}
+    role = next(t for (kind, _), t in tier.items() if kind == "Role")
+    binding = next(t for (kind, _), t in tier.items() if kind == "RoleBinding")
+    router = max(t for (kind, _), t in tier.items() if kind == "Deployment")
+    assert role < binding < router
 
 
 def test_apply_order_puts_router_last_and_rbac_first() -> None:

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import kopf
 import pytest
 
 from cas_operator import handlers
@@ -119,6 +120,26 @@ def test_a_restart_does_not_reapply_every_settled_resource_at_once(
     if not full:  # its full re-apply falls due somewhere in the next period, not now
         last = passes.last_full_apply["u1"]
         assert time.monotonic() - handlers.FULL_APPLY_SECONDS <= last <= time.monotonic()
+
+
+@pytest.mark.parametrize(("retry", "delay"), [(0, 2.0), (2, 8.0), (9, 30.0)])
+def test_a_spec_pass_with_failed_applies_is_retried_soon_with_backoff(
+    monkeypatch: pytest.MonkeyPatch, retry: int, delay: float
+) -> None:
+    """Regression (issue 17): under OwnerReferencesPermissionEnforcement a fleet applied right
+    after its CRD was installed had every child refused for a while (the API server's
+    admission had not mapped the new kind); the create handler returned, so nothing retried
+    before the 30 s timer and the fleet sat without children for over a minute."""
+    passes = Passes(no_kube)
+    monkeypatch.setattr(passes, "run", lambda *a, **k: Outcome(status={}, failed=3))
+    monkeypatch.setattr(handlers, "PASSES", passes)
+    with pytest.raises(kopf.TemporaryError) as raised:
+        handlers.on_spec(
+            body={}, meta={**META, "generation": 1}, spec={}, status={}, logger=None,
+            reason="create",  # type: ignore[arg-type]
+            deployment_index={}, lws_index={}, retry=retry,
+        )  # fmt: skip
+    assert raised.value.delay == delay and "3 children" in str(raised.value)
 
 
 def test_missing_workloads_are_created_only_by_spec_passes_after_a_delete_or_settling(

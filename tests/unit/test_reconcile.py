@@ -10,7 +10,7 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 
 from cas_operator.api import constants as c
-from cas_operator.kube import Kube, NamespaceTerminating
+from cas_operator.kube import KindNotInstalled, Kube, NamespaceTerminating
 from cas_operator.reconcile.core import Measured, observe, reconcile
 from cas_operator.reconcile.status import find_condition
 from cas_operator.scaledown.decide import PoolFloor, RevisionLoad
@@ -247,9 +247,12 @@ def test_a_namespace_being_deleted_is_not_reported_as_a_failed_apply() -> None:
         def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
             raise ApiException(status=403, reason="Forbidden", body="RBAC says no")
 
-    assert find_condition(run(Terminating(), SPEC).status, c.COND_DEGRADED)["status"] == "False"
-    degraded = find_condition(run(Refused(), SPEC).status, c.COND_DEGRADED)
+    terminating, refused = run(Terminating(), SPEC), run(Refused(), SPEC)
+    assert find_condition(terminating.status, c.COND_DEGRADED)["status"] == "False"
+    assert terminating.failed == 0  # nothing to retry
+    degraded = find_condition(refused.status, c.COND_DEGRADED)
     assert degraded["status"] == "True" and degraded["reason"] == c.REASON_APPLY_FAILED
+    assert refused.failed > 0  # the spec handler retries it (handlers.APPLY_RETRY_FIRST_S)
 
 
 def test_kube_tells_a_terminating_namespace_from_other_refusals() -> None:
@@ -264,6 +267,25 @@ def test_kube_tells_a_terminating_namespace_from_other_refusals() -> None:
 
         def refuse(*_: Any, answer: str = answer, **__: Any) -> Any:
             raise ApiException(status=403, reason="Forbidden", body=answer)
+
+        kube._call = refuse  # type: ignore[method-assign]
+        with pytest.raises(expected):
+            kube.apply(manifest)
+
+
+def test_a_404_naming_an_object_is_a_failed_apply_not_a_missing_kind() -> None:
+    """Regression (issue 17, operator under the chart's token): a RoleBinding applied before
+    its Role existed got 404 'rolebindings "x" not found' from the escalation check, and the
+    operator reported it as the LeaderWorkerSet API missing. Only a 404 that names no object
+    means the kind is not served."""
+    kube = Kube.__new__(Kube)
+    manifest = {"kind": "RoleBinding", "metadata": {"name": "x", "namespace": "ns"}}
+    named = {"reason": "NotFound", "details": {"name": "x", "kind": "rolebindings"}, "code": 404}
+    unserved = {"message": "the server could not find the requested resource", "details": {}}
+    for body, expected in ((named, ApiException), (unserved, KindNotInstalled)):
+
+        def refuse(*_: Any, answer: str = json.dumps(body), **__: Any) -> Any:
+            raise ApiException(status=404, reason="Not Found", body=answer)
 
         kube._call = refuse  # type: ignore[method-assign]
         with pytest.raises(expected):

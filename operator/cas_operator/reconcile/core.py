@@ -62,6 +62,7 @@ class Outcome:
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
     invalid: InvalidSpec | None = None
     applied: int = 0
+    failed: int = 0  # children whose apply the API server refused or did not answer
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,11 @@ def gate_scale_down(
 
 
 def apply_tier(manifest: dict[str, Any]) -> int:
-    """Dependency tier: identity, config, Services, PDBs (0) -> pools (1) -> router (2)."""
+    """Dependency tier: identity, config, Services, PDBs (0) -> pools and RoleBindings (1) ->
+    router (2). A RoleBinding waits for its Role: an operator without the `bind` verb may bind
+    only a Role the API server can read (escalation check), else it answers 404."""
+    if manifest["kind"] == "RoleBinding":
+        return 1
     if manifest["metadata"]["labels"].get(c.LABEL_ROLE) == c.ROLE_ROUTER:
         return 2 if manifest["kind"] == "Deployment" else 0
     return 1 if manifest["kind"] in WORKLOAD_KINDS else 0
@@ -451,6 +456,10 @@ def reconcile(
             entry=entry,
             retiring=retired.progress,
         )
+    failed = sum(p.reason == c.REASON_APPLY_FAILED for p in problems)
     return Outcome(
-        status={**status, **(measured.sections or {})}, events=events, applied=applied.count
+        status={**status, **(measured.sections or {})},
+        events=events,
+        applied=applied.count,
+        failed=failed,
     )
