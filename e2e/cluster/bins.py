@@ -62,6 +62,7 @@ class Bins:
     lws_webhook: Path
     traefik: Path
     gateway_crds: Path
+    helm: Path
 
     def missing(self) -> list[str]:
         """Names of the entries that do not exist on disk (empty when the build is complete)."""
@@ -94,6 +95,7 @@ def resolve(root: Path | None = None) -> Bins:
         lws_webhook=lws / "webhook",
         traefik=traefik / "traefik",
         gateway_crds=traefik / "gateway-crds",
+        helm=base / f"helm-{v['HELM_VERSION']}" / "helm",
     )
 
 

@@ -105,6 +105,11 @@ class ClusterHandle:
         return f"http://{net.host_ip}:{self.ports['gateway_web']}"
 
     @property
+    def audit_log(self) -> Path:
+        """The API server's audit log: every service account's request (see ``audit_policy``)."""
+        return self.run_dir / "audit.log"
+
+    @property
     def network(self) -> podnet.PodNetwork | None:
         """The pod network recorded in the run folder (None for an external cluster)."""
         return podnet.PodNetwork.load(self.run_dir)
@@ -359,6 +364,22 @@ class _Starter:
         )
         self.wait("etcd health", lambda: http_ok(f"{client}/health"), timeout=30)
 
+    def audit_policy(self) -> Path:
+        """Audit every request of a service account (one event, at completion, no bodies): the
+        chart-identity tests read the operator's answers (403s) from the log; nothing else."""
+        path = self.run_dir / "audit-policy.yaml"
+        policy = {
+            "apiVersion": "audit.k8s.io/v1",
+            "kind": "Policy",
+            "omitStages": ["RequestReceived", "ResponseStarted"],
+            "rules": [
+                {"level": "Metadata", "userGroups": ["system:serviceaccounts"]},
+                {"level": "None"},
+            ],
+        }
+        path.write_text(yaml.safe_dump(policy, sort_keys=False))
+        return path
+
     def apiserver(self) -> None:
         p, port = self.pki, self.ports["apiserver"]
         self.spawn(
@@ -381,6 +402,14 @@ class _Starter:
                 "--allow-privileged=true",
                 "--profiling=false",
                 "--endpoint-reconciler-type=none",
+                # blockOwnerDeletion on a child needs update on its owner's finalizers, as on
+                # clusters that enable this plugin (the chart's RBAC is tested against it).
+                "--enable-admission-plugins=OwnerReferencesPermissionEnforcement",
+                f"--audit-policy-file={self.audit_policy()}",
+                f"--audit-log-path={self.handle.audit_log}",
+                "--audit-log-format=json",
+                "--audit-log-maxsize=200",
+                "--audit-log-maxbackup=1",
             ],
         )
         ctx = admin_ctx(p)

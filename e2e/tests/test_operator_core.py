@@ -21,6 +21,8 @@ from typing import Any
 import pytest
 import yaml
 
+from e2e.fleet.fleetview import apply_crds
+from e2e.runtime import chart
 from e2e.runtime.operator_process import OperatorProcess
 from tests.paths import ROOT, load_sample
 
@@ -30,14 +32,21 @@ READY_TIMEOUT_S = 120.0
 
 
 @pytest.fixture(scope="session")
-def operator(cluster: Any, kubectl: Kubectl) -> Iterator[OperatorProcess]:
-    """CRDs installed and established, then one operator process for the session."""
-    kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
-    kubectl(
-        "wait", "--for=condition=Established", "--timeout=60s",
-        "crd/codingagentservings.serving.cas.dev",
-    )  # fmt: skip
-    proc = OperatorProcess(cluster.kubeconfig, ROOT / "run" / f"operator-{os.getpid()}.log")
+def chart_identity(cluster: Any, kubectl: Kubectl, tmp_path_factory: Any) -> chart.ChartIdentity:
+    """The chart's ServiceAccount and RBAC (all namespaces, admission policy on), installed as
+    `helm install` would, and a kubeconfig holding its token: the session's operator runs as
+    a cluster's operator would, not as the admin."""
+    out = tmp_path_factory.mktemp("chart") / "kubeconfig"
+    return chart.install_identity(kubectl, cluster.kubeconfig, out)
+
+
+@pytest.fixture(scope="session")
+def operator(kubectl: Kubectl, chart_identity: chart.ChartIdentity) -> Iterator[OperatorProcess]:
+    """CRDs installed and established, then one operator process for the session, under the
+    chart's identity."""
+    apply_crds(kubectl)
+    log_path = ROOT / "run" / f"operator-{os.getpid()}.log"
+    proc = OperatorProcess(chart_identity.kubeconfig, log_path)
     proc.start()
     try:
         yield proc
@@ -587,12 +596,18 @@ def test_pods_are_admitted_in_a_namespace_that_enforces_restricted(
 
 
 def test_two_operators_with_leader_election_never_act_at_once(
-    operator: OperatorProcess, kubectl: Kubectl, namespace: str, tmp_path: Path
+    operator: OperatorProcess,
+    chart_identity: chart.ChartIdentity,
+    kubectl: Kubectl,
+    namespace: str,
+    tmp_path: Path,
 ) -> None:
     """Regression (issue 17): two replicas of the operator both acted (both drained, both
     applied). With --leader-elect only the Lease holder acts; the standby takes over when the
-    holder dies (SIGKILL: no release), within the Lease duration, and carries on."""
-    elect = ("--leader-elect", "--leader-elect-namespace", namespace, "-n", namespace)
+    holder dies (SIGKILL: no release), within the Lease duration, and carries on. The Lease
+    lives in the operator's namespace, where the chart grants it."""
+    elect = ("--leader-elect", "--leader-elect-namespace", chart_identity.namespace,
+             "--leader-elect-name", namespace, "-n", namespace)  # fmt: skip
     first, second = (OperatorProcess(operator.kubeconfig, tmp_path / f"{n}.log", extra_args=elect)
                      for n in ("first", "second"))  # fmt: skip
     with restarted(operator, "-n", "default"):  # the session's operator leaves this namespace
@@ -618,3 +633,18 @@ def test_two_operators_with_leader_election_never_act_at_once(
         finally:
             first.stop()
             second.stop()
+
+
+def test_the_session_operator_met_no_refusal_under_the_charts_identity(
+    operator: OperatorProcess, cluster: Any, chart_identity: chart.ChartIdentity
+) -> None:
+    """Regression (issue 17): the chart's RBAC was written by hand and never exercised; a verb
+    the operator uses and the chart lacks shows up only on a real cluster, as 403s. The
+    session's operator ran this module's tests (defined above: pytest runs them first) under
+    the chart's token; the audit log holds its requests, RBAC refused none, and no admission
+    refused one but for the passing reasons in `chart.PASSING_REFUSALS`."""
+    events = chart.audit_events(cluster.audit_log, chart_identity.username)
+    resources = {e.get("objectRef", {}).get("resource") for e in events}
+    assert {"codingagentservings", "deployments", "pods"} <= resources, sorted(map(str, resources))
+    refused = chart.refusals(events)
+    assert refused.rbac == [] and refused.other == [], (refused, operator.log_tail(40))

@@ -101,7 +101,12 @@ def main(argv: list[str] | None = None) -> None:
 
         start_http_server(args.metrics_port)
 
+    settings = kopf.OperatorSettings()
+    # Watching named namespaces needs nothing cluster-scoped: kopf would otherwise list and
+    # watch Namespaces and CRDs (403s under the chart's namespaced Roles) to find new ones.
+    settings.scanning.disabled = bool(args.namespace)
     kopf.run(
+        settings=settings,
         standalone=True,
         clusterwide=not args.namespace,
         namespaces=args.namespace,
