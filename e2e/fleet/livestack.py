@@ -8,7 +8,9 @@ Used by `make run` (:mod:`e2e.demo.run_local`) and the operator-process anomaly 
    writes the Prometheus file_sd targets;
 2. Prometheus (Debian's binary; optional) scrapes those targets every ``scrape_interval_s``;
 3. ``python -m cas_operator`` runs as a process
-   (:class:`~e2e.runtime.operator_process.OperatorProcess`) with ``CAS_PROMETHEUS_URL`` pointing at
+   (:class:`~e2e.runtime.operator_process.OperatorProcess`) under the Helm chart's ServiceAccount
+   token (:mod:`e2e.runtime.chart`; namespaced Roles when it watches one namespace), with
+   ``CAS_PROMETHEUS_URL`` pointing at
    that Prometheus (else it scrapes pods directly); its anomaly loop deregisters draining pods from
    ``http://<router pod IP>:8000``, which is where the runner put the router.
 
@@ -35,8 +37,12 @@ from typing import Any
 import yaml
 
 from cas_operator.api import constants as c
+from cas_operator.desired.resources.meta import stable_hash
+from e2e.cluster.bins import resolve
 from e2e.cluster.manifests import READINESS_TOLERATION
 from e2e.cluster.podnet import load_for_kubeconfig
+from e2e.cluster.stack import run_kubectl
+from e2e.runtime.chart import ChartIdentity, Refusals, audit_events, install_identity, refusals
 from e2e.runtime.operator_process import OperatorProcess
 from e2e.runtime.podrunner import (
     ROUTER_SHIM,
@@ -86,6 +92,11 @@ class LiveStack:
     operator_log: Path | None = None  # default: <run_dir>/operator.log
     operator_args: tuple[str, ...] = ()  # e.g. ("-n", namespace): watch this namespace only
     metrics_port: int = 0
+    # The operator runs under the Helm chart's ServiceAccount token (e2e.runtime.chart), not as
+    # the admin: namespaced values for ``-n`` (a Role in that namespace), else all namespaces.
+    chart_identity: bool = True
+    audit_log: Path | None = None  # set: resource_live fails on a refused request (see there)
+    identity: ChartIdentity | None = None
     runner: PodRunner | None = None
     prometheus: PrometheusHandle | None = None
     operator: OperatorProcess | None = None
@@ -119,12 +130,40 @@ class LiveStack:
             log(f"prometheus ready at {self.prometheus.url}")
         elif use_prometheus:
             log("prometheus not installed (apt-get install prometheus): direct pod scrapes")
+        operator_kubeconfig = self.kubeconfig
+        if self.chart_identity:
+            self.identity = self._install_identity()
+            operator_kubeconfig = self.identity.kubeconfig
+            log(f"operator identity: {self.identity.username} (the chart's RBAC)")
         self.operator = OperatorProcess(
-            self.kubeconfig, self.operator_log or self.run_dir / "operator.log",
+            operator_kubeconfig, self.operator_log or self.run_dir / "operator.log",
             metrics_port=self.metrics_port, extra_args=self.operator_args, env=env,
         )  # fmt: skip
         self.operator.start()
         log(f"operator started (log: {self.operator.log_path})")
+
+    def _install_identity(self) -> ChartIdentity:
+        """The chart's identity for this stack: watching only ``self.namespace`` when the
+        operator is told ``-n`` (released into that namespace, a release name of its own so
+        cluster-scoped objects never collide), else all namespaces (release cas-operator)."""
+
+        def kubectl(*args: str, stdin: str | None = None, check: bool = True) -> str:
+            return run_kubectl(resolve().kubectl, self.kubeconfig, *args, stdin=stdin, check=check)
+
+        out = self.run_dir / "operator-kubeconfig"
+        if "-n" not in self.operator_args and "--namespace" not in self.operator_args:
+            return install_identity(kubectl, self.kubeconfig, out)
+        release = f"cas-op-{stable_hash(self.namespace)}"
+        values = {"watchNamespaces": [self.namespace]}
+        return install_identity(
+            kubectl, self.kubeconfig, out, release=release, namespace=self.namespace, values=values
+        )
+
+    def refusals(self) -> Refusals | None:
+        """What the API server refused the operator, from ``audit_log`` (None: not audited)."""
+        if self.identity is None or self.audit_log is None:
+            return None
+        return refusals(audit_events(self.audit_log, self.identity.username))
 
     def _run_pods(self) -> None:
         """The runner's loop, its actions appended to <run_dir>/podrunner.log."""
@@ -204,6 +243,11 @@ def resource_live(
             lambda: router_url(role_pods(kubectl, namespace, c.ROLE_ROUTER, name), name),
             60,
         )
+        # Only when the block passed: the operator's whole run, under the chart's token, met
+        # no RBAC refusal and no admission refusal but the passing ones (e2e.runtime.chart).
+        refused = stack.refusals()
+        if refused is not None:
+            assert refused.rbac == [] and refused.other == [], refused
     finally:
         stack.close(log=log)
         if stack.operator is not None:

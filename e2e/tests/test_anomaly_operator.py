@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from cas_engine.sim.fleet import router_available
+from e2e.cluster.stack import ClusterHandle
 from e2e.fleet.anomaly_stack import wait_for
 from e2e.fleet.fleetview import (
     NAME,
@@ -70,11 +71,17 @@ def wait_status(
 
 @pytest.fixture
 def fleet(
-    kubeconfig: Path, namespace: str, kubectl: Kubectl, tmp_path: Path, crds: None
+    kubeconfig: Path,
+    cluster: ClusterHandle,
+    namespace: str,
+    kubectl: Kubectl,
+    tmp_path: Path,
+    crds: None,
 ) -> Iterator[tuple[LiveStack, str]]:
     """The live stack for the test namespace with the resource applied and serving; yields the
     stack and the URL of the router pod once it routes to every decode."""
-    stack = LiveStack(kubeconfig, namespace, tmp_path / "live", sim_args=SIM_ARGS,
+    stack = LiveStack(kubeconfig, namespace, tmp_path / "live", audit_log=cluster.audit_log,
+                      sim_args=SIM_ARGS,
                       scrape_interval_s=2.0, operator_args=("-n", namespace))  # fmt: skip
     cas = speculative_sample(DECODES, window_s=60, maxDrainingPercent=34)
     with resource_live(stack, kubectl, cas, log=lambda line: print(f"[live] {line}")) as router:
