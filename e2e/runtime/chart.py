@@ -79,6 +79,13 @@ def install_identity(
     kubectl("create", "namespace", namespace, check=False)
     objects = [o for o in template(release, namespace, values) if o["kind"] != "Deployment"]
     kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", stdin=_as_yaml(objects))
+    return identity_of(kubectl, admin_kubeconfig, out, release=release, namespace=namespace)
+
+
+def identity_of(
+    kubectl: Kubectl, admin_kubeconfig: Path, out: Path, *, release: str, namespace: str
+) -> ChartIdentity:
+    """The installed release's ServiceAccount: ``out`` gets a kubeconfig with its token."""
     token = kubectl("create", "token", release, "-n", namespace, f"--duration={TOKEN_DURATION}")
     out.write_text(_token_kubeconfig(admin_kubeconfig, token.strip(), release))
     return ChartIdentity(release=release, namespace=namespace, kubeconfig=out)

@@ -225,3 +225,97 @@ def test_the_admission_policy_lets_the_operator_change_only_labels_of_its_own_po
     )
     assert "deleted" in as_operator("delete", "pod", "own", "--wait=false")
     kubectl("label", "pod", "foreign", "-n", namespace, "owner=admin")  # the admin is not bound
+
+
+PREVIOUS_CHART = Path(__file__).parent / "fixtures" / "chart-0.1.0"
+
+
+def _children(kubectl: Kubectl, namespace: str) -> dict[str, tuple[str, int]]:
+    """``kind/name -> (uid, generation)`` of every child of `minimal`, by its label."""
+    kinds = (
+        "deployments,services,poddisruptionbudgets,configmaps,serviceaccounts,roles,rolebindings"
+    )
+    out = kubectl("get", kinds, "-n", namespace, "-l", "cas.dev/name=minimal", "-o", "json")
+    return {
+        f"{o['kind']}/{o['metadata']['name']}": (
+            o["metadata"]["uid"], int(o["metadata"].get("generation", 0))
+        )
+        for o in json.loads(out)["items"]
+    }  # fmt: skip
+
+
+def test_helm_upgrade_from_the_previous_chart_keeps_the_fleet_ready_and_every_child(
+    cluster: ClusterHandle,
+    kubectl: Kubectl,
+    crds: None,
+    namespace: str,
+    release_namespace: str,
+    tmp_path: Path,
+) -> None:
+    """Regression guard (issue 17): a chart upgrade that changes an immutable field (the
+    Deployment's selector), takes ownership of an object another field manager holds, or
+    drops a verb the running operator uses breaks fleets in place. `helm install` of the
+    previous chart (0.1.0), a fleet under its ServiceAccount, `helm upgrade` to this chart and
+    the operator restarted, as the new pod would be: the fleet stays Ready at its generation,
+    no child is recreated or re-templated, and nothing was refused after the upgrade.
+
+    0.1.0 lacked `codingagentservings/finalizers`, so on an API server with
+    OwnerReferencesPermissionEnforcement (this one) its operator could not create a child:
+    the test shows that, then grants the verb as such a cluster's admin had to."""
+    release, kc = "cas-up", str(cluster.kubeconfig)
+    helm_args = ("--kubeconfig", kc, "-n", release_namespace)
+    chart.helm("install", release, str(PREVIOUS_CHART), *helm_args, "--skip-crds")
+    identity = chart.identity_of(
+        kubectl, cluster.kubeconfig, tmp_path / "kubeconfig", release=release,
+        namespace=release_namespace,
+    )  # fmt: skip
+    operator = OperatorProcess(identity.kubeconfig, tmp_path / "operator.log",
+                               extra_args=("-n", namespace))  # fmt: skip
+    grant = _finalizers_grant(release, release_namespace)
+    try:
+        operator.start()
+        manifest = yaml.safe_dump(load_sample("minimal.yaml"))
+        kubectl("apply", "-n", namespace, "-f", "-", stdin=manifest)
+        wait_until("0.1.0's operator refused its children", lambda: "can't set finalizers"
+                   in operator.log_tail(200), timeout=60)  # fmt: skip
+        kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(grant))
+        wait_until("minimal Ready under chart 0.1.0", lambda: _ready(kubectl, namespace))
+        before = _children(kubectl, namespace)
+        cas = json.loads(kubectl("get", "cas", "minimal", "-n", namespace, "-o", "json"))
+        since = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
+        upgraded = chart.helm("upgrade", release, str(chart.CHART_DIR), *helm_args)
+        assert "has been upgraded" in upgraded.stdout, upgraded.stdout
+        history = chart.helm("history", release, *helm_args).stdout
+        assert "cas-operator-0.2.0" in history, history
+        kubectl("delete", "-f", "-", stdin=yaml.safe_dump_all(grant))  # 0.2.0 grants it
+        operator.stop()
+        operator.start()  # the upgraded Deployment's new pod
+        time.sleep(15)  # its resume pass and a few fleet ticks
+        after = json.loads(kubectl("get", "cas", "minimal", "-n", namespace, "-o", "json"))
+        assert _ready(kubectl, namespace)
+        assert after["metadata"]["generation"] == cas["metadata"]["generation"]
+        assert _children(kubectl, namespace) == before
+    finally:
+        operator.stop()
+        chart.helm("uninstall", release, *helm_args, check=False)
+    events = chart.audit_events(cluster.audit_log, identity.username)
+    refused = chart.refusals(e for e in events if e["requestReceivedTimestamp"] >= since)
+    assert refused.rbac == [] and refused.other == [], (refused, operator.log_tail(40))
+
+
+def _finalizers_grant(release: str, namespace: str) -> list[dict[str, Any]]:
+    """What a hardened cluster's admin had to add to chart 0.1.0's RBAC."""
+    name = f"{release}-finalizers"
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+        "metadata": {"name": name},
+        "rules": [{"apiGroups": ["serving.cas.dev"], "verbs": ["update"],
+                   "resources": ["codingagentservings/finalizers"]}],
+    }  # fmt: skip
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+        "metadata": {"name": name},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": release, "namespace": namespace}],
+    }  # fmt: skip
+    return [role, binding]
