@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from e2e.cluster.stack import ClusterHandle
+from e2e.fleet.anomaly_stack import wait_for
 from e2e.runtime import chart
 from e2e.runtime.operator_process import OperatorProcess
 from tests.paths import load_sample
@@ -44,14 +45,7 @@ def variants(watch: str) -> dict[str, dict[str, Any]]:
 
 
 def wait_until(what: str, probe: Callable[[], Any], timeout: float = READY_TIMEOUT_S) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(0.5)
-    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
+    return wait_for(what, probe, timeout)
 
 
 def test_helm_lint_passes_for_every_values_variant(namespace: str) -> None:

@@ -193,6 +193,7 @@ def _fake_bin_dir(root: Path, broken: str) -> None:
         "kwok",
         "lws_controller",
         "traefik",
+        "helm",
     ):
         path = getattr(bins, name)
         path.parent.mkdir(parents=True, exist_ok=True)
