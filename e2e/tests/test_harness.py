@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import ipaddress
+import json
 import subprocess
 import sys
 import time
@@ -268,3 +269,34 @@ def test_kwok_leaves_deleted_probed_pods_to_the_runner_until_their_deadline() ->
     deadline = stages["pod-delete-at-deadline"]["spec"]
     assert deadline["delay"]["durationFrom"] == {"expressionFrom": ".metadata.deletionTimestamp"}
     assert deadline["next"] == {"delete": True}
+
+
+def test_audit_refusals_tell_rbac_from_admission_and_passing_ones(tmp_path: Path) -> None:
+    """The chart tests' zero-refusal claims rest on this sorting: RBAC's 403s (the chart lacks
+    a verb) and unknown admission 403s fail them, the two passing causes do not."""
+    from e2e.runtime.chart import audit_events, refusals
+
+    def event(user: str, code: int, decision: str, message: str = "") -> str:
+        return json.dumps({
+            "user": {"username": user}, "verb": "patch",
+            "objectRef": {"resource": "pods", "namespace": "ns", "name": "p"},
+            "responseStatus": {"code": code, "message": message},
+            "annotations": {"authorization.k8s.io/decision": decision},
+        })  # fmt: skip
+
+    me = "system:serviceaccount:ops:cas-operator"
+    log = tmp_path / "audit.log"
+    log.write_text("\n".join([
+        event(me, 200, "allow"),
+        event(me, 403, "forbid", 'pods "p" is forbidden: User cannot patch'),
+        event(me, 403, "allow", "cannot find RESTMapping for APIVersion serving.cas.dev/v1alpha1"),
+        event(me, 403, "allow", "new content in namespace ns because it is being terminated"),
+        event(me, 403, "allow", "ValidatingAdmissionPolicy 'x' denied request"),
+        event("system:serviceaccount:ops:someone-else", 403, "forbid"),
+    ]) + "\n")  # fmt: skip
+    events = audit_events(log, me)
+    assert len(events) == 5
+    found = refusals(events)
+    assert len(found.rbac) == 1 and "cannot patch" in found.rbac[0]
+    assert len(found.passing) == 2
+    assert len(found.other) == 1 and "ValidatingAdmissionPolicy" in found.other[0]
