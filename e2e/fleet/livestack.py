@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -92,10 +93,9 @@ class LiveStack:
     operator_log: Path | None = None  # default: <run_dir>/operator.log
     operator_args: tuple[str, ...] = ()  # e.g. ("-n", namespace): watch this namespace only
     metrics_port: int = 0
+    audit_log: Path | None = None  # set: resource_live fails on a refused request (see there)
     # The operator runs under the Helm chart's ServiceAccount token (e2e.runtime.chart), not as
     # the admin: namespaced values for ``-n`` (a Role in that namespace), else all namespaces.
-    chart_identity: bool = True
-    audit_log: Path | None = None  # set: resource_live fails on a refused request (see there)
     identity: ChartIdentity | None = None
     runner: PodRunner | None = None
     prometheus: PrometheusHandle | None = None
@@ -130,13 +130,10 @@ class LiveStack:
             log(f"prometheus ready at {self.prometheus.url}")
         elif use_prometheus:
             log("prometheus not installed (apt-get install prometheus): direct pod scrapes")
-        operator_kubeconfig = self.kubeconfig
-        if self.chart_identity:
-            self.identity = self._install_identity()
-            operator_kubeconfig = self.identity.kubeconfig
-            log(f"operator identity: {self.identity.username} (the chart's RBAC)")
+        self.identity = self._install_identity()
+        log(f"operator identity: {self.identity.username} (the chart's RBAC)")
         self.operator = OperatorProcess(
-            operator_kubeconfig, self.operator_log or self.run_dir / "operator.log",
+            self.identity.kubeconfig, self.operator_log or self.run_dir / "operator.log",
             metrics_port=self.metrics_port, extra_args=self.operator_args, env=env,
         )  # fmt: skip
         self.operator.start()
@@ -146,10 +143,7 @@ class LiveStack:
         """The chart's identity for this stack: watching only ``self.namespace`` when the
         operator is told ``-n`` (released into that namespace, a release name of its own so
         cluster-scoped objects never collide), else all namespaces (release cas-operator)."""
-
-        def kubectl(*args: str, stdin: str | None = None, check: bool = True) -> str:
-            return run_kubectl(resolve().kubectl, self.kubeconfig, *args, stdin=stdin, check=check)
-
+        kubectl = functools.partial(run_kubectl, resolve().kubectl, self.kubeconfig)
         out = self.run_dir / "operator-kubeconfig"
         if "-n" not in self.operator_args and "--namespace" not in self.operator_args:
             return install_identity(kubectl, self.kubeconfig, out)
@@ -204,6 +198,10 @@ class LiveStack:
             log(self.prometheus.stop())
             self.prometheus = None
 
+
+# A test's factory of its namespace's LiveStack, given the sims' arguments (the `live_stack`
+# fixture in e2e/tests/conftest.py).
+MakeLiveStack = Callable[[list[str]], LiveStack]
 
 http_ok = http_probe  # "does GET `url` answer 2xx within the timeout", for the stack's users
 

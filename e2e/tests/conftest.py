@@ -29,6 +29,7 @@ import pytest
 
 from e2e.cluster.bins import BUILD_SCRIPT, resolve
 from e2e.cluster.stack import ClusterError, ClusterHandle, load_cluster, start_cluster
+from e2e.fleet.livestack import LiveStack, MakeLiveStack
 from e2e.paths import REPO_ROOT
 
 Kubectl = Callable[..., str]
@@ -117,6 +118,23 @@ def kubectl(cluster: ClusterHandle) -> Kubectl:
         )
 
     return _kubectl
+
+
+@pytest.fixture
+def live_stack(cluster: ClusterHandle, namespace: str, tmp_path: Path) -> MakeLiveStack:
+    """``live_stack(sim_args)``: the live stack for the test namespace as every operator-process
+    test runs it: the operator watching only that namespace, under the namespaced chart's
+    identity, 2 s scrapes, and the API server's audit log read for refusals at the end of
+    ``resource_live``."""
+
+    def make(sim_args: list[str]) -> LiveStack:
+        return LiveStack(
+            cluster.kubeconfig, namespace, tmp_path / "live", sim_args=sim_args,
+            scrape_interval_s=2.0, operator_args=("-n", namespace),
+            audit_log=cluster.audit_log,
+        )  # fmt: skip
+
+    return make
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,6 @@ from typing import Any
 import pytest
 
 from cas_engine.sim.fleet import router_available
-from e2e.cluster.stack import ClusterHandle
 from e2e.fleet.anomaly_stack import wait_for
 from e2e.fleet.fleetview import (
     NAME,
@@ -35,7 +34,7 @@ from e2e.fleet.fleetview import (
     serving_decodes,
     speculative_sample,
 )
-from e2e.fleet.livestack import LiveStack, http_ok, resource_live
+from e2e.fleet.livestack import LiveStack, MakeLiveStack, http_ok, resource_live
 from e2e.runtime.podrunner import ROUTER_SHIM, readiness_url, router_launch_for
 from e2e.traffic.simload import LoadStats, set_fault, steady_traffic
 
@@ -71,18 +70,14 @@ def wait_status(
 
 @pytest.fixture
 def fleet(
-    kubeconfig: Path,
-    cluster: ClusterHandle,
+    live_stack: MakeLiveStack,
     namespace: str,
     kubectl: Kubectl,
-    tmp_path: Path,
     crds: None,
 ) -> Iterator[tuple[LiveStack, str]]:
     """The live stack for the test namespace with the resource applied and serving; yields the
     stack and the URL of the router pod once it routes to every decode."""
-    stack = LiveStack(kubeconfig, namespace, tmp_path / "live", audit_log=cluster.audit_log,
-                      sim_args=SIM_ARGS,
-                      scrape_interval_s=2.0, operator_args=("-n", namespace))  # fmt: skip
+    stack = live_stack(SIM_ARGS)
     cas = speculative_sample(DECODES, window_s=60, maxDrainingPercent=34)
     with resource_live(stack, kubectl, cas, log=lambda line: print(f"[live] {line}")) as router:
         decodes = wait_for(f"{DECODES} serving decodes", lambda: len(

@@ -27,10 +27,9 @@ import pytest
 import yaml
 
 from cas_engine.sim.fleet import router_available
-from e2e.cluster.stack import ClusterHandle
 from e2e.fleet.anomaly_stack import wait_for
 from e2e.fleet.fleetview import NAME, Kubectl, role_pods
-from e2e.fleet.livestack import LiveStack, http_ok, resource_live
+from e2e.fleet.livestack import LiveStack, MakeLiveStack, http_ok, resource_live
 from e2e.traffic.simload import LoadStats, set_fault, steady_traffic
 
 pytestmark = [
@@ -70,14 +69,12 @@ def pool_replicas(kubectl: Kubectl, namespace: str) -> dict[str, int]:
 
 @contextlib.contextmanager
 def live_fleet(
-    kubeconfig: Path, cluster: ClusterHandle, namespace: str, kubectl: Kubectl, tmp_path: Path,
-    cas: dict[str, Any], pools: tuple[int, int], sim_args: list[str] = SIM_ARGS,
+    live_stack: MakeLiveStack, namespace: str, kubectl: Kubectl, cas: dict[str, Any],
+    pools: tuple[int, int], sim_args: list[str] = SIM_ARGS,
 ) -> Iterator[tuple[LiveStack, str]]:  # fmt: skip
     """The live stack serving `cas` once `pools` (prefill, decode) pods are ready and the
     router pod answers; yields the stack and the router pod's URL."""
-    stack = LiveStack(kubeconfig, namespace, tmp_path / "live", audit_log=cluster.audit_log,
-                      sim_args=sim_args,
-                      scrape_interval_s=2.0, operator_args=("-n", namespace))  # fmt: skip
+    stack = live_stack(sim_args)
     with resource_live(stack, kubectl, cas, log=lambda line: print(f"[live] {line}")) as router:
         counts = lambda: (len(ready_ips(kubectl, namespace, "prefill")),  # noqa: E731
                           len(ready_ips(kubectl, namespace, "decode")))  # fmt: skip
@@ -88,14 +85,12 @@ def live_fleet(
 
 @pytest.fixture
 def fleet(
-    kubeconfig: Path,
-    cluster: ClusterHandle,
+    live_stack: MakeLiveStack,
     namespace: str,
     kubectl: Kubectl,
-    tmp_path: Path,
     crds: None,
 ) -> Iterator[tuple[LiveStack, str]]:
-    with live_fleet(kubeconfig, cluster, namespace, kubectl, tmp_path, manifest(), (1, 2)) as live:
+    with live_fleet(live_stack, namespace, kubectl, manifest(), (1, 2)) as live:
         yield live
 
 
@@ -153,18 +148,16 @@ DECODE_KV_TOKENS = 6_000  # four ~1.2K-token prompts fit; their outputs then ove
 
 @pytest.fixture
 def kv_bound_fleet(
-    kubeconfig: Path,
-    cluster: ClusterHandle,
+    live_stack: MakeLiveStack,
     namespace: str,
     kubectl: Kubectl,
-    tmp_path: Path,
     crds: None,
 ) -> Iterator[tuple[LiveStack, str]]:
     """1 prefill : 1 decode in Auto, every sim with a KV pool of DECODE_KV_TOKENS."""
     cas = manifest()
     cas["spec"]["ratio"].update({"prefill": 1, "decode": 1})
     sims = [*SIM_ARGS, "--sim-kv-capacity", str(DECODE_KV_TOKENS)]
-    with live_fleet(kubeconfig, cluster, namespace, kubectl, tmp_path, cas, (1, 1), sims) as live:
+    with live_fleet(live_stack, namespace, kubectl, cas, (1, 1), sims) as live:
         yield live
 
 
@@ -214,17 +207,15 @@ async def test_auto_mode_grows_a_kv_bound_decode_pool(
 
 @pytest.fixture
 def capped_fleet(
-    kubeconfig: Path,
-    cluster: ClusterHandle,
+    live_stack: MakeLiveStack,
     namespace: str,
     kubectl: Kubectl,
-    tmp_path: Path,
     crds: None,
 ) -> Iterator[tuple[LiveStack, str]]:
     """1 prefill : 2 decode in Auto at a 24-GPU budget (three 8-GPU instances: the cap)."""
     cas = manifest()
     cas["spec"]["ratio"].update({"max": 2.0, "gpuBudget": 24, "rebalanceStabilizationSeconds": 10})
-    with live_fleet(kubeconfig, cluster, namespace, kubectl, tmp_path, cas, (1, 2)) as live:
+    with live_fleet(live_stack, namespace, kubectl, cas, (1, 2)) as live:
         yield live
 
 

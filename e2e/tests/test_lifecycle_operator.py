@@ -14,14 +14,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
 from cas_engine.sim.fleet import router_available
-from e2e.cluster.stack import ClusterHandle
 from e2e.fleet.anomaly_stack import wait_for
 from e2e.fleet.fleetview import (
     NAME,
@@ -32,9 +30,10 @@ from e2e.fleet.fleetview import (
     router_workers,
     running,
 )
-from e2e.fleet.livestack import LiveStack, http_ok, resource_live
+from e2e.fleet.livestack import MakeLiveStack, http_ok, resource_live
 from e2e.paths import REPO_ROOT as ROOT
 
+SIM_ARGS = ["--sim-speedup", "2"]  # slow enough that requests are in flight when pods go
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.slow,
@@ -67,16 +66,12 @@ def retiring(status: dict[str, Any]) -> list[str]:
 
 
 async def test_scale_down_removes_an_idle_decode_and_cuts_no_request(
-    kubeconfig: Path,
-    cluster: ClusterHandle,
+    live_stack: MakeLiveStack,
     namespace: str,
     kubectl: Kubectl,
-    tmp_path: Path,
     crds: None,
 ) -> None:
-    stack = LiveStack(kubeconfig, namespace, tmp_path / "live", audit_log=cluster.audit_log,
-                      sim_args=["--sim-speedup", "2"],
-                      scrape_interval_s=2.0, operator_args=("-n", namespace))  # fmt: skip
+    stack = live_stack(SIM_ARGS)
     with resource_live(stack, kubectl, sample(DECODES), log=lambda s: print(f"[live] {s}")) as r:
         urls = wait_for(f"{DECODES} decodes", lambda: (u := decode_urls(kubectl, namespace))
                         and len(u) == DECODES and u, 60)  # fmt: skip
@@ -121,20 +116,16 @@ def revisions_of(kubectl: Kubectl, namespace: str) -> set[str]:
 
 
 async def test_a_retired_revision_finishes_its_request_through_the_entry_service(
-    kubeconfig: Path,
-    cluster: ClusterHandle,
+    live_stack: MakeLiveStack,
     namespace: str,
     kubectl: Kubectl,
-    tmp_path: Path,
     crds: None,
 ) -> None:
     """Regression (issue 15): retiring an older revision deleted its router and engines at
     once, cutting what they ran. A request sent through the entry Service (its ClusterIP,
     kube-proxy) before an engine change completes; the old revision leaves the entry point
     once the new one is Ready, and goes only after its engines are idle."""
-    stack = LiveStack(kubeconfig, namespace, tmp_path / "live", audit_log=cluster.audit_log,
-                      sim_args=["--sim-speedup", "2"],
-                      scrape_interval_s=2.0, operator_args=("-n", namespace))  # fmt: skip
+    stack = live_stack(SIM_ARGS)
     with resource_live(stack, kubectl, sample(1), log=lambda s: print(f"[live] {s}")) as r:
         urls = wait_for("a decode", lambda: decode_urls(kubectl, namespace) or None, 60)
         wait_for("the router to list the decode", lambda: http_ok(f"{r}/readiness")
@@ -165,11 +156,9 @@ async def test_a_retired_revision_finishes_its_request_through_the_entry_service
 
 
 async def test_a_deleted_decode_leaves_the_router_while_it_finishes_its_request(
-    kubeconfig: Path,
-    cluster: ClusterHandle,
+    live_stack: MakeLiveStack,
     namespace: str,
     kubectl: Kubectl,
-    tmp_path: Path,
     crds: None,
 ) -> None:
     """Regression (issue 15): the router (0.3.2) kept sending a deleted pod new requests (6 of
@@ -177,9 +166,7 @@ async def test_a_deleted_decode_leaves_the_router_while_it_finishes_its_request(
     now stays Terminating while it drains (as a kubelet keeps it; the local stack's KWOK leaves
     it to the pod runner), the operator deregisters it from the router at once, its request in
     flight completes, and only then does the pod go."""
-    stack = LiveStack(kubeconfig, namespace, tmp_path / "live", audit_log=cluster.audit_log,
-                      sim_args=["--sim-speedup", "2"],
-                      scrape_interval_s=2.0, operator_args=("-n", namespace))  # fmt: skip
+    stack = live_stack(SIM_ARGS)
     with resource_live(stack, kubectl, sample(2), log=lambda s: print(f"[live] {s}")) as r:
         urls = wait_for("2 decodes", lambda: (u := decode_urls(kubectl, namespace))
                         and len(u) == 2 and u, 60)  # fmt: skip
@@ -222,11 +209,9 @@ def short_requests(url: str, until: float, out: list[tuple[int, str]]) -> None:
 
 
 async def test_a_deleted_router_pod_loses_no_request_at_the_entry_service(
-    kubeconfig: Path,
-    cluster: ClusterHandle,
+    live_stack: MakeLiveStack,
     namespace: str,
     kubectl: Kubectl,
-    tmp_path: Path,
     crds: None,
 ) -> None:
     """Regression (issue 15): a deleted router pod stopped accepting at its SIGTERM while its
@@ -236,9 +221,7 @@ async def test_a_deleted_router_pod_loses_no_request_at_the_entry_service(
     all succeed, and a long one in flight on the deleted router completes."""
     cas = sample(1)
     cas["spec"]["router"] = {"replicas": 2}
-    stack = LiveStack(kubeconfig, namespace, tmp_path / "live", audit_log=cluster.audit_log,
-                      sim_args=["--sim-speedup", "2"],
-                      scrape_interval_s=2.0, operator_args=("-n", namespace))  # fmt: skip
+    stack = live_stack(SIM_ARGS)
     with resource_live(stack, kubectl, cas, log=lambda s: print(f"[live] {s}")):
         urls = wait_for("a decode", lambda: decode_urls(kubectl, namespace) or None, 60)
 
