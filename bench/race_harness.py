@@ -249,6 +249,11 @@ class _PrefillRank:
 def prefill_main(rank: int, params: RaceParams, spec: PoolSpec, inq: Any, outq: Any) -> None:
     """Entry point of a prefill rank process."""
     node = _PrefillRank(rank, params, spec, outq)
+    # One write before "ready": the transport opens its connection (mooncake's handshake, and
+    # its reconnect backoff of 1, 2, 4 ... s if the first attempt fails) before the clock
+    # starts, not inside the 50 ms budget of the first requests. Page 0 of both pools is still
+    # zero, so nothing a request will verify changes.
+    node.writer.write([0], [0])
     outq.put(("ready", rank))
     running, deadline = True, time.monotonic() + params.max_wall_s + 30
     while (running or node.inflight) and time.monotonic() < deadline:
