@@ -73,6 +73,19 @@ def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
     return next((c for c in status.get("conditions", []) if c["type"] == kind), {})
 
 
+def entry_url_when_serving(kubectl: Kubectl, namespace: str, name: str = NAME) -> str | None:
+    """``http://<ClusterIP>`` of the resource's entry Service once a router answers through it
+    (kube-proxy has rules for a Ready router), else None: a router pod being Ready is not
+    enough, kube-proxy syncs after the EndpointSlice changes."""
+    ip = kubectl("get", "service", name, "-n", namespace, "-o", "jsonpath={.spec.clusterIP}")
+    url = f"http://{ip}"
+    try:
+        with urllib.request.urlopen(f"{url}/readiness", timeout=3) as resp:
+            return url if resp.status == 200 else None
+    except OSError:
+        return None
+
+
 def router_workers(router: str) -> set[str]:
     """Worker URLs the router pod lists (empty when it does not answer)."""
     try:

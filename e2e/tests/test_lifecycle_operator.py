@@ -25,6 +25,7 @@ from e2e.fleet.fleetview import (
     NAME,
     Kubectl,
     cas_status,
+    entry_url_when_serving,
     long_chat,
     role_pods,
     router_workers,
@@ -131,8 +132,9 @@ async def test_a_retired_revision_finishes_its_request_through_the_entry_service
         wait_for("the router to list the decode", lambda: http_ok(f"{r}/readiness")
                  and set(urls.values()) <= router_workers(r), 60)  # fmt: skip
         old = cas_status(kubectl, namespace)["revision"]
-        ip = kubectl("get", "service", NAME, "-n", namespace, "-o", "jsonpath={.spec.clusterIP}")
-        request = asyncio.create_task(asyncio.to_thread(long_chat, f"http://{ip}", 2 * TOKENS))
+        entry = wait_for("the entry Service to route",
+                         lambda: entry_url_when_serving(kubectl, namespace), 60)  # fmt: skip
+        request = asyncio.create_task(asyncio.to_thread(long_chat, entry, 2 * TOKENS))
         await asyncio.to_thread(wait_for, "the request decoding",
                                 lambda: sum(running(u) for u in urls.values()) > 0, 60)  # fmt: skip
         env = [{"name": "CAS_E2E_ROLL", "value": "2"}]
@@ -241,12 +243,17 @@ async def test_a_deleted_router_pod_loses_no_request_at_the_entry_service(
         ]
         victim = next(p["metadata"]["name"] for p in role_pods(kubectl, namespace, "router")
                       if victim_url.startswith(f"http://{p['status'].get('podIP')}:"))  # fmt: skip
-        ip = kubectl("get", "service", NAME, "-n", namespace, "-o", "jsonpath={.spec.clusterIP}")
+        entry = await asyncio.to_thread(
+            wait_for,
+            "the entry Service to route",
+            lambda: entry_url_when_serving(kubectl, namespace),
+            60,
+        )
         long = asyncio.create_task(asyncio.to_thread(long_chat, victim_url, TOKENS // 3))
         results: list[tuple[int, str]] = []
         until = time.monotonic() + 20.0
         streams = [asyncio.create_task(asyncio.to_thread(
-            short_requests, f"http://{ip}", until, results)) for _ in range(3)]  # fmt: skip
+            short_requests, entry, until, results)) for _ in range(3)]  # fmt: skip
         await asyncio.sleep(3.0)
         kubectl("delete", "pod", victim, "-n", namespace, "--wait=false")
         await asyncio.gather(*streams)
