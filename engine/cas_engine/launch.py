@@ -31,6 +31,7 @@ import runpy
 import sys
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from cas_engine.guard.config import GuardConfig, add_guard_arguments, guard_config_from_args
@@ -43,6 +44,7 @@ ENABLE_ENV = "CAS_ENGINE_PATCHES"
 KV_RECLAIM_ENV = "CAS_KV_RECLAIM"
 KV_QUARANTINE_ENV = "CAS_KV_QUARANTINE_ROOMS"
 DEFAULT_QUARANTINE_ROOMS = 64
+PREFILL_GONE_ENV = "CAS_PREFILL_GONE_FILE"
 HICACHE_DETECTOR_ENV = "CAS_HICACHE_DETECTOR"
 HICACHE_CHECK_ENV = "CAS_HICACHE_CHECK"
 KV_RECLAIM_MODES = ("strict", "upstream")
@@ -64,6 +66,7 @@ class LaunchPlan:
     kv_quarantine_rooms: int
     hicache_detector: bool
     hicache_check: str
+    prefill_gone_file: str | None = None
     sglang_argv: list[str] = field(default_factory=list)
     show_help: bool = False
 
@@ -108,6 +111,14 @@ def build_cas_parser() -> argparse.ArgumentParser:
         help="strict: aborted requests' KV rooms a decode may hold awaiting prefill's "
         f"answer before it reports unhealthy (env {KV_QUARANTINE_ENV}, default "
         f"{DEFAULT_QUARANTINE_ROOMS})",
+    )
+    group.add_argument(
+        "--cas-prefill-gone-file",
+        default=None,
+        metavar="PATH",
+        help="strict: the operator's list of prefill pods confirmed gone (a mounted "
+        "ConfigMap); decode releases rooms those pods can no longer write "
+        f"(env {PREFILL_GONE_ENV}, default none)",
     )
     group.add_argument(
         "--cas-hicache-detector",
@@ -161,10 +172,12 @@ def plan_launch(argv: Sequence[str], env: Mapping[str, str] | None = None) -> La
         except argparse.ArgumentTypeError as exc:
             parser.error(f"{HICACHE_DETECTOR_ENV}: {exc}")
     show_help = any(a in ("-h", "--help") for a in rest)
+    gone_file = ns.cas_prefill_gone_file or env.get(PREFILL_GONE_ENV) or None
     return LaunchPlan(
         guard=guard,
         kv_reclaim=kv,
         kv_quarantine_rooms=rooms,
+        prefill_gone_file=gone_file,
         hicache_detector=detector,
         hicache_check=check,
         sglang_argv=rest,
@@ -259,6 +272,8 @@ def export_env(plan: LaunchPlan, environ: MutableMapping[str, str]) -> None:
         )
     environ[KV_RECLAIM_ENV] = plan.kv_reclaim
     environ[KV_QUARANTINE_ENV] = str(plan.kv_quarantine_rooms)
+    if plan.prefill_gone_file:
+        environ[PREFILL_GONE_ENV] = plan.prefill_gone_file
     if plan.kv_reclaim == "strict":
         reclaim = importlib.import_module("cas_engine.sglang.reclaim")
         for key, value in reclaim.strict_env().items():
@@ -366,7 +381,12 @@ def install_patches() -> None:
 
         kv_metrics = KvFenceMetrics(registry=REGISTRY)
         rooms = int(os.environ.get(KV_QUARANTINE_ENV, DEFAULT_QUARANTINE_ROOMS))
-        install_strict_reclaim(metrics=kv_metrics, quarantine_budget_rooms=rooms)
+        gone = os.environ.get(PREFILL_GONE_ENV)
+        install_strict_reclaim(
+            metrics=kv_metrics,
+            quarantine_budget_rooms=rooms,
+            gone_file=Path(gone) if gone else None,
+        )
         install_prefill_pin(metrics=kv_metrics)
     from cas_engine.guard import GuardMetrics
     from cas_engine.sglang.guard_patch import install_guard_patch

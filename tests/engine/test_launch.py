@@ -346,7 +346,9 @@ def test_strict_reclaim_gets_its_quarantine_budget_and_is_installed_first(
     monkeypatch.setattr(
         reclaim,
         "install_strict_reclaim",
-        lambda metrics, quarantine_budget_rooms: order.append(("reclaim", quarantine_budget_rooms)),
+        lambda metrics, quarantine_budget_rooms, gone_file: order.append(
+            ("reclaim", (quarantine_budget_rooms, gone_file))
+        ),
     )
     monkeypatch.setattr(
         prefill_pin, "install_prefill_pin", lambda metrics: order.append(("pin", 0))
@@ -355,13 +357,15 @@ def test_strict_reclaim_gets_its_quarantine_budget_and_is_installed_first(
         guard_patch, "install_guard_patch", lambda config, metrics: order.append(("guard", 0))
     )
     monkeypatch.setattr(hicache_check, "install_ordering_patches", lambda: None)
-    plan = plan_launch(["--cas-kv-quarantine-rooms", "12"], env={})
+    plan = plan_launch(
+        ["--cas-kv-quarantine-rooms", "12", "--cas-prefill-gone-file", "/etc/g/p.json"], env={}
+    )
     env: dict[str, str] = {}
     export_env(plan, env)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     launch.sglang_plugin()
-    assert order == [("reclaim", 12), ("pin", 0), ("guard", 0)]
+    assert order == [("reclaim", (12, Path("/etc/g/p.json"))), ("pin", 0), ("guard", 0)]
     assert plan_launch([], env={}).kv_quarantine_rooms == launch.DEFAULT_QUARANTINE_ROOMS
     with pytest.raises(SystemExit):
         plan_launch(["--cas-kv-quarantine-rooms", "0"], env={})

@@ -30,6 +30,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from cas_engine.kvfence import KvFenceMetrics
+from cas_engine.kvfence.gone_feed import GonePrefill
 from cas_engine.sglang import reclaim
 from cas_engine.sglang.version import PINNED_SGLANG_VERSION, installed_sglang_version
 from tests.engine.sglang_source import compile_from
@@ -450,3 +451,124 @@ def test_check_covers_the_peer_hooks() -> None:
 
     with pytest.raises(reclaim.StrictReclaimError, match="_handle_node_failure is missing"):
         reclaim.check_peer_hooks(Missing)
+
+
+# ---- the operator's confirmation: prefill pods gone for good (kvfence.gone_feed) ---------------
+
+EPOCH = 1_800_000_000.0  # wall clock = EPOCH + the fake monotonic/perf clock
+
+
+def gone_world() -> tuple[SimpleNamespace, Any, Any, Any, CollectorRegistry]:
+    """Strict decode world whose patch reads wall and SGLang's perf clock from the fake clock."""
+    world = build_world()
+    reg = CollectorRegistry()
+    patch = None
+    if not UNPATCHED:
+        patch = reclaim.install_strict_reclaim(
+            world.queue_cls,
+            kv_mgr_cls=world.mgr_cls,
+            metrics=KvFenceMetrics(reg),
+            clock=world.clock.monotonic,
+            wall_clock=lambda: EPOCH + world.clock.now,
+            perf_clock=world.clock.monotonic,
+        )
+    return world, patch, make_queue(world), make_kv_mgr(world), reg
+
+
+def hold_bootstrapped(
+    world: SimpleNamespace, q: Any, mgr: Any, room: int, bootstrapped_at: float | None
+) -> None:
+    """A room whose handshake SGLang stamped at perf time ``bootstrapped_at`` (None: never),
+    aborted mid-transfer and held (one prefill rank, no ack)."""
+    bootstrap_room(world, mgr, room)
+    mgr.register_deferred_abort_room(room)
+    receiver = SimpleNamespace(
+        kv_mgr=mgr,
+        abort_notified=True,
+        bootstrap_infos=[object()],
+        bootstrap_addr=PREFILL_ADDR_IP,
+        clear=lambda: None,
+    )
+    stats = SimpleNamespace(bootstrap_done_time=bootstrapped_at or 0.0)
+    req = SimpleNamespace(bootstrap_room=room, rid=f"r{room}", time_stats=stats)
+    q._defer_release(
+        SimpleNamespace(
+            req=req, kv_receiver=receiver, host_staged=False, metadata_buffer_index=room
+        )
+    )
+
+
+PREFILL_ADDR_IP = "10.20.0.7:8998"
+
+
+def gone(finished_at_perf: float) -> GonePrefill:
+    return GonePrefill("10.20.0.7", 8998, EPOCH + finished_at_perf, "ns/prefill-0", "uid-1")
+
+
+def cause(reg: CollectorRegistry, name: str) -> float | None:
+    return reg.get_sample_value("cas_kv_quarantined_rooms_by_cause", {"cause": name})
+
+
+def test_operator_confirmed_end_releases_rooms_bootstrapped_before_it() -> None:
+    """guards: a deleted prefill pod's IP answers nothing, so no probe ever refuses and its
+    rooms were held forever. The operator's confirmation (containers terminated at T) frees the
+    rooms whose handshake completed before T minus the clock skew; a room bootstrapped inside
+    the skew window, or never, stays held, as does everything after an hour without it."""
+    world, patch, q, mgr, reg = gone_world()
+    hold_bootstrapped(world, q, mgr, 11, bootstrapped_at=world.clock.now)
+    hold_bootstrapped(world, q, mgr, 12, bootstrapped_at=world.clock.now + 55.0)
+    hold_bootstrapped(world, q, mgr, 13, bootstrapped_at=None)
+    q.resolve_deferred_releases()
+    if patch is not None:
+        assert cause(reg, "awaiting_ack") == 3 and cause(reg, "peer_dead") == 0
+        patch.on_prefill_gone(gone(finished_at_perf=world.clock.now + 60.0))
+    world.clock.now += 3600.0
+    q.resolve_deferred_releases()
+    assert world.released == [11]
+    for _ in range(3):
+        world.clock.now += 3600.0
+        q.resolve_deferred_releases()
+    assert world.released == [11]
+    assert reg.get_sample_value("cas_kv_reclaims_total", {"outcome": "peer_closed"}) == 1
+    assert reg.get_sample_value("cas_kv_quarantined_rooms") == 2
+    assert cause(reg, "awaiting_ack") == 2
+
+
+def test_confirmation_before_the_hold_frees_the_room_when_held_and_counts_dead_peers() -> None:
+    """guards: the operator's entry can arrive before decode aborts the room (the heartbeat
+    declares the peer dead only later); the room is then released at once when held. Rooms of a
+    peer the heartbeat declared dead are counted as peer_dead until released."""
+    world, patch, q, mgr, reg = gone_world()
+    hold_bootstrapped(world, q, mgr, 21, bootstrapped_at=world.clock.now)
+    q.resolve_deferred_releases()
+    mgr._handle_node_failure(PREFILL_ADDR_IP)
+    q.resolve_deferred_releases()
+    if patch is not None:
+        assert cause(reg, "peer_dead") == 1 and cause(reg, "awaiting_ack") == 0
+        patch.on_prefill_gone(gone(finished_at_perf=world.clock.now + 30.0))
+    q.resolve_deferred_releases()
+    assert world.released == [21]
+    hold_bootstrapped(world, q, mgr, 22, bootstrapped_at=world.clock.now + 1.0)
+    world.clock.now += 3600.0
+    q.resolve_deferred_releases()
+    assert world.released == [21, 22]
+    assert reg.get_sample_value("cas_kv_quarantined_rooms") == 0
+
+
+def test_check_covers_the_handshake_stamp() -> None:
+    """Start-up must refuse an SGLang whose prealloc queue no longer stamps the handshake's
+    completion where the patch reads it (the real 0.5.23 method passes)."""
+    real = compile_real(
+        DECODE_PY, {}, cls=reclaim.BOOTSTRAP_CLASS, names=tuple(reclaim.BOOTSTRAP_FINGERPRINTS)
+    )
+    reclaim.check_bootstrap_stamp(real)
+
+    class Changed:
+        def _update_handshake_waiters(self, poll: Any, KVPoll: Any) -> None:  # the stamp gone
+            if poll == KVPoll.Bootstrapping:
+                return
+            elif poll == KVPoll.WaitingForInput:
+                poll.waiting_for_input = True
+
+    with pytest.raises(reclaim.StrictReclaimError, match="set_bootstrap_done_time"):
+        reclaim.check_bootstrap_stamp(Changed)

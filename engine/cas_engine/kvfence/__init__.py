@@ -23,6 +23,8 @@ Pure Python, engine-agnostic, no GPU, no threads, no clock of its own. API (all 
     ledger.on_peer_dead(rank)                   # heartbeat failure: releases nothing
     ledger.on_peer_closed(rank) -> list[Reclaim]  # transport confirmed the endpoint closed
                                                 # (source: kvfence.peer_probe.PeerProber)
+    ledger.on_room_closed(room, generation) -> list[Reclaim]  # that room's writers are gone
+                                                # (source: kvfence.gone_feed, the operator)
     ledger.poll() -> list[Reclaim]              # UPSTREAM's timer release; no-op otherwise
     ledger.health() -> (ok, reason)             # False when quarantine exceeds the budget
     ledger.quarantined_slots, ledger.quarantine_peak, ledger.quarantined_rooms

@@ -200,6 +200,16 @@ class ReclaimLedger:
                 released.extend(self._maybe_release(lease, "peer_closed"))
         return released
 
+    def on_room_closed(self, room: int, generation: int) -> list[Reclaim]:
+        """Every writer of this one room is confirmed gone (e.g. the operator saw its prefill
+        pod's containers terminate): release it whatever acks are missing."""
+        lease = self._quarantine.get((room, generation))
+        if lease is None:
+            return []
+        lease.closed |= lease.pending
+        lease.pending.clear()
+        return self._maybe_release(lease, "peer_closed")
+
     def poll(self) -> list[Reclaim]:
         """Periodic tick. UPSTREAM releases rooms quarantined past the timeout; others nothing."""
         if self.mode is not ReclaimMode.UPSTREAM:

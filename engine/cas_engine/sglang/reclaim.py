@@ -49,11 +49,28 @@ Prefill-side source-page pinning lives in :mod:`cas_engine.sglang.prefill_pin`.
    on the scheduler thread as :meth:`StrictReclaimPatch.on_peer_endpoint_closed` would, for that
    incarnation only. The launcher's install (``cls=None``) creates the prober; tests pass one.
 
-Not covered: a dead prefill whose host disappears (a deleted pod's IP answers nothing) never
-refuses, so its rooms stay held (counting against the quarantine budget) until an outside
-source calls :meth:`StrictReclaimPatch.on_peer_endpoint_closed` (e.g. the operator once the pod's
-containers have terminated). Host (HiCache) destinations keep upstream's receiver-level drain
-check and are not released by it.
+6. The operator's confirmation: a deleted prefill pod's IP answers nothing, so the prober
+   never sees a refusal. The operator lists prefill pods whose containers the kubelet reported
+   terminated before the pod object went away (:mod:`cas_engine.kvfence.gone_feed`; never a
+   force-deleted pod) in a ConfigMap mounted into decode pods; :class:`GoneFeed` reads it and
+   :meth:`StrictReclaimPatch.on_prefill_gone` releases a held room of that bootstrap address
+   whose bootstrap completed (``req.time_stats.bootstrap_done_time``, stamped in
+   ``DecodePreallocQueue._update_handshake_waiters``) at least ``clock_skew_s`` before the
+   pod's containers finished. Why that is safe: the handshake that gave the room its prefill
+   ranks happened before that time, when the address still belonged to the gone pod (or an
+   earlier one, gone before it); a replacement that reuses the IP starts only after the old
+   sandbox is torn down, and never learns the old room's destination. Rooms bootstrapped later,
+   or never, stay held. This needs node clocks within ``clock_skew_s`` (10 s; NTP keeps them
+   far closer) and no heartbeat verdict, so it also frees rooms of a prefill that ended before
+   the heartbeat noticed.
+
+Held rooms are counted by cause (``cas_kv_quarantined_rooms_by_cause{cause}``):
+``awaiting_ack`` (the prefill is alive as far as decode knows: a slow transfer, or a poisoned
+send that will never ack) and ``peer_dead`` (the heartbeat declared it dead; waiting for the
+prober or the operator). A poisoned send on a live prefill stays held until that prefill ends
+(then the operator's confirmation frees it) or the budget makes the operator replace this decode
+pod: the damage is bounded by ``quarantine_budget_rooms``. Host (HiCache) destinations keep
+upstream's receiver-level drain check and are not released by either confirmation.
 """
 
 from __future__ import annotations
@@ -75,6 +92,13 @@ from typing import Any
 
 from prometheus_client import Gauge
 
+from cas_engine.kvfence.gone_feed import (
+    GoneFeed,
+    GoneFeedError,
+    GoneFeedMetrics,
+    GonePrefill,
+    split_host_port,
+)
 from cas_engine.kvfence.ledger import Reclaim, ReclaimLedger
 from cas_engine.kvfence.messages import ReclaimAck, ReclaimMode
 from cas_engine.kvfence.metrics import KvFenceMetrics
@@ -107,6 +131,16 @@ PEER_FINGERPRINTS: dict[str, tuple[str, ...]] = {
     ),
     "is_abort_release_safe": ("return len(acks) >= required_acks",),
 }
+# DecodePreallocQueue: where the handshake's completion time is stamped (the gone feed reads it).
+BOOTSTRAP_CLASS = "DecodePreallocQueue"
+BOOTSTRAP_FINGERPRINTS: dict[str, tuple[str, ...]] = {
+    "_update_handshake_waiters": (
+        "elif poll == KVPoll.WaitingForInput:",
+        "decode_req.req.time_stats.set_bootstrap_done_time()",
+    ),
+}
+CLOCK_SKEW_S = 10.0  # the most the decode's and the prefill node's clocks may differ
+CAUSES = ("awaiting_ack", "peer_dead")
 KV_MGR_MODULE = "sglang.srt.disaggregation.common.conn"
 KV_MGR_CLASS = "CommonKVManager"
 
@@ -163,11 +197,18 @@ def check_peer_hooks(cls: type) -> None:
     check_fingerprints(cls, PEER_FINGERPRINTS)
 
 
+def check_bootstrap_stamp(cls: type) -> None:
+    """Same for the prealloc queue's stamp of the handshake's completion time."""
+    check_fingerprints(cls, BOOTSTRAP_FINGERPRINTS)
+
+
 def check_other_targets() -> None:
-    """Check every target besides the decode queue: KV manager hooks and the prefill side."""
+    """Check every target besides the decode queue: KV manager hooks, the handshake stamp and
+    the prefill side."""
     from cas_engine.sglang.prefill_pin import check_prefill_targets, load_prefill_targets
 
     check_peer_hooks(load_kv_manager_class())
+    check_bootstrap_stamp(_load_class(DECODE_MODULE, BOOTSTRAP_CLASS))
     check_prefill_targets(load_prefill_targets())
 
 
@@ -247,6 +288,8 @@ class _Held:
     generation: int
     peer: int
     mgr_room: tuple[int, Any]  # (id(kv_mgr), bootstrap_room): what is_abort_release_safe sees
+    addr: tuple[str, int] | None = None  # the prefill's bootstrap (host, port), normalised
+    bootstrapped_at: float | None = None  # wall clock of the handshake's completion, if any
     closed: bool = False  # released by the peer's confirmed endpoint close
 
 
@@ -256,13 +299,15 @@ class _PeerEvent:
 
     ``dead``: heartbeat verdict (rooms and rank endpoints at that moment); ``closed``: outside
     confirmation for every dead incarnation at ``addr``; ``probed``: the prober confirmed the
-    incarnation ``peer`` closed."""
+    incarnation ``peer`` closed; ``gone``: the operator confirmed the prefill pod at ``addr``
+    ended at ``finished_at``."""
 
     kind: str
     addr: str
     rooms: frozenset[Any] = frozenset()
     endpoints: tuple[Endpoint, ...] = ()
     peer: int = 0
+    gone: GonePrefill | None = None
 
 
 @dataclass
@@ -295,6 +340,12 @@ class StrictReclaimPatch:
     _safe: set[tuple[int, Any]] = field(default_factory=set)  # released by endpoint close
     _events: deque[_PeerEvent] = field(default_factory=deque)
     prober: PeerProber | None = None  # confirms a dead peer's endpoints closed (None: never)
+    cause_gauge: Gauge | None = None  # held rooms by cause
+    feed: GoneFeed | None = None  # the operator's confirmations; started on the first resolve
+    wall_clock: Callable[[], float] = time.time
+    perf_clock: Callable[[], float] = time.perf_counter  # SGLang's time_stats clock
+    clock_skew_s: float = CLOCK_SKEW_S
+    _gone: dict[tuple[str, int], float] = field(default_factory=dict)  # addr -> latest finish
 
     def __post_init__(self) -> None:
         if self.ledger is None:
@@ -329,6 +380,10 @@ class StrictReclaimPatch:
         """The transfer engine confirmed the dead peer's endpoint closed: no write can land."""
         self._events.append(_PeerEvent("closed", bootstrap_addr))
 
+    def on_prefill_gone(self, gone: GonePrefill) -> None:
+        """The operator confirmed the prefill pod at ``gone``'s address ended (any thread)."""
+        self._events.append(_PeerEvent("gone", f"{gone.host}:{gone.port}", gone=gone))
+
     def is_closed_safe(self, kv_mgr: Any, room: Any) -> bool:
         """Whether an endpoint close already proved ``room`` of ``kv_mgr`` safe to release."""
         return (id(kv_mgr), room) in self._safe
@@ -341,9 +396,13 @@ class StrictReclaimPatch:
         Events first: an entry held since the peer's death is attributed by its room (in the
         death-time snapshot: the dead incarnation; otherwise the live one), not by arrival order.
         """
+        if self.feed is not None:
+            self.feed.start()  # idempotent; only decode schedulers resolve deferred releases
         while self._events:
             ev = self._events.popleft()
-            if ev.kind == "dead":
+            if ev.gone is not None:
+                self._apply_gone(ev.gone)
+            elif ev.kind == "dead":
                 self._apply_dead(ev.addr, ev.rooms, ev.endpoints)
             elif ev.kind == "probed":
                 self._close_incarnation(ev.peer)
@@ -383,6 +442,14 @@ class StrictReclaimPatch:
                 )
         self.held_rooms, self.overdue_rooms = len(held), len(overdue)
         self.rooms_gauge.set(len(held))
+        if self.cause_gauge is not None:
+            counts = dict.fromkeys(CAUSES, 0)
+            for entry in held:
+                mirror = self._held.get(id(entry[0]))
+                dead = mirror is not None and mirror.peer in self._dead
+                counts["peer_dead" if dead else "awaiting_ack"] += 1
+            for cause, n in counts.items():
+                self.cause_gauge.labels(cause=cause).set(n)
         self.metrics.unhealthy.set(0.0 if self.health()[0] else 1.0)
 
     def _peer(self, addr: str) -> int:
@@ -406,12 +473,54 @@ class StrictReclaimPatch:
         key = self._new_id()
         lease = self.ledger.track(key, (), (peer,))
         self.ledger.abort(key)
-        self._held[id(decode_req)] = _Held(
-            key, lease.generation, peer, (id(getattr(receiver, "kv_mgr", None)), room)
+        mirror = _Held(
+            key,
+            lease.generation,
+            peer,
+            (id(getattr(receiver, "kv_mgr", None)), room),
+            addr=_parse_addr(addr),
+            bootstrapped_at=self._bootstrapped_at(decode_req),
         )
+        self._held[id(decode_req)] = mirror
         self._by_key[key] = id(decode_req)
         if peer in self._closed_ids:
             self._mark_closed(self.ledger.on_peer_closed(peer))
+        if not mirror.closed and self._gone_covers(mirror):
+            self._close_room(mirror)
+
+    def _bootstrapped_at(self, decode_req: Any) -> float | None:
+        """Wall-clock time SGLang stamped the room's handshake done (None: it never was)."""
+        stamp = getattr(getattr(decode_req.req, "time_stats", None), "bootstrap_done_time", 0.0)
+        if not isinstance(stamp, (int, float)) or stamp <= 0.0:
+            return None
+        return self.wall_clock() - (self.perf_clock() - float(stamp))
+
+    def _gone_covers(self, mirror: _Held) -> bool:
+        """Whether a confirmed end of the room's prefill came after its handshake (+ skew)."""
+        if mirror.addr is None or mirror.bootstrapped_at is None:
+            return False
+        finished = self._gone.get(mirror.addr)
+        return finished is not None and mirror.bootstrapped_at <= finished - self.clock_skew_s
+
+    def _apply_gone(self, gone: GonePrefill) -> None:
+        addr = (gone.host, gone.port)
+        self._gone[addr] = max(self._gone.get(addr, gone.finished_at), gone.finished_at)
+        freed = 0
+        for mirror in list(self._held.values()):
+            if mirror.addr == addr and not mirror.closed and self._gone_covers(mirror):
+                self._close_room(mirror)
+                freed += 1
+        log.warning(
+            "strict KV reclaim: the operator confirmed prefill %s (%s) ended; %d held rooms "
+            "bootstrapped before it are released",
+            f"{gone.host}:{gone.port}",
+            gone.pod or "?",
+            freed,
+        )
+
+    def _close_room(self, mirror: _Held) -> None:
+        assert self.ledger is not None
+        self._mark_closed(self.ledger.on_room_closed(mirror.key, mirror.generation))
 
     def _apply_dead(
         self, addr: str, rooms: frozenset[Any], endpoints: tuple[Endpoint, ...] = ()
@@ -465,6 +574,9 @@ def install_strict_reclaim(
     metrics: KvFenceMetrics | None = None,
     clock: Callable[[], float] = time.monotonic,
     prober: PeerProber | None = None,
+    gone_file: Path | None = None,
+    wall_clock: Callable[[], float] = time.time,
+    perf_clock: Callable[[], float] = time.perf_counter,
 ) -> StrictReclaimPatch:
     """Patch ``cls`` (default: the pinned SGLang's DecodeTransferQueue). Idempotent.
 
@@ -472,7 +584,8 @@ def install_strict_reclaim(
     peer hooks: ``_handle_node_failure`` reports the dead peer, ``is_abort_release_safe`` also
     answers True for rooms proven safe by the peer's confirmed endpoint close. ``prober``
     (default with ``cls=None``: a new :class:`PeerProber` on ``metrics``' registry) probes a
-    dead peer's rank endpoints and confirms the close.
+    dead peer's rank endpoints and confirms the close. ``gone_file``: the operator's feed of
+    prefill pods confirmed gone (read from the first resolve pass on, every 2 s).
     """
     load_real = cls is None
     if cls is None:
@@ -497,7 +610,20 @@ def install_strict_reclaim(
             registry=metrics.registry,
         ),
         prober=prober,
+        cause_gauge=Gauge(
+            "cas_kv_quarantined_rooms_by_cause",
+            "Held decode requests by why they are held: awaiting_ack (prefill alive as far as "
+            "decode knows) or peer_dead (declared dead, its end not yet confirmed)",
+            ["cause"],
+            registry=metrics.registry,
+        ),
+        wall_clock=wall_clock,
+        perf_clock=perf_clock,
     )
+    if gone_file is not None:
+        patch.feed = GoneFeed(
+            gone_file, patch.on_prefill_gone, metrics=GoneFeedMetrics(metrics.registry)
+        )
     _wrap_init(cls)
     _wrap_resolve(cls, patch)
     if kv_mgr_cls is not None:
@@ -561,6 +687,13 @@ def _wrap_peer_hooks(cls: type, patch: StrictReclaimPatch) -> None:
     cls._handle_node_failure = _handle_node_failure  # type: ignore[attr-defined]
     cls.is_abort_release_safe = is_abort_release_safe  # type: ignore[attr-defined]
     setattr(cls, _MARK + "_peer", patch)
+
+
+def _parse_addr(addr: str) -> tuple[str, int] | None:
+    try:
+        return split_host_port(addr)
+    except GoneFeedError:
+        return None
 
 
 def rank_endpoints(connection_pool: dict[str, Any], bootstrap_addr: str) -> tuple[Endpoint, ...]:
