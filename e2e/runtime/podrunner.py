@@ -29,7 +29,10 @@ KWOK only pretends to run containers; this runner makes engine pods real process
    it GETs the engine container's readinessProbe at the pod IP and patches the pod's Ready and
    ContainersReady conditions to match (Ready on the first success, not Ready after the probe's
    failureThreshold failures in a row or at once when the process is gone), so the router's
-   Kubernetes discovery and the pool controllers only count a pod that answers, as in a cluster.
+   Kubernetes discovery and the pool controllers only count a pod that answers, as in a cluster;
+6. with ``delete_pod`` set, removes a deleted opted-in pod's object once its processes stopped,
+   after writing its containers terminated (:func:`terminated_patch`), as a kubelet does: the
+   operator's prefill-gone loop trusts only such an end.
 Ownership: the runner owns the processes it started (records in memory) and the sd file.
 
 ``python -m e2e.runtime.podrunner --kubeconfig PATH [--routers] [--sd-file F]
@@ -242,6 +245,31 @@ def readiness_url(launch: Launch, pod: Pod) -> str | None:
     return f"http://{launch.ip}:{port}{path}"
 
 
+def terminated_patch(pod: Pod, now: str | None = None) -> dict[str, Any]:
+    """The status a kubelet writes once a deleted pod's containers have stopped (before it
+    removes the object): every container terminated, not ready. The operator's prefill-gone
+    loop reads it from the pod's last copy."""
+    at = now or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    status = pod.get("status") or {}
+    known = {s.get("name"): s for s in status.get("containerStatuses") or []}
+    statuses = []
+    for container in pod.get("spec", {}).get("containers", []):
+        old = known.get(container["name"]) or {}
+        started = ((old.get("state") or {}).get("running") or {}).get("startedAt", at)
+        statuses.append({
+            "name": container["name"], "image": container.get("image", ""),
+            "imageID": old.get("imageID", ""), "restartCount": old.get("restartCount", 0),
+            "ready": False, "started": False,
+            "state": {"terminated": {"exitCode": 0, "reason": "Completed",
+                                     "startedAt": started, "finishedAt": at}},
+        })  # fmt: skip
+    conditions = [
+        {**cond, "status": "False"} if cond.get("type") in ("Ready", "ContainersReady") else cond
+        for cond in status.get("conditions") or []
+    ]
+    return {"status": {"containerStatuses": statuses, "conditions": conditions}}
+
+
 def failure_threshold(pod: Pod) -> int:
     """The engine container's readinessProbe failureThreshold (Kubernetes' default 3)."""
     probe = (_served_container(pod) or {}).get("readinessProbe") or {}
@@ -345,6 +373,10 @@ class PodRunner:
                 continue
             if uid in busy:
                 continue
+            if self.patch_status is not None:  # a kubelet reports the end before the removal
+                self.patch_status(
+                    str(meta.get("namespace", "")), str(meta.get("name", "")), terminated_patch(pod)
+                )
             self.delete_pod(str(meta.get("namespace", "")), str(meta.get("name", "")), uid)
             done.append(f"removed {meta.get('namespace')}.{meta.get('name')} (stopped)")
         return done

@@ -3,6 +3,8 @@
 - create, spec update, resume: one pass that applies everything (an invalid spec raises
   `PermanentError` once, after its Degraded/InvalidSpec status is written: no retry storm);
 - a change of a child workload (Deployment, LeaderWorkerSet): queue one refresh of its owner;
+- a prefill pod deleted: `prefillgone.act.record_prefill_end` records its confirmed end in the
+  resource's prefill-gone ConfigMap, which decode pods read;
 - a timer: queues the same refresh as a safety net, a full apply every FULL_APPLY_SECONDS;
 - at start-up, one fleet-wide loop (`fleet_tick.FleetTick`, every TICK_SECONDS): the anomaly
   and autoscale loops over every resource; its findings reach the passes in memory.
@@ -35,6 +37,7 @@ from cas_operator.observe.prometheus import PrometheusSource
 from cas_operator.observe.scrape import ScrapeSource
 from cas_operator.observe.types import MetricsSource
 from cas_operator.passes import Key, Passes, key_of
+from cas_operator.prefillgone.act import record_prefill_end
 from cas_operator.reconcile.status import ObservedWorkload, is_true
 
 TIMER_SECONDS = 30.0  # a safety net: child events drive status
@@ -46,6 +49,7 @@ FULL_APPLY_SECONDS = 300.0
 APPLY_RETRY_FIRST_S, APPLY_RETRY_MAX_S = 2.0, 30.0
 PROMETHEUS_URL_ENV = "CAS_PROMETHEUS_URL"
 CHILD_LABELS = {c.LABEL_MANAGED_BY: c.MANAGED_BY}
+PREFILL_POD_LABELS = {**CHILD_LABELS, c.LABEL_ROLE: c.ROLE_PREFILL}
 
 
 @functools.cache
@@ -197,6 +201,22 @@ async def on_child_event(labels: kopf.Labels, namespace: str | None, **kwargs: A
     if kwargs.get("type") is None or owner_name is None or namespace is None:
         return  # kopf's initial listing: resume and the timer cover it
     PASSES.child_changed((namespace, owner_name), deleted=kwargs["type"] == "DELETED")
+
+
+@kopf.on.event("", "v1", "pods", labels=PREFILL_POD_LABELS)
+async def on_prefill_pod_event(body: kopf.Body, **kwargs: Any) -> None:
+    """A prefill pod's object went away: record in its resource's prefill-gone feed whether the
+    kubelet confirmed its end (decode then frees the KV that pod can no longer write)."""
+    if kwargs.get("type") != "DELETED":
+        return
+    record = await asyncio.to_thread(record_prefill_end, kube(), dict(body), time.time())
+    logging.getLogger(__name__).info(
+        "prefill pod %s/%s gone: %s %s",
+        body.get("metadata", {}).get("namespace"),
+        body.get("metadata", {}).get("name"),
+        record.outcome,
+        record.detail,
+    )
 
 
 async def lead() -> None:

@@ -28,6 +28,13 @@ ANNOTATION_BOOTSTRAP_PORT: Final = "sglang.ai/bootstrap-port"
 # On an older revision's router Deployment: when the entry Service stopped sending to it.
 ANNOTATION_RETIRING_SINCE: Final = "cas.dev/retiring-since"
 
+# Prefill pods confirmed gone, per resource: a ConfigMap the operator keeps and decode pods mount
+# (cas_operator/prefillgone writes it; cas_engine.kvfence.gone_feed reads the key).
+PREFILL_GONE_SUFFIX: Final = "-prefill-gone"
+PREFILL_GONE_KEY: Final = "prefills.json"
+PREFILL_GONE_MOUNT: Final = "/etc/cas/prefill-gone"
+APP_PREFILL_GONE: Final = "cas-prefill-gone"
+
 ROLE_PREFILL: Final = "prefill"
 ROLE_DECODE: Final = "decode"
 ROLE_ROUTER: Final = "router"

@@ -133,6 +133,7 @@ def cas_args(plan: Plan, pool: PoolPlan) -> list[str]:
         return args
     if reclaim == "strict":  # decode holds the rooms of aborted requests
         args += ["--cas-kv-quarantine-rooms", str(plan.spec.engine.kv_quarantine_rooms)]
+        args += ["--cas-prefill-gone-file", f"{c.PREFILL_GONE_MOUNT}/{c.PREFILL_GONE_KEY}"]
     if not guard.enabled or plan.spec.engine.speculative is None:
         return [*args, "--cas-guard-enabled", "false"]
     return [

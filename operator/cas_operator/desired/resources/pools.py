@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from cas_operator.api import constants as c
+from cas_operator.api.models import KvReclaim
 from cas_operator.desired.plan import Plan, PoolPlan
 from cas_operator.desired.resources.engine_args import LAUNCHER, engine_args, engine_env
 from cas_operator.desired.resources.meta import (
@@ -94,7 +95,22 @@ def _ports(pool: PoolPlan) -> list[dict[str, Any]]:
     return ports
 
 
-def _volumes(plan: Plan) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def prefill_gone_name(cas_name: str) -> str:
+    """The ConfigMap of a resource's prefill pods confirmed gone (cas_operator/prefillgone)."""
+    return f"{cas_name}{c.PREFILL_GONE_SUFFIX}"
+
+
+def _prefill_gone_volume(plan: Plan) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Decode reads which prefill pods are gone for good (strict reclaim frees their rooms).
+    Optional: the operator creates it at the first confirmed end; the kubelet projects it then."""
+    volume = {
+        "name": "prefill-gone",
+        "configMap": {"name": prefill_gone_name(plan.name), "optional": True},
+    }
+    return volume, {"name": "prefill-gone", "mountPath": c.PREFILL_GONE_MOUNT, "readOnly": True}
+
+
+def _volumes(plan: Plan, pool: PoolPlan) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     shm = {"medium": "Memory", "sizeLimit": plan.spec.engine.shm_size}
     volumes: list[dict[str, Any]] = [
         {"name": "shm", "emptyDir": shm},
@@ -109,12 +125,16 @@ def _volumes(plan: Plan) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
             {"name": "models", "persistentVolumeClaim": {"claimName": plan.spec.model.pvc_name}}
         )
         mounts.append({"name": "models", "mountPath": "/models", "readOnly": True})
+    if pool.role == c.ROLE_DECODE and plan.spec.engine.kv_reclaim == KvReclaim.STRICT:
+        volume, mount = _prefill_gone_volume(plan)
+        volumes.append(volume)
+        mounts.append(mount)
     return volumes, mounts
 
 
 def pod_template(plan: Plan, pool: PoolPlan, *, serving: bool = True) -> Manifest:
     """The engine pod. `serving=False` is an LWS worker: no HTTP server, no router label."""
-    volumes, mounts = _volumes(plan)
+    volumes, mounts = _volumes(plan, pool)
     container = {
         "name": "engine",
         "image": plan.spec.engine.image,
