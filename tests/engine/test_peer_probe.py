@@ -456,6 +456,43 @@ def test_sglang_dead_peer_rank_endpoints_probed_and_released() -> None:
             assert reg.get_sample_value("cas_kv_reclaims_total", {"outcome": "peer_closed"}) == 1
 
 
+def test_sglang_dead_peer_whose_bootstrap_info_was_dropped_is_still_probed() -> None:
+    """guards: SGLang drops a receiver's cached bootstrap info when a registration fails
+    (invalidate_cached_bootstrap_infos, common/conn.py:2688); when that happens before the
+    heartbeat's verdict, the real _handle_node_failure finds no rank endpoint, so no probe
+    started and the room stayed held even after the prefill's process was long gone. The
+    adapter now probes the endpoints the held room's receiver bootstrapped against."""
+    real = pytest.importorskip("tests.engine.test_sglang_reclaim")
+    from cas_engine.kvfence import KvFenceMetrics
+    from cas_engine.sglang import reclaim
+
+    world = real.build_world()
+    reg = CollectorRegistry()
+    prober = PeerProber(FAST, metrics=PeerProbeMetrics(reg))
+    reclaim.install_strict_reclaim(
+        world.queue_cls,
+        kv_mgr_cls=world.mgr_cls,
+        metrics=KvFenceMetrics(reg),
+        clock=world.clock.monotonic,
+        prober=prober,
+    )
+    q, mgr = real.make_queue(world), real.make_kv_mgr(world)
+    port = closed_port()
+    real.bootstrap_room(world, mgr, 11)
+    real.abort_room(world, q, mgr, room=11, ranks=1)
+    held = q._deferred_releases[0][0]
+    held.kv_receiver.bootstrap_infos = [{"rank_ip": HOST, "rank_port": port}]
+    q.resolve_deferred_releases()
+    mgr.connection_pool = {}  # the cached bootstrap info was invalidated first
+    mgr._handle_node_failure(real.PREFILL_ADDR)
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and not world.released:
+        time.sleep(0.02)
+        q.resolve_deferred_releases()
+    prober.close()
+    assert world.released == [11] and probes(reg, "refused") == FAST.evidence
+
+
 def test_sim_restarted_prefill_on_the_same_ports_releases_the_dead_ones_slots(
     pd_pair: PdPair,
 ) -> None:

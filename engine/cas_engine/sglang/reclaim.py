@@ -49,6 +49,10 @@ Prefill-side source-page pinning lives in :mod:`cas_engine.sglang.prefill_pin`.
    on the scheduler thread as :meth:`StrictReclaimPatch.on_peer_endpoint_closed` would, for that
    incarnation only. The launcher's install (``cls=None``) creates the prober; tests pass one.
 
+   If SGLang dropped the cached bootstrap info before the heartbeat's verdict (a failed
+   registration: ``invalidate_cached_bootstrap_infos``), the snapshot is empty; the prober
+   then watches the rank endpoints the held rooms' receivers bootstrapped against
+   (``bootstrap_infos``), remembered per address for the live incarnation.
 6. The operator's confirmation: a deleted prefill pod's IP answers nothing, so the prober
    never sees a refusal. The operator lists prefill pods whose containers the kubelet reported
    terminated before the pod object went away (:mod:`cas_engine.kvfence.gone_feed`; never a
@@ -346,6 +350,11 @@ class StrictReclaimPatch:
     perf_clock: Callable[[], float] = time.perf_counter  # SGLang's time_stats clock
     clock_skew_s: float = CLOCK_SKEW_S
     _gone: dict[tuple[str, int], float] = field(default_factory=dict)  # addr -> latest finish
+    # addr -> rank endpoints of the live incarnation, as its held rooms' receivers knew them:
+    # SGLang drops its cached bootstrap info on a failed registration
+    # (CommonKVReceiver.invalidate_cached_bootstrap_infos, common/conn.py:2688), so the
+    # heartbeat's snapshot may hold none
+    _known_endpoints: dict[str, set[Endpoint]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.ledger is None:
@@ -470,6 +479,11 @@ class StrictReclaimPatch:
         for dead_id, (dead_addr, rooms) in self._dead.items():
             if dead_addr == addr and room in rooms:
                 peer = dead_id  # bootstrapped before the peer died: that incarnation wrote it
+        endpoints = receiver_endpoints(receiver)
+        if peer in self._dead:  # its death came with no endpoint (bootstrap info invalidated
+            self._watch_dead(addr, peer, endpoints)  # before the heartbeat): probe the room's
+        else:
+            self._known_endpoints.setdefault(addr, set()).update(endpoints)
         key = self._new_id()
         lease = self.ledger.track(key, (), (peer,))
         self.ledger.abort(key)
@@ -533,13 +547,19 @@ class StrictReclaimPatch:
         self._dead[old] = (addr, set(rooms) | tracked)
         self._peer_ids[addr] = self._new_id()  # a restarted peer is a new incarnation
         self.ledger.on_peer_dead(old)
-        if self.prober is not None and endpoints:
-            events = self._events  # deque.append is thread-safe: the prober thread queues
+        known = self._known_endpoints.pop(addr, set())
+        self._watch_dead(addr, old, endpoints or tuple(sorted(known, key=str)))
 
-            def probed(key: Any, evidence: str) -> None:
-                events.append(_PeerEvent("probed", addr, peer=old))
+    def _watch_dead(self, addr: str, peer: int, endpoints: tuple[Endpoint, ...]) -> None:
+        """Probe dead incarnation ``peer``'s rank endpoints (no-op if watched or none known)."""
+        if self.prober is None or not endpoints:
+            return
+        events = self._events  # deque.append is thread-safe: the prober thread queues
 
-            self.prober.watch(("sglang-prefill", addr, old), endpoints, probed)
+        def probed(key: Any, evidence: str) -> None:
+            events.append(_PeerEvent("probed", addr, peer=peer))
+
+        self.prober.watch(("sglang-prefill", addr, peer), endpoints, probed)
 
     def _close_incarnation(self, peer: int) -> None:
         """The prober confirmed incarnation ``peer`` closed: release its held rooms."""
@@ -694,6 +714,17 @@ def _parse_addr(addr: str) -> tuple[str, int] | None:
         return split_host_port(addr)
     except GoneFeedError:
         return None
+
+
+def receiver_endpoints(receiver: Any) -> tuple[Endpoint, ...]:
+    """The prefill rank endpoints a decode receiver bootstrapped against (none if it never
+    got bootstrap info)."""
+    out: dict[tuple[str, int], Endpoint] = {}
+    for info in getattr(receiver, "bootstrap_infos", None) or ():
+        if isinstance(info, dict) and info.get("rank_ip") and info.get("rank_port"):
+            ip, port = str(info["rank_ip"]), int(info["rank_port"])
+            out.setdefault((ip, port), Endpoint(ip, port))
+    return tuple(out.values())
 
 
 def rank_endpoints(connection_pool: dict[str, Any], bootstrap_addr: str) -> tuple[Endpoint, ...]:
