@@ -22,6 +22,7 @@ import os
 import threading
 from collections import defaultdict
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -572,3 +573,60 @@ def test_check_covers_the_handshake_stamp() -> None:
 
     with pytest.raises(reclaim.StrictReclaimError, match="set_bootstrap_done_time"):
         reclaim.check_bootstrap_stamp(Changed)
+
+
+SCHEDULER_PY = SGLANG_DIR / "srt/managers/scheduler.py"
+
+
+def real_idle_scheduler(world: SimpleNamespace, q: Any, *, busy: bool) -> Any:
+    """A decode Scheduler stand-in whose ``is_fully_idle`` is SGLang's own (scheduler.py),
+    reading the real transfer queue ``q``; ``busy``: a request is running."""
+    mode = compile_from(UTILS_PY, {"Enum": Enum}, cls="DisaggregationMode", whole=True)
+    ns: dict[str, Any] = {
+        "DisaggregationMode": mode,
+        "get_parallel": lambda: SimpleNamespace(pp_size=1),
+    }
+    cls = compile_real(
+        SCHEDULER_PY, ns, cls="Scheduler", names=("is_fully_idle", "_pp_microbatches_drained")
+    )
+    empty = SimpleNamespace(is_empty=lambda: True, reqs=[])
+    sched = cls.__new__(cls)
+    sched.__dict__.update(
+        running_batch=SimpleNamespace(is_empty=lambda: not busy),
+        chunked_req=None,
+        dllm_manager=SimpleNamespace(any_staging_reqs=lambda: False),
+        last_batch=empty,
+        enable_overlap=False,
+        waiting_queue=[],
+        _engine_paused=False,
+        disaggregation_mode=mode.DECODE,
+        disagg_decode_prealloc_queue=SimpleNamespace(queue=[], retracted_queue=[]),
+        disagg_decode_transfer_queue=q,
+        grammar_manager=SimpleNamespace(grammar_queue=[]),
+        decode_offload_manager=None,
+        enable_hisparse=False,
+        enable_hierarchical_cache=False,
+        enable_lmcache=False,
+    )
+    q.queue = []
+    q.scheduler = sched
+    return sched
+
+
+def test_held_rooms_that_alone_block_idle_are_reported() -> None:
+    """Regression: held rooms keep SGLang's real is_fully_idle False, which skips the leak check
+    and refuses /flush_cache, silently and for as long as the rooms are held. The patch keeps
+    that (a flush would free pages under a live write) but reports it:
+    cas_kv_idle_blocked_by_held_rooms is 1 only while held rooms are the sole work."""
+    world, patch, q, mgr, reg = gone_world()
+    assert patch is not None
+    sched = real_idle_scheduler(world, q, busy=False)
+    hold_bootstrapped(world, q, mgr, 31, bootstrapped_at=None)
+    q.resolve_deferred_releases()
+    assert sched.is_fully_idle() is False  # upstream: held rooms keep it busy
+    assert reg.get_sample_value("cas_kv_idle_blocked_by_held_rooms") == 1
+    assert len(q._deferred_releases) == 1  # the observation put the held room back
+    busy = real_idle_scheduler(world, q, busy=True)
+    q.resolve_deferred_releases()
+    assert busy.is_fully_idle() is False
+    assert reg.get_sample_value("cas_kv_idle_blocked_by_held_rooms") == 0

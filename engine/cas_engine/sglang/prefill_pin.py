@@ -109,6 +109,8 @@ SCHEDULER_FINGERPRINTS: dict[str, tuple[str, ...]] = {
     "is_fully_idle": (
         "if not for_health_check:",
         "idle &= len(self.disagg_prefill_inflight_queue) == 0",
+        # decode: what reclaim's idle observation relies on (held rooms keep it busy)
+        "idle &= not self.disagg_decode_transfer_queue.has_pending_deferred_releases()",
     ),
 }
 # What "a chunk is outstanding" and "poisoned" mean in the mooncake sender.

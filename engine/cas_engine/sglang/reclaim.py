@@ -68,6 +68,14 @@ Prefill-side source-page pinning lives in :mod:`cas_engine.sglang.prefill_pin`.
    far closer) and no heartbeat verdict, so it also frees rooms of a prefill that ended before
    the heartbeat noticed.
 
+What held rooms block: upstream's ``Scheduler.is_fully_idle`` is False while deferred releases
+are pending (scheduler.py:5381), so the idle-only work does not run: the pool leak check is
+skipped (scheduler.py:5286-5290), ``/flush_cache``, HiCache attach/detach and a P/D role switch are
+refused, and the loop polls without sleeping. That must stay so (a flush would free held pages
+under a live write), but it is no longer silent: when held rooms are the only thing keeping
+the scheduler busy, ``cas_kv_idle_blocked_by_held_rooms`` is 1 and one warning per episode
+names what is blocked.
+
 Held rooms are counted by cause (``cas_kv_quarantined_rooms_by_cause{cause}``):
 ``awaiting_ack`` (the prefill is alive as far as decode knows: a slow transfer, or a poisoned
 send that will never ack) and ``peer_dead`` (the heartbeat declared it dead; waiting for the
@@ -345,6 +353,8 @@ class StrictReclaimPatch:
     _events: deque[_PeerEvent] = field(default_factory=deque)
     prober: PeerProber | None = None  # confirms a dead peer's endpoints closed (None: never)
     cause_gauge: Gauge | None = None  # held rooms by cause
+    idle_gauge: Gauge | None = None  # 1 while held rooms alone keep the scheduler out of idle
+    idle_blocked: bool = False
     feed: GoneFeed | None = None  # the operator's confirmations; started on the first resolve
     wall_clock: Callable[[], float] = time.time
     perf_clock: Callable[[], float] = time.perf_counter  # SGLang's time_stats clock
@@ -459,6 +469,30 @@ class StrictReclaimPatch:
                 counts["peer_dead" if dead else "awaiting_ack"] += 1
             for cause, n in counts.items():
                 self.cause_gauge.labels(cause=cause).set(n)
+        self._observe_idle(queue)
+
+    def _observe_idle(self, queue: Any) -> None:
+        """Whether held rooms alone keep SGLang's scheduler from idle (see the module doc)."""
+        scheduler = getattr(queue, "scheduler", None)
+        check = getattr(scheduler, "is_fully_idle", None)
+        blocked = False
+        if queue._deferred_releases and callable(check):
+            held, queue._deferred_releases = queue._deferred_releases, []
+            try:
+                blocked = bool(check())
+            finally:
+                queue._deferred_releases = held
+        if blocked and not self.idle_blocked:
+            log.warning(
+                "strict KV reclaim: %d held rooms are all that keeps this decode busy; until "
+                "they are released the idle-only work stays off: no pool leak check, "
+                "/flush_cache and HiCache attach/detach and role switches are refused, and "
+                "the scheduler polls without sleeping",
+                len(queue._deferred_releases),
+            )
+        self.idle_blocked = blocked
+        if self.idle_gauge is not None:
+            self.idle_gauge.set(1.0 if blocked else 0.0)
         self.metrics.unhealthy.set(0.0 if self.health()[0] else 1.0)
 
     def _peer(self, addr: str) -> int:
@@ -635,6 +669,12 @@ def install_strict_reclaim(
             "Held decode requests by why they are held: awaiting_ack (prefill alive as far as "
             "decode knows) or peer_dead (declared dead, its end not yet confirmed)",
             ["cause"],
+            registry=metrics.registry,
+        ),
+        idle_gauge=Gauge(
+            "cas_kv_idle_blocked_by_held_rooms",
+            "1 while held decode requests are the only work keeping SGLang's scheduler out of "
+            "idle (leak checks skipped; flush_cache, HiCache attach/detach refused)",
             registry=metrics.registry,
         ),
         wall_clock=wall_clock,
