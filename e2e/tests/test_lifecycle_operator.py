@@ -261,3 +261,62 @@ async def test_a_deleted_router_pod_loses_no_request_at_the_entry_service(
     failed = [r for r in results if r != (200, "")]
     assert len(results) > 30 and not failed, (len(results), failed[:5])
     assert long_result == (200, TOKENS // 3), long_result
+
+
+def gone_feed(kubectl: Kubectl, namespace: str) -> list[dict[str, Any]]:
+    """The entries of the resource's prefill-gone ConfigMap ([] while it does not exist)."""
+    out = kubectl("get", "configmap", f"{NAME}-prefill-gone", "-n", namespace, "-o", "json",
+                  check=False)  # fmt: skip
+    if not out.strip():
+        return []
+    feed: dict[str, Any] = json.loads(json.loads(out)["data"]["prefills.json"])
+    entries: list[dict[str, Any]] = feed["prefills"]
+    return entries
+
+
+async def test_a_deleted_prefill_reaches_decode_as_gone_and_a_forced_one_does_not(
+    live_stack: MakeLiveStack,
+    namespace: str,
+    kubectl: Kubectl,
+    crds: None,
+) -> None:
+    """Regression (issue 13): a deleted prefill pod's IP answers nothing, so decode held the KV
+    rooms it had been writing forever. Now the operator, watching the pod's DELETED event on the
+    real API server, records a prefill whose containers were reported terminated (the pod
+    runner writes that as a kubelet does) in `<name>-prefill-gone`, which decode pods mount;
+    a force-deleted prefill, whose writes may still land, is only a Warning event."""
+    from cas_engine.kvfence.gone_feed import parse_feed
+
+    stack = live_stack(SIM_ARGS)
+    with resource_live(stack, kubectl, sample(1), log=lambda s: print(f"[live] {s}")):
+        first = wait_for("a prefill with an IP", lambda: next(
+            (p for p in role_pods(kubectl, namespace, "prefill")
+             if p.get("status", {}).get("podIP")), None), 60)  # fmt: skip
+        decode = wait_for("a decode pod", lambda: role_pods(kubectl, namespace, "decode"), 60)[0]
+        volumes = {v["name"]: v for v in decode["spec"]["volumes"]}
+        assert volumes["prefill-gone"]["configMap"]["name"] == f"{NAME}-prefill-gone"
+        name, uid = first["metadata"]["name"], first["metadata"]["uid"]
+        kubectl("delete", "pod", name, "-n", namespace, "--wait=false")
+        entries = await asyncio.to_thread(wait_for, f"{name} in the prefill-gone feed", lambda: [
+            e for e in gone_feed(kubectl, namespace) if e["uid"] == uid], 60)  # fmt: skip
+        assert entries[0]["bootstrap"] == f"{first['status']['podIP']}:8998", entries
+        raw = kubectl("get", "configmap", f"{NAME}-prefill-gone", "-n", namespace, "-o",
+                      "jsonpath={.data.prefills\\.json}")  # fmt: skip
+        assert [g.uid for g in parse_feed(raw)] == [uid]  # decode's own parser reads it
+
+        def replacement() -> dict[str, Any] | None:
+            return next((p for p in role_pods(kubectl, namespace, "prefill")
+                         if p["metadata"]["uid"] != uid and p.get("status", {}).get("podIP")),
+                        None)  # fmt: skip
+
+        second = await asyncio.to_thread(wait_for, "the replacement prefill", replacement, 60)
+        forced = second["metadata"]["name"]
+        kubectl("delete", "pod", forced, "-n", namespace, "--grace-period=0", "--force")
+
+        def warned() -> bool:
+            out = kubectl("get", "events", "-n", namespace, "--field-selector",
+                          "reason=PrefillEndUnconfirmed", "-o", "json")  # fmt: skip
+            return any(forced in e.get("message", "") for e in json.loads(out)["items"])
+
+        await asyncio.to_thread(wait_for, f"a Warning naming {forced}", warned, 60)
+        assert [e["uid"] for e in gone_feed(kubectl, namespace)] == [uid]
