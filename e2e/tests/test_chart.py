@@ -42,6 +42,7 @@ def variants(watch: str) -> dict[str, dict[str, Any]]:
         "namespaced": {"watchNamespaces": [watch]},
         "ha": {"replicas": 3, "prometheusUrl": "http://prometheus.monitoring:9090"},
         "minimal": {"admissionPolicy": {"enabled": False}, "resources": {}},
+        "capped": {"maxGpusPerResource": 64},
     }
 
 
@@ -82,6 +83,7 @@ def test_every_rendered_object_passes_the_api_servers_dry_run(
         ({"replica": 2}, "replica"),  # a typo is refused, not ignored
         ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
         ({"prometheusUrl": "prometheus:9090"}, "/prometheusUrl"),
+        ({"maxGpusPerResource": 0}, "/maxGpusPerResource"),
     ],
 )
 def test_the_values_schema_refuses_bad_values_naming_the_field(
@@ -90,6 +92,24 @@ def test_the_values_schema_refuses_bad_values_naming_the_field(
     done = chart.helm("template", "r", str(chart.CHART_DIR), *chart.set_flags(values), check=False)
     assert done.returncode != 0, done.stdout[:400]
     assert field in done.stderr, done.stderr
+
+
+def test_the_gpu_cap_value_reaches_the_operator_as_the_limit_it_enforces(namespace: str) -> None:
+    """Regression (issue 15): `OperatorLimits` said the chart's `maxGpusPerResource` sets the
+    cap, but the chart had no such value. The rendered Deployment's variable is what
+    `OperatorLimits.from_env` reads, and unset means no cap."""
+    from cas_operator.api.limits import MAX_GPUS_ENV, OperatorLimits
+
+    def operator_env(values: dict[str, Any]) -> dict[str, str]:
+        objects = chart.template("cas-chart-cap", namespace, values)
+        deployment = next(o for o in objects if o["kind"] == "Deployment")
+        env = deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+        return {e["name"]: e["value"] for e in env if "value" in e}
+
+    capped = operator_env({"maxGpusPerResource": 64})
+    assert capped[MAX_GPUS_ENV] == "64"
+    assert OperatorLimits.from_env(capped).max_gpus_per_resource == 64
+    assert OperatorLimits.from_env(operator_env({})).max_gpus_per_resource is None
 
 
 def test_the_documented_crd_upgrade_path_applies_over_installed_crds(kubectl: Kubectl) -> None:
@@ -277,8 +297,9 @@ def test_helm_upgrade_from_the_previous_chart_keeps_the_fleet_ready_and_every_ch
         upgraded = chart.helm("upgrade", release, str(chart.CHART_DIR), *helm_args)
         assert "has been upgraded" in upgraded.stdout, upgraded.stdout
         history = chart.helm("history", release, *helm_args).stdout
-        assert "cas-operator-0.2.0" in history, history
-        kubectl("delete", "-f", "-", stdin=yaml.safe_dump_all(grant))  # 0.2.0 grants it
+        current = yaml.safe_load((chart.CHART_DIR / "Chart.yaml").read_text())["version"]
+        assert f"cas-operator-{current}" in history, history
+        kubectl("delete", "-f", "-", stdin=yaml.safe_dump_all(grant))  # the current chart grants it
         operator.stop()
         operator.start()  # the upgraded Deployment's new pod
         time.sleep(15)  # its resume pass and a few fleet ticks
