@@ -21,6 +21,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -303,14 +304,14 @@ class PdPair:
     """One sim prefill whose KV write stalls (600 s) and one Strict sim decode (1 s budget),
     as separate processes on loopback; the decode aborts the request and quarantines its slot."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, decode_args: tuple[str, ...] = ()) -> None:
         self.log_dir = log_dir
         self.bport = free_port()
         self.purl = f"http://{HOST}:{free_port()}"
         self.durl = f"http://{HOST}:{free_port()}"
         self.procs: list[subprocess.Popen[bytes]] = []
         self.prefill = self._spawn("prefill", self.purl, ["--sim-fault", "kv_write_stall=1:600"])
-        self._spawn("decode", self.durl, ["--sim-prefill-budget", "1"])
+        self._spawn("decode", self.durl, ["--sim-prefill-budget", "1", *decode_args])
 
     def _spawn(self, mode: str, url: str, extra: list[str]) -> subprocess.Popen[bytes]:
         env = {**os.environ, "GLOG_minloglevel": "2", "PYTHONUNBUFFERED": "1"}
@@ -491,6 +492,41 @@ def test_sglang_dead_peer_whose_bootstrap_info_was_dropped_is_still_probed() -> 
         q.resolve_deferred_releases()
     prober.close()
     assert world.released == [11] and probes(reg, "refused") == FAST.evidence
+
+
+def test_sim_decode_releases_a_hung_prefills_room_once_the_operator_confirms_its_end(
+    tmp_path: Path,
+) -> None:
+    """guards: a hung prefill (SIGSTOP: its ports still accept, so no probe ever confirms) held
+    the decode's slot forever. The operator's feed (the file a mounted ConfigMap gives decode)
+    naming that bootstrap address with an end after the room's handshake releases it; an entry
+    for another address does not."""
+    feed = tmp_path / "prefills.json"
+    pair = PdPair(tmp_path, ("--cas-prefill-gone-file", str(feed), "--sim-gone-clock-skew", "0.2"))
+    try:
+        pair.ready()
+        pair.quarantine_one_room()
+        os.kill(pair.prefill.pid, signal.SIGSTOP)
+
+        def write(port: int) -> None:
+            at = datetime.now(UTC).isoformat()
+            doc = {"version": 1, "prefills": [
+                {"bootstrap": f"{HOST}:{port}", "finishedAt": at, "pod": "t/p", "uid": str(port)}
+            ]}  # fmt: skip
+            tmp = feed.with_suffix(".tmp")
+            tmp.write_text(json.dumps(doc))
+            os.replace(tmp, feed)
+
+        time.sleep(1.0)  # the handshake is now older than the skew
+        write(pair.bport + 1)
+        time.sleep(4.0)  # two feed polls
+        assert pair.quarantined() == 1
+        write(pair.bport)
+        _wait(lambda: pair.quarantined() == 0, 10, "release on the operator's confirmation")
+        assert _metric(pair.durl, *PEER_CLOSED) == 1
+        assert _metric(pair.durl, "cas_kv_prefill_gone_entries", "") == 1
+    finally:
+        pair.stop()
 
 
 def test_sim_restarted_prefill_on_the_same_ports_releases_the_dead_ones_slots(

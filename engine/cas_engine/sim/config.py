@@ -53,6 +53,8 @@ class SimConfig:
     spec_num_steps: int = 3
     spec_accept_prob: float = 0.75
     fault: str = ""
+    prefill_gone_file: str = ""
+    gone_clock_skew_s: float = 10.0
     guard_enabled: bool = True
     guard_args: argparse.Namespace | None = None
     ignored_args: tuple[str, ...] = ()
@@ -111,6 +113,18 @@ def _add_cas_arguments(p: argparse.ArgumentParser) -> None:
         type=_reclaim_mode,
         default=None,
         help="strict | upstream | immediate (env CAS_KV_RECLAIM)",
+    )
+    g.add_argument(
+        "--cas-prefill-gone-file",
+        default=None,
+        help="decode: the operator's feed of prefill pods confirmed gone (a mounted ConfigMap)",
+    )
+    g.add_argument(
+        "--sim-gone-clock-skew",
+        type=float,
+        default=None,
+        help="decode: seconds a room's handshake must precede a gone prefill's end (wall "
+        "clock; default as the SGLang adapter, 10)",
     )
 
 
@@ -284,6 +298,8 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = No
         spec_num_steps=ns.speculative_num_steps,
         spec_accept_prob=ns.sim_spec_accept_prob,
         fault=ns.sim_fault,
+        prefill_gone_file=ns.cas_prefill_gone_file or "",
+        gone_clock_skew_s=10.0 if ns.sim_gone_clock_skew is None else ns.sim_gone_clock_skew,
         guard_args=ns,
         ignored_args=tuple(unknown),
     )

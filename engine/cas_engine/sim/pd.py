@@ -23,6 +23,10 @@ Protocol for one request (the router sends the same body, with ``bootstrap_host`
     listener (incarnation check) and its transfer engine's listener; on confirmed closure
     (refused, or a new incarnation, 3x each) -> ledger.on_peer_closed(rank) -> free the slots
 
+    prefill pod confirmed gone by the operator (kvfence.gone_feed, ``--cas-prefill-gone-file``):
+    rooms of that bootstrap address whose dest was answered at least the clock skew before the
+    pod's containers finished -> ledger.on_room_closed -> free the slots (as the SGLang adapter)
+
 Each prefill incarnation is one ledger "rank" on the decode (a fresh id once it is declared
 dead); the prefill's ack is mapped back to the rank its room was tracked with. The first
 ``/sim/kv/dest`` answer binds the rank to the prefill's incarnation and names its transfer
@@ -47,6 +51,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,6 +61,7 @@ import aiohttp
 import numpy as np
 
 from cas_engine.kvfence import AbortNotice, ReclaimAck, ReclaimLedger, WriteTracker
+from cas_engine.kvfence.gone_feed import GonePrefill, normalise_host
 from cas_engine.kvfence.peer_probe import (
     INCARNATION_HEADER,
     Endpoint,
@@ -68,6 +74,7 @@ from cas_engine.sim.kvpool import KvPool, corrupt, expected_kv
 log = logging.getLogger("cas_engine.sim.pd")
 
 PREFILL_RANK = 0
+HANDSHAKE_MEMORY = 65536  # rooms whose handshake time is kept (oldest dropped)
 HEARTBEAT_INTERVAL_S = 0.5  # decode -> prefill bootstrap /health while rooms wait on its ack
 HEARTBEAT_TIMEOUT_S = 1.0
 HEARTBEAT_DEAD_AFTER = 3  # consecutive failures: the prefill is declared dead (as SGLang's)
@@ -229,6 +236,10 @@ class DecodeKv:
         self._next_rank = PREFILL_RANK
         self._rank_inc: dict[int, str] = {}  # rank -> the incarnation it stands for
         self._heartbeat: asyncio.Task[None] | None = None
+        # (room, generation) -> wall time its dest was answered (the handshake), bounded
+        self._handshake_at: OrderedDict[tuple[int, int], float] = OrderedDict()
+        self._gone: dict[tuple[str, int], float] = {}  # bootstrap addr -> latest confirmed end
+        self.gone_clock_skew_s = 10.0
 
     async def acquire(self, room: int, host: str, port: int, timeout: float) -> int | None:
         """Allocate a slot for ``room``, track it and register it with the prefill."""
@@ -257,6 +268,9 @@ class DecodeKv:
                 answer = await r.json() if r.status in (200, 409) else None
                 r.raise_for_status()
             self._learn(host, port, peer, answer if isinstance(answer, dict) else {}, bind=True)
+            self._handshake_at[(room, lease.generation)] = time.time()
+            while len(self._handshake_at) > HANDSHAKE_MEMORY:
+                self._handshake_at.popitem(last=False)
         except (aiohttp.ClientError, TimeoutError) as exc:
             if isinstance(answer, dict):
                 self._learn(host, port, peer, answer)  # 409: a restarted prefill answered
@@ -300,6 +314,8 @@ class DecodeKv:
         rank = min(lease.ranks) if lease is not None else PREFILL_RANK
         notice = self._abort_now(room)
         if notice is not None:
+            self._release_gone(notice.room, notice.generation)
+        if notice is not None and self.ledger.is_quarantined(notice.room, notice.generation):
             loop = asyncio.get_running_loop()
             task = loop.create_task(self._send_abort(notice, host, port, rank))
             self.bg.add(task)
@@ -355,6 +371,35 @@ class DecodeKv:
             except (aiohttp.ClientError, TimeoutError) as exc:
                 log.info("abort notice for room %s not delivered yet: %s", notice.room, exc)
                 await asyncio.sleep(0.5)
+
+    # ---- the operator's confirmation: prefill pods gone for good ------------------------------
+
+    def on_prefill_gone(self, gone: GonePrefill) -> None:
+        """The operator confirmed the prefill pod at ``gone``'s address ended (event loop)."""
+        addr = (gone.host, gone.port)
+        self._gone[addr] = max(self._gone.get(addr, gone.finished_at), gone.finished_at)
+        freed = sum(self._release_gone(lease.room, lease.generation)
+                    for lease in self.ledger.quarantined())  # fmt: skip
+        log.warning("prefill %s:%s (%s) confirmed gone: %d held rooms released",
+                    gone.host, gone.port, gone.pod or "?", freed)  # fmt: skip
+
+    def _release_gone(self, room: int, generation: int) -> int:
+        """Release a held room whose prefill's confirmed end came after its handshake."""
+        at = self._handshake_at.get((room, generation))
+        lease = next((q for q in self.ledger.quarantined()
+                      if (q.room, q.generation) == (room, generation)), None)  # fmt: skip
+        if at is None or lease is None:
+            return 0
+        for rank in lease.pending:
+            host, port = self._rank_addr.get(rank, ("", 0))
+            finished = self._gone.get((normalise_host(host), port))
+            if finished is None or at > finished - self.gone_clock_skew_s:
+                return 0
+        released = self.ledger.on_room_closed(room, generation)
+        for reclaim in released:
+            self.pool.free(reclaim.slots)
+        self._handshake_at.pop((room, generation), None)
+        return len(released)
 
     # ---- dead prefills: heartbeat verdict, then the prober's confirmation ----------------------
 

@@ -25,6 +25,7 @@ import random
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -33,6 +34,7 @@ from prometheus_client import CollectorRegistry
 
 from cas_engine.guard import GuardConfig, GuardMetrics, GuardMonitor, GuardTrip
 from cas_engine.kvfence import KvFenceMetrics, ReclaimLedger, ReclaimMode, WriteTracker
+from cas_engine.kvfence.gone_feed import GoneFeed, GoneFeedMetrics, GonePrefill
 from cas_engine.kvfence.peer_probe import PeerProbeMetrics, PeerProber
 from cas_engine.sim.config import SimConfig
 from cas_engine.sim.faults import Faults, parse_faults
@@ -145,6 +147,7 @@ class SimWorker:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.decode_kv: DecodeKv | None = None
         self.prefill_kv: PrefillKv | None = None
+        self.gone_feed: GoneFeed | None = None
         self.stats: dict[str, int] = {
             "requests": 0,
             "finished": 0,
@@ -204,6 +207,9 @@ class SimWorker:
                 self_url=url,
                 prober=PeerProber(metrics=PeerProbeMetrics(self.registry)),
             )
+            self.decode_kv.gone_clock_skew_s = self.cfg.gone_clock_skew_s
+            if self.cfg.prefill_gone_file:
+                self._start_gone_feed(self.decode_kv)
         elif self.cfg.mode == "prefill":
             transport = make_transport(host, url, self.http)
             staging = KvPool(self.cfg.kv_slots, self.cfg.kv_slot_bytes)
@@ -220,7 +226,21 @@ class SimWorker:
         self._spawn(self._decode_loop())
         self._spawn(self._prefill_loop())
 
+    def _start_gone_feed(self, kv: DecodeKv) -> None:
+        """Read the operator's prefill-gone feed in a thread; entries reach ``kv`` on the loop."""
+        loop = asyncio.get_running_loop()
+
+        def deliver(gone: GonePrefill) -> None:  # feed thread -> event loop
+            loop.call_soon_threadsafe(kv.on_prefill_gone, gone)
+
+        self.gone_feed = GoneFeed(
+            Path(self.cfg.prefill_gone_file), deliver, metrics=GoneFeedMetrics(self.registry)
+        )
+        self.gone_feed.start()
+
     async def stop(self) -> None:
+        if self.gone_feed is not None:
+            self.gone_feed.stop()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
