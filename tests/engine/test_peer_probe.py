@@ -523,7 +523,8 @@ def test_sim_decode_releases_a_hung_prefills_room_once_the_operator_confirms_its
         assert pair.quarantined() == 1
         write(pair.bport)
         _wait(lambda: pair.quarantined() == 0, 10, "release on the operator's confirmation")
-        assert _metric(pair.durl, *PEER_CLOSED) == 1
+        assert _metric(pair.durl, "cas_kv_reclaims_total", '{outcome="prefill_gone"}') == 1
+        assert _metric(pair.durl, *PEER_CLOSED) == 0
         assert _metric(pair.durl, "cas_kv_prefill_gone_entries", "") == 1
     finally:
         pair.stop()

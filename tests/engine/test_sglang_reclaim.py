@@ -530,7 +530,7 @@ def test_operator_confirmed_end_releases_rooms_bootstrapped_before_it() -> None:
         world.clock.now += 3600.0
         q.resolve_deferred_releases()
     assert world.released == [11]
-    assert reg.get_sample_value("cas_kv_reclaims_total", {"outcome": "peer_closed"}) == 1
+    assert reg.get_sample_value("cas_kv_reclaims_total", {"outcome": "prefill_gone"}) == 1
     assert reg.get_sample_value("cas_kv_quarantined_rooms") == 2
     assert cause(reg, "awaiting_ack") == 2
 

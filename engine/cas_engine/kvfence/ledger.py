@@ -59,7 +59,8 @@ class Lease:
 class Reclaim:
     """Slots handed back to the caller's free pool, and why.
 
-    ``outcome``: ``acked``, ``peer_closed``, ``timer``, ``immediate`` (aborted rooms) or
+    ``outcome``: ``acked``, ``peer_closed``, ``prefill_gone`` (the operator confirmed the
+    writer's pod ended), ``timer``, ``immediate`` (aborted rooms) or
     ``finished`` (normal end, or an abort after the transfer had completed).
     """
 
@@ -208,7 +209,7 @@ class ReclaimLedger:
             return []
         lease.closed |= lease.pending
         lease.pending.clear()
-        return self._maybe_release(lease, "peer_closed")
+        return self._maybe_release(lease, "prefill_gone")
 
     def poll(self) -> list[Reclaim]:
         """Periodic tick. UPSTREAM releases rooms quarantined past the timeout; others nothing."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-RECLAIM_OUTCOMES = ("acked", "peer_closed", "timer", "immediate")
+RECLAIM_OUTCOMES = ("acked", "peer_closed", "prefill_gone", "timer", "immediate")
 IGNORED_REASONS = ("stale", "duplicate", "unknown_room", "unknown_rank")
 
 _WAIT_BUCKETS = (
