@@ -416,27 +416,35 @@ def test_sim_stopped_prefill_keeps_slots_quarantined(pd_pair: PdPair) -> None:
 # ---- the SGLang adapter (real SGLang 0.5.23 functions, compiled on CPU) --------------------------
 
 
+def probed_sglang_world() -> tuple[Any, CollectorRegistry, PeerProber, Any, Any]:
+    """The real SGLang decode world (test_sglang_reclaim) under the strict patch with a fast
+    prober: (world, registry, prober, transfer queue, KV manager)."""
+    real = pytest.importorskip("tests.engine.test_sglang_reclaim")
+    from cas_engine.kvfence import KvFenceMetrics
+    from cas_engine.sglang import reclaim
+
+    world = real.build_world()
+    reg = CollectorRegistry()
+    prober = PeerProber(FAST, metrics=PeerProbeMetrics(reg))
+    reclaim.install_strict_reclaim(
+        world.queue_cls,
+        kv_mgr_cls=world.mgr_cls,
+        metrics=KvFenceMetrics(reg),
+        clock=world.clock.monotonic,
+        prober=prober,
+    )
+    return world, reg, prober, real.make_queue(world), real.make_kv_mgr(world)
+
+
 def test_sglang_dead_peer_rank_endpoints_probed_and_released() -> None:
     """guards: SGLang's heartbeat reports the prefill dead (real _handle_node_failure); the
     adapter probes the dead peer's rank endpoint (rank_ip:rank_port) in the prober's thread and
     the held room is released on the scheduler thread once it refuses, not before; a live
     rank endpoint keeps it held."""
     real = pytest.importorskip("tests.engine.test_sglang_reclaim")
-    from cas_engine.kvfence import KvFenceMetrics
-    from cas_engine.sglang import reclaim
 
     for alive in (True, False):
-        world = real.build_world()
-        reg = CollectorRegistry()
-        prober = PeerProber(FAST, metrics=PeerProbeMetrics(reg))
-        reclaim.install_strict_reclaim(
-            world.queue_cls,
-            kv_mgr_cls=world.mgr_cls,
-            metrics=KvFenceMetrics(reg),
-            clock=world.clock.monotonic,
-            prober=prober,
-        )
-        q, mgr = real.make_queue(world), real.make_kv_mgr(world)
+        world, reg, prober, q, mgr = probed_sglang_world()
         with accepting_listener() as live:
             port = live if alive else closed_port()
             mgr.connection_pool = {f"{real.PREFILL_ADDR}_0": [{"rank_ip": HOST, "rank_port": port}]}
@@ -464,20 +472,8 @@ def test_sglang_dead_peer_whose_bootstrap_info_was_dropped_is_still_probed() -> 
     started and the room stayed held even after the prefill's process was long gone. The
     adapter now probes the endpoints the held room's receiver bootstrapped against."""
     real = pytest.importorskip("tests.engine.test_sglang_reclaim")
-    from cas_engine.kvfence import KvFenceMetrics
-    from cas_engine.sglang import reclaim
 
-    world = real.build_world()
-    reg = CollectorRegistry()
-    prober = PeerProber(FAST, metrics=PeerProbeMetrics(reg))
-    reclaim.install_strict_reclaim(
-        world.queue_cls,
-        kv_mgr_cls=world.mgr_cls,
-        metrics=KvFenceMetrics(reg),
-        clock=world.clock.monotonic,
-        prober=prober,
-    )
-    q, mgr = real.make_queue(world), real.make_kv_mgr(world)
+    world, reg, prober, q, mgr = probed_sglang_world()
     port = closed_port()
     real.bootstrap_room(world, mgr, 11)
     real.abort_room(world, q, mgr, room=11, ranks=1)

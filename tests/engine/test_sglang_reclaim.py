@@ -73,6 +73,7 @@ KV_MGR_METHODS = (
     "record_failure",
 )
 PREFILL_ADDR = "prefill-0:8998"
+EPOCH = 1_800_000_000.0  # strict_world(fake_wall=True): wall clock = EPOCH + the fake clock
 # CAS_TEST_UNPATCHED=1: the tests marked "guards" run on unpatched code and must fail.
 UNPATCHED = os.environ.get("CAS_TEST_UNPATCHED") == "1"
 
@@ -348,10 +349,19 @@ def bootstrap_room(world: SimpleNamespace, mgr: Any, room: int) -> None:
     mgr.request_status[room] = world.kvpoll.Transferring
 
 
-def strict_world() -> tuple[SimpleNamespace, Any, Any, Any, CollectorRegistry]:
-    """Decode world with the strict patch and its peer hooks (None patch if UNPATCHED)."""
+def strict_world(
+    *, fake_wall: bool = False
+) -> tuple[SimpleNamespace, Any, Any, Any, CollectorRegistry]:
+    """Decode world with the strict patch and its peer hooks (None patch if UNPATCHED);
+    ``fake_wall``: the patch's wall and perf clocks follow the fake clock too (EPOCH + now)."""
     world = build_world()
     reg = CollectorRegistry()
+    clocks: dict[str, Any] = {}
+    if fake_wall:
+        clocks = {
+            "wall_clock": lambda: EPOCH + world.clock.now,
+            "perf_clock": world.clock.monotonic,
+        }
     patch = None
     if not UNPATCHED:
         patch = reclaim.install_strict_reclaim(
@@ -359,6 +369,7 @@ def strict_world() -> tuple[SimpleNamespace, Any, Any, Any, CollectorRegistry]:
             kv_mgr_cls=world.mgr_cls,
             metrics=KvFenceMetrics(reg),
             clock=world.clock.monotonic,
+            **clocks,
         )
     return world, patch, make_queue(world), make_kv_mgr(world), reg
 
@@ -456,24 +467,10 @@ def test_check_covers_the_peer_hooks() -> None:
 
 # ---- the operator's confirmation: prefill pods gone for good (kvfence.gone_feed) ---------------
 
-EPOCH = 1_800_000_000.0  # wall clock = EPOCH + the fake monotonic/perf clock
-
 
 def gone_world() -> tuple[SimpleNamespace, Any, Any, Any, CollectorRegistry]:
     """Strict decode world whose patch reads wall and SGLang's perf clock from the fake clock."""
-    world = build_world()
-    reg = CollectorRegistry()
-    patch = None
-    if not UNPATCHED:
-        patch = reclaim.install_strict_reclaim(
-            world.queue_cls,
-            kv_mgr_cls=world.mgr_cls,
-            metrics=KvFenceMetrics(reg),
-            clock=world.clock.monotonic,
-            wall_clock=lambda: EPOCH + world.clock.now,
-            perf_clock=world.clock.monotonic,
-        )
-    return world, patch, make_queue(world), make_kv_mgr(world), reg
+    return strict_world(fake_wall=True)
 
 
 def hold_bootstrapped(
