@@ -107,6 +107,57 @@ def test_corrupted_request_is_aborted_with_503_and_healthy_one_is_not(patched) -
     assert handle.adapter.rid_slot == {"good": 3}
 
 
+def test_only_the_first_rank_of_an_attention_group_records_metrics() -> None:
+    """Regression (issue 13): every TP rank of a decode runs the gate on the same batch, and
+    each counted the trip: a TP-8 decode reported 8 trips per bad request. All ranks still
+    abort it (they must agree); only the first rank of the group records it."""
+    counts = []
+    for first in (True, False):
+        reg = CollectorRegistry()
+        cfg = GuardConfig(window=0)
+
+        class Proc(ReplicaProcessor):
+            pass
+
+        handle = install_guard_patch(
+            cfg,
+            metrics=GuardMetrics.create(reg, cfg),
+            cls=Proc,
+            abort_factory=lambda trip: ("abort", 503, trip),
+            proposed_per_step=lambda: DRAFTS,
+            reporting_rank=lambda first=first: first,  # type: ignore[misc]
+        )
+        proc, bad = Proc(), FakeReq("bad", 7)
+        while not bad.finished():
+            _step(proc, [bad], [0])
+        assert bad.finished_reason[0] == "abort"
+        counts.append(
+            reg.get_sample_value("cas_guard_trips_total", {"reason": "low_accept_length"})
+        )
+        handle.uninstall()
+    assert counts == [1.0, 0.0]
+
+
+def test_the_reporting_rank_is_read_from_sglangs_parallel_context(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The default reads attn_tp_rank / attn_cp_rank from SGLang 0.5.23's own ParallelContext
+    (runtime_context.get_parallel); where nothing is published it counts as the first rank."""
+    rc = pytest.importorskip("sglang.srt.runtime_context")
+    from cas_engine.sglang.guard_patch import _default_reporting_rank
+
+    monkeypatch.setattr(rc, "_PARALLEL", rc.ParallelContext())
+    assert _default_reporting_rank() is True  # unpublished: a single-process engine
+    second = rc.ParallelContext()
+    second._stamp.update(attn_tp_rank=1, attn_cp_rank=0)
+    monkeypatch.setattr(rc, "_PARALLEL", second)
+    assert _default_reporting_rank() is False
+    first = rc.ParallelContext()
+    first._stamp.update(attn_tp_rank=0, attn_cp_rank=0)
+    monkeypatch.setattr(rc, "_PARALLEL", first)
+    assert _default_reporting_rank() is True
+
+
 def test_slot_reuse_by_a_new_request_starts_fresh(patched) -> None:
     """Regression: a new rid in a reused req_pool_idx must not inherit the old statistics."""
     proc_cls, handle, _ = patched

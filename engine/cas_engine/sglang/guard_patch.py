@@ -17,6 +17,11 @@ The patch (two wrappers, each called once per batch, never per token):
    and ends a stream with ``data: {"error": {..., "code": 503}}`` (serving_chat's abort path).
 2. after ``process_batch_result_decode``: finished requests leave the monitor (histograms).
 
+Every attention-TP (and CP) rank of a decode instance runs the same batch, so each judges and
+aborts the same requests (they must agree); only the first rank of each attention group
+(``attn_tp_rank == attn_cp_rank == 0``, read from SGLang's ``runtime_context.get_parallel()``)
+records the metrics, so a trip or a checked request counts once, not ``tp_size`` times.
+
 Safety: :func:`check_targets` refuses (``GuardPatchError``) when a hooked method is missing,
 its parameters changed, or its source no longer shows the accounting we rely on; the wrappers
 never raise into SGLang (an internal error is logged once and the step proceeds unguarded).
@@ -108,6 +113,18 @@ def _default_abort_factory() -> Callable[[GuardTrip], Any]:
     return make
 
 
+def _default_reporting_rank() -> bool:
+    """Whether this scheduler process records the gate's metrics: the first rank of its
+    attention group. Unreadable ranks (a single-process engine) count as the first."""
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    try:
+        return int(parallel.attn_tp_rank) == 0 and int(parallel.attn_cp_rank) == 0
+    except (AttributeError, RuntimeError, ValueError):
+        return True
+
+
 def _default_proposed_per_step() -> int:
     from sglang.srt.runtime_context import get_spec
 
@@ -122,6 +139,7 @@ class GuardAdapter:
     metrics: GuardMetrics | None
     abort_factory: Callable[[GuardTrip], Any]
     proposed_per_step: Callable[[], int]
+    reporting_rank: Callable[[], bool] = lambda: True
     monitor: GuardMonitor | None = None
     rid_slot: dict[str, int] = field(default_factory=dict)
     _proposed: int | None = None
@@ -131,7 +149,8 @@ class GuardAdapter:
         if self.monitor is None:
             pool = getattr(processor, "req_to_token_pool", None)
             capacity = int(getattr(pool, "size", 0) or DEFAULT_CAPACITY) + 1
-            self.monitor = GuardMonitor(self.config, capacity, metrics=self.metrics)
+            metrics = self.metrics if self.reporting_rank() else None  # count once per request
+            self.monitor = GuardMonitor(self.config, capacity, metrics=metrics)
         return self.monitor
 
     def observe_batch(self, processor: Any, batch: Any, result: Any) -> list[GuardTrip]:
@@ -231,6 +250,7 @@ def install_guard_patch(
     cls: type | None = None,
     abort_factory: Callable[[GuardTrip], Any] | None = None,
     proposed_per_step: Callable[[], int] | None = None,
+    reporting_rank: Callable[[], bool] | None = None,
 ) -> GuardPatch:
     """Wrap the two hook methods of ``cls`` (default: SGLang's real class) with the gate.
 
@@ -250,6 +270,7 @@ def install_guard_patch(
         metrics=metrics,
         abort_factory=abort_factory or _default_abort_factory(),
         proposed_per_step=proposed_per_step or _default_proposed_per_step,
+        reporting_rank=reporting_rank or _default_reporting_rank,
     )
     target: Any = cls
     resolve = target._resolve_spec_v2_tokens
