@@ -180,6 +180,31 @@ async def test_guard_trip_is_retried_by_router_on_healthy_decode(fleet: Fleet) -
         assert "the same line again" not in content
 
 
+async def test_router_max_retries_counts_attempts_and_may_retry_on_the_failed_worker(
+    tmp_path: Path,
+) -> None:
+    """The router semantics the operator's `router.retries` rendering relies on (sglang-router
+    0.3.2): `--retry-max-retries N` makes at most N attempts of a request that trips the gate
+    (each a new prefill and decode), so the operator renders retries + 1. With both decodes
+    tripping every request, each request costs exactly N trips and reaches the client as 503."""
+    attempts = 3
+    f = Fleet(prefills=1, decodes=2, speedup=20.0, log_dir=tmp_path,
+              router_args=["--retry-max-retries", str(attempts)])  # fmt: skip
+    f.start()
+    try:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+            for url in f.decode_urls:
+                await _set_fault(s, url, {"repetition": 1.0})
+            trips0 = await _scrape(s, f.decode_urls, "cas_guard_trips_total")
+            results = [await _post(s, f"{f.router_url}/v1/chat/completions", _chat(f"j{i}", 200))
+                       for i in range(3)]  # fmt: skip
+            trips = await _scrape(s, f.decode_urls, "cas_guard_trips_total") - trips0
+    finally:
+        f.stop()
+    assert [status for status, _ in results] == [503, 503, 503]
+    assert trips == attempts * len(results)
+
+
 async def test_metrics_match_traffic(fleet: Fleet) -> None:
     """Regression: prompt/generation counters and request counts equal what was sent."""
     n, max_tokens = 8, 25

@@ -250,7 +250,9 @@ def test_router_discovers_its_revision_in_pd_mode() -> None:
     assert f"{c.LABEL_REVISION}={plan.revision}" in prefill_sel
     assert f"{c.LABEL_ROLE}=prefill" in prefill_sel and f"{c.LABEL_SERVING}=true" in prefill_sel
     assert flag(args, "--policy") == "round_robin"
-    assert flag(args, "--retry-max-retries") == "5"
+    # the router counts attempts (its --disable-retries is max retries 1): 5 retries, 6 attempts;
+    # measured against the real router in tests/engine/test_sim_router.py
+    assert flag(args, "--retry-max-retries") == "6"
     assert flag(args, "--service-discovery-namespace") == "ns"
     assert "--disable-retries" in router_args(plan_of(router={"retries": 0}))
 

@@ -405,7 +405,15 @@ class RouterSpec(Spec):
     image: str | None = Field(default=None, description="Default: the engine image.")
     replicas: int = Field(default=1, ge=0, le=64)
     policy: RouterPolicy = RouterPolicy.CACHE_AWARE
-    retries: int = Field(default=3, ge=0, le=16)
+    retries: int = Field(
+        default=2,
+        ge=0,
+        le=16,
+        description="How many times the router resends a failed request (a 5xx, a quality-gate "
+        "trip, a lost connection) before the client sees the error: at most retries + 1 "
+        "attempts, each a new prefill and decode. The router (0.3.2) may pick the worker that "
+        "just failed again. 0: no retry.",
+    )
     resources: Resources | None = None
     node_selector: dict[str, str] | None = Field(
         default=None, description="Where router pods run (they need no GPU)."

@@ -55,7 +55,8 @@ def router_args(plan: Plan) -> list[str]:
     ]
     if router.retries == 0:
         return [*args, "--disable-retries"]
-    return [*args, "--retry-max-retries", str(router.retries)]
+    # the router's "max retries" counts attempts: 1 is no retry (its --disable-retries help)
+    return [*args, "--retry-max-retries", str(router.retries + 1)]
 
 
 def service_account_name(plan: Plan) -> str:
