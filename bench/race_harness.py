@@ -41,6 +41,7 @@ import numpy as np
 
 from cas_engine.kvfence.ledger import Reclaim, ReclaimLedger
 from cas_engine.kvfence.messages import AbortNotice, ReclaimAck, ReclaimMode
+from cas_engine.kvfence.metrics import RECLAIM_OUTCOMES
 from cas_engine.kvfence.tracker import WriteTracker
 from cas_engine.kvfence.transport import DecodePool, PageWriter, PoolSpec, Transport
 
@@ -460,7 +461,7 @@ def _summarise(node: _Decode, wall: float) -> None:
     metrics = node.ledger.metrics
     res.reclaims = {
         o: int(metrics.registry.get_sample_value("cas_kv_reclaims_total", {"outcome": o}) or 0)
-        for o in ("acked", "peer_closed", "timer", "immediate")
+        for o in RECLAIM_OUTCOMES
     }
     res.ignored_messages = dict(node.ledger.ignored)
 

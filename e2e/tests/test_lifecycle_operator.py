@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import urllib.parse
+import urllib.request
 from typing import Any
 
 import pytest
@@ -31,7 +33,7 @@ from e2e.fleet.fleetview import (
     router_workers,
     running,
 )
-from e2e.fleet.livestack import MakeLiveStack, http_ok, resource_live
+from e2e.fleet.livestack import LiveStack, MakeLiveStack, http_ok, resource_live
 from e2e.paths import REPO_ROOT as ROOT
 
 SIM_ARGS = ["--sim-speedup", "2"]  # slow enough that requests are in flight when pods go
@@ -62,6 +64,19 @@ def decode_urls(kubectl: Kubectl, namespace: str) -> dict[str, str]:
     }
 
 
+def operator_sees_running(stack: LiveStack, namespace: str) -> float:
+    """Requests running on the namespace's decodes as the operator reads them: its Prometheus
+    (5 s scrapes), or the pods themselves when the stack runs without one."""
+    if stack.prometheus is None:
+        return float("inf")  # the operator scrapes pods directly: what the test saw
+    query = urllib.parse.urlencode(
+        {"query": f'sum(sglang:num_running_reqs{{namespace="{namespace}",role="decode"}})'}
+    )
+    with urllib.request.urlopen(f"{stack.prometheus.url}/api/v1/query?{query}", timeout=5) as r:
+        result = json.loads(r.read())["data"]["result"]
+    return float(result[0]["value"][1]) if result else 0.0
+
+
 def retiring(status: dict[str, Any]) -> list[str]:
     return [d["pod"] for d in status.get("draining") or [] if d.get("state") == "Retiring"]
 
@@ -86,6 +101,14 @@ async def test_scale_down_removes_an_idle_decode_and_cuts_no_request(
         )  # fmt: skip
         uids = {p["metadata"]["name"]: p["metadata"]["uid"]
                 for p in role_pods(kubectl, namespace, "decode")}  # fmt: skip
+
+        # The operator chooses from its metrics (Prometheus, scraped every 5 s): scaling before
+        # they show the load made it pick between three "idle" decodes (a failed run did).
+        def operator_sees_both() -> bool:
+            return operator_sees_running(stack, namespace) >= 2
+
+        await asyncio.to_thread(wait_for, "the operator's metrics to show both requests",
+                                operator_sees_both, 30)  # fmt: skip
         kubectl("scale", "cas", NAME, "-n", namespace, f"--replicas={DECODES - 1}")
         shown = await asyncio.to_thread(
             wait_for, "a decode retiring in status.draining",
