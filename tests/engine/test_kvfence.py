@@ -151,6 +151,26 @@ def test_dead_peer_keeps_quarantine_until_endpoint_closed() -> None:
     assert sample(reg, "cas_kv_unhealthy_by_quarantine") == 0
 
 
+def test_room_closed_releases_only_that_room_and_generation() -> None:
+    """The operator's confirmation (kvfence.gone_feed) covers single rooms, not a whole rank:
+    it releases exactly the named room and generation, whatever acks are missing, counted as
+    prefill_gone; a stale generation, an unknown room and a second call release nothing."""
+    ledger, clock, reg = make_ledger()
+    gone = ledger.track(1, [1, 2], ranks=[0, 1])
+    kept = ledger.track(2, [3], ranks=[0, 1])
+    ledger.abort(1)
+    ledger.abort(2)
+    ledger.on_ack(ReclaimAck(1, gone.generation, 0))
+    clock.now += 4.0
+    assert ledger.on_room_closed(1, gone.generation - 1) == []
+    assert ledger.on_room_closed(99, 1) == []
+    (rec,) = ledger.on_room_closed(1, gone.generation)
+    assert rec.slots == (1, 2) and rec.outcome == "prefill_gone" and rec.wait_s == 4.0
+    assert ledger.on_room_closed(1, gone.generation) == []
+    assert ledger.is_quarantined(2, kept.generation) and ledger.quarantined_slots == 1
+    assert sample(reg, "cas_kv_reclaims_total", outcome="prefill_gone") == 1
+
+
 def test_closed_rank_not_waited_for_on_later_abort() -> None:
     """A room whose rank closed before the abort only waits for the remaining ranks."""
     ledger, _, _ = make_ledger()
