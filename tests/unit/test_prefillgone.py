@@ -152,3 +152,7 @@ def test_an_unconfirmed_end_is_a_warning_event_and_not_recorded() -> None:
     assert record.outcome == "unconfirmed"
     assert kube.objects == {}
     assert kube.events and kube.events[0][0] == act.REASON_UNCONFIRMED
+    pending = prefill_pod()
+    pending["status"] = {}  # deleted before it ever ran (a scale-down of a pending pod)
+    assert act.record_prefill_end(kube, pending, 0.0).outcome == "unconfirmed"  # type: ignore[arg-type]
+    assert len(kube.events) == 1  # no Warning for it

@@ -4,8 +4,9 @@ Entry point: `record_prefill_end(kube, pod, now)`, called by handlers.py (in a t
 last copy of every deleted prefill pod. It decides (`decide.confirmed_end`), then reads the
 resource's `<name>-prefill-gone` ConfigMap, merges (`decide.merge_entries`) and writes it back
 with its resourceVersion as a precondition (two prefill pods ending at once both land: a
-conflict re-reads). An unconfirmed end (a force-deleted pod) is a Warning Event on the resource:
-the decode KV that pod may still write stays held, counting against the quarantine budget.
+conflict re-reads). An unconfirmed end of a pod that may still write (a force delete) is a
+Warning Event on the resource: the decode KV it may still write stays held, counting against
+the quarantine budget; one that never served is only logged.
 Ownership: the ConfigMap's data is this module's alone; it is owned by (and deleted with) the
 resource.
 """
@@ -72,7 +73,8 @@ def record_prefill_end(kube: Kube, pod: Manifest, now: float) -> EndRecord:
     if isinstance(decision, Unconfirmed):
         message = f"prefill pod {decision.pod} ended unconfirmed: {decision.reason}"
         log.warning("%s", message)
-        kube.post_event(resource, "Warning", REASON_UNCONFIRMED, message)
+        if decision.alarm:  # a pending pod deleted in a scale-down is no news
+            kube.post_event(resource, "Warning", REASON_UNCONFIRMED, message)
         return EndRecord("unconfirmed", decision.reason)
     owner = Owner(cas_name, namespace, str(resource["metadata"]["uid"]))
     name = prefill_gone_name(cas_name)

@@ -45,10 +45,13 @@ class GoneEntry:
 
 @dataclass(frozen=True)
 class Unconfirmed:
-    """A prefill pod gone without the kubelet's word that nothing of it runs."""
+    """A prefill pod gone without the kubelet's word that nothing of it runs. ``alarm``: it
+    may have written KV and may still run (a force delete), worth a Warning event; else it
+    never served, or is a kind the loop does not track (a log line is enough)."""
 
     pod: str
     reason: str
+    alarm: bool = False
 
 
 def _bootstrap(pod: Manifest) -> str | None:
@@ -83,6 +86,7 @@ def confirmed_end(pod: Manifest) -> GoneEntry | Unconfirmed:
                 name,
                 f"container {status.get('name')!r} not reported terminated (force-deleted, or "
                 "its node is gone): its writes may still land",
+                alarm=True,
             )
         finished.append(at)
     return GoneEntry(bootstrap, rfc3339(max(finished)), name, str(meta.get("uid", "")))
