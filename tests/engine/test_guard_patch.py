@@ -66,8 +66,8 @@ def _step(proc: Any, reqs: list[FakeReq], accepted: list[int]) -> None:
     )
 
 
-@pytest.fixture
-def patched():
+def install_on_replica(**extra: Any) -> tuple[type, Any, CollectorRegistry]:
+    """The gate (window 0) on a fresh replica subclass: (class, patch handle, registry)."""
     reg = CollectorRegistry()
     cfg = GuardConfig(window=0)
 
@@ -80,8 +80,15 @@ def patched():
         cls=Proc,
         abort_factory=lambda trip: ("abort", 503, trip),
         proposed_per_step=lambda: DRAFTS,
+        **extra,
     )
-    yield Proc, handle, reg
+    return Proc, handle, reg
+
+
+@pytest.fixture
+def patched():
+    proc_cls, handle, reg = install_on_replica()
+    yield proc_cls, handle, reg
     handle.uninstall()
 
 
@@ -113,21 +120,8 @@ def test_only_the_first_rank_of_an_attention_group_records_metrics() -> None:
     abort it (they must agree); only the first rank of the group records it."""
     counts = []
     for first in (True, False):
-        reg = CollectorRegistry()
-        cfg = GuardConfig(window=0)
-
-        class Proc(ReplicaProcessor):
-            pass
-
-        handle = install_guard_patch(
-            cfg,
-            metrics=GuardMetrics.create(reg, cfg),
-            cls=Proc,
-            abort_factory=lambda trip: ("abort", 503, trip),
-            proposed_per_step=lambda: DRAFTS,
-            reporting_rank=lambda first=first: first,  # type: ignore[misc]
-        )
-        proc, bad = Proc(), FakeReq("bad", 7)
+        proc_cls, handle, reg = install_on_replica(reporting_rank=lambda first=first: first)
+        proc, bad = proc_cls(), FakeReq("bad", 7)
         while not bad.finished():
             _step(proc, [bad], [0])
         assert bad.finished_reason[0] == "abort"
