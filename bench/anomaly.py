@@ -64,6 +64,7 @@ from e2e.fleet.fleetview import (
     Kubectl,
     apply_crds,
     cas_status,
+    control_key,
     requests_served,
     role_pods,
     router_workers,
@@ -282,12 +283,13 @@ async def live_operator(
 
 def _wait_fleet(kubectl: Kubectl, namespace: str, decodes: int) -> str:
     """The router pod's URL once it is ready and lists every serving decode."""
+    key = wait_for("the keys Secret", lambda: control_key(kubectl, namespace), 90)
     router: str = wait_for("router pod", lambda: router_url(
         role_pods(kubectl, namespace, "router"), NAME), 90)  # fmt: skip
     serving = wait_for(f"{decodes} serving decodes", lambda: len(
         now := serving_decodes(kubectl, namespace)) == decodes and now, 120)  # fmt: skip
     wait_for("the router to list every decode", lambda: http_ok(f"{router}/readiness")
-             and set(serving.values()) <= router_workers(router), 90)  # fmt: skip
+             and set(serving.values()) <= router_workers(router, key), 90)  # fmt: skip
     return router
 
 
@@ -298,7 +300,8 @@ async def _inject_operator(kubectl: Kubectl, namespace: str, router: str,
     times (or a miss) and the failures after the router dropped the pod to `out`; returns
     once the pool's drain cooldown has passed and the pool serves `args.pods` decodes again."""
     before = await asyncio.to_thread(serving_decodes, kubectl, namespace)
-    listed = router_workers(router)
+    key = control_key(kubectl, namespace)
+    listed = router_workers(router, key)
     candidates = sorted(n for n, u in before.items() if u in listed)
     bad = candidates[i % len(candidates)]
     bad_url = before[bad]
@@ -317,7 +320,7 @@ async def _inject_operator(kubectl: Kubectl, namespace: str, router: str,
     drained_at = time.monotonic()
     out["out_of_rotation_s"].append(drained_at - onset)
     await asyncio.to_thread(wait_for, "the router pod to drop the drained decode",
-                            lambda: bad_url not in router_workers(router), 60)  # fmt: skip
+                            lambda: bad_url not in router_workers(router, key), 60)  # fmt: skip
     dropped_at = time.monotonic()
     fresh: dict[str, str] = await asyncio.to_thread(
         wait_for, "a replacement decode serving",
@@ -327,7 +330,7 @@ async def _inject_operator(kubectl: Kubectl, namespace: str, router: str,
     new_url = next(u for n, u in fresh.items() if n not in before)
     await asyncio.to_thread(
         wait_for, "the replacement to serve requests through the router",
-        lambda: new_url in router_workers(router) and requests_served(new_url) > 0, 90,
+        lambda: new_url in router_workers(router, key) and requests_served(new_url) > 0, 90,
     )  # fmt: skip
     out["replacement_serving_s"].append(time.monotonic() - onset)
     out["failures_after_router_drop"].append(len(load.failures_started_after(dropped_at)))

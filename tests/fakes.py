@@ -38,9 +38,10 @@ def _matches(obj: Manifest, selector: dict[str, str]) -> bool:
 
 class MemoryKube:
     """Workloads and other children keyed by (kind, name): apply, list, delete, and status
-    patches of the owner. Applied workloads report ready (unless `ready=False`); without `lws`
-    the LeaderWorkerSet kind is not served. Records applies, merge patches, deletes, LISTs and
-    status patches."""
+    patches of the owner; Secrets by create (409: None) and read by name, their `stringData`
+    as the server stores it. Applied workloads report ready (unless `ready=False`); without
+    `lws` the LeaderWorkerSet kind is not served. Records applies, creates, merge patches,
+    deletes, LISTs and status patches."""
 
     def __init__(self, *, lws: bool = True, ready: bool = True) -> None:
         self.objects: dict[tuple[str, str], Manifest] = {}
@@ -49,6 +50,7 @@ class MemoryKube:
         self.lists = 0
         self.status_patches: list[Manifest] = []
         self.patches: list[tuple[str, str]] = []
+        self.created: list[tuple[str, str]] = []
         self.lws, self.ready = lws, ready
 
     def apply(self, manifest: Manifest) -> Manifest:
@@ -61,6 +63,18 @@ class MemoryKube:
         self.objects[(kind, name)] = obj
         self.applies.append((kind, name))
         return obj
+
+    def create(self, kind: str, namespace: str, manifest: Manifest) -> Manifest | None:
+        key = (kind, manifest["metadata"]["name"])
+        if key in self.objects:
+            return None
+        self.objects[key] = copy.deepcopy(manifest)
+        self.created.append(key)
+        return self.objects[key]
+
+    def secret_keys(self, namespace: str, name: str) -> dict[str, str] | None:
+        found = self.objects.get(("Secret", name))
+        return None if found is None else dict(found.get("stringData") or {})
 
     def list(self, kind: str, namespace: str, selector: dict[str, str]) -> list[Manifest]:
         self.lists += 1

@@ -8,6 +8,7 @@ except `apply_crds`.
 
 from __future__ import annotations
 
+import base64
 import json
 import urllib.request
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from cas_operator.api import constants as c
 from e2e.paths import REPO_ROOT as ROOT
 
 NAME = "minimal"  # the sample's resource name
@@ -86,10 +88,23 @@ def entry_url_when_serving(kubectl: Kubectl, namespace: str, name: str = NAME) -
         return None
 
 
-def router_workers(router: str) -> set[str]:
-    """Worker URLs the router pod lists (empty when it does not answer)."""
+def control_key(kubectl: Kubectl, namespace: str) -> str:
+    """The router control-plane key of the namespace's one fleet (its keys Secret; "" while
+    the operator has not made it)."""
+    selector = f"{c.LABEL_APP_NAME}={c.APP_KEYS}"
+    found = json.loads(kubectl("get", "secrets", "-n", namespace, "-l", selector, "-o", "json"))
+    if not found["items"]:
+        return ""
+    (secret,) = found["items"]
+    return base64.b64decode(secret["data"][c.KEY_ROUTER_CONTROL_PLANE]).decode()
+
+
+def router_workers(router: str, key: str) -> set[str]:
+    """Worker URLs the router pod lists, asked with the fleet's control-plane key (empty when
+    it does not answer)."""
+    ask = urllib.request.Request(f"{router}/workers", headers={"Authorization": f"Bearer {key}"})
     try:
-        with urllib.request.urlopen(f"{router}/workers", timeout=3) as resp:
+        with urllib.request.urlopen(ask, timeout=3) as resp:
             return {w["url"] for w in json.loads(resp.read()).get("workers", [])}
     except OSError:
         return set()

@@ -51,6 +51,7 @@ from e2e.runtime.podrunner import (
     http_probe,
     kube_pod_deleter,
     kube_pod_lister,
+    kube_secret_reader,
     kube_status_patcher,
 )
 from e2e.runtime.prometheus import (
@@ -116,6 +117,7 @@ class LiveStack:
             patch_status=kube_status_patcher(self.kubeconfig),
             delete_pod=kube_pod_deleter(self.kubeconfig),
             network=load_for_kubeconfig(self.kubeconfig),
+            secrets=kube_secret_reader(self.kubeconfig),
         )  # fmt: skip
         self._thread = threading.Thread(target=self._run_pods, name="podrunner", daemon=True)
         self._thread.start()

@@ -8,7 +8,10 @@ KWOK only pretends to run containers; this runner makes engine pods real process
    :mod:`e2e.cluster.podnet`, and the process runs inside its node's network namespace with the
    pod IP added there), not terminating, with a container whose command runs
    ``cas_engine.launch_server`` or ``cas_engine.sim`` - ensures one ``python -m cas_engine.sim``
-   runs with the container's args ($(VAR) expanded from its env), bound to the pod IP and its
+   runs with the container's args ($(VAR) expanded from its env: literal values, and keys of
+   Secrets by ``secretKeyRef`` through ``secrets``, as a kubelet resolves them; a pod whose
+   Secret or key is missing is not started, as a kubelet leaves it in
+   CreateContainerConfigError), bound to the pod IP and its
    ``http`` container port; with ``kubeconfig`` set, router pods (a container running
    ``sglang_router.launch_router``) run too, as the real SGLang router with the container's
    args (``--host`` and ``--prometheus-host`` set to the pod IP) and Kubernetes discovery
@@ -70,6 +73,34 @@ DEFAULT_PORT = 30000
 DEFAULT_GRACE_S = 30.0  # Kubernetes' terminationGracePeriodSeconds default
 PRESTOP_MODULE = ("python3", "-m", "cas_engine.prestop")
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+# (namespace, Secret name) -> its decoded keys, or None when it does not exist
+SecretReader = Callable[[str, str], dict[str, str] | None]
+
+
+class _Unresolvable(Exception):
+    """A container's env names a Secret or key that does not exist (the pod cannot start)."""
+
+
+def _env_of(
+    container: dict[str, Any], namespace: str, secrets: SecretReader | None
+) -> dict[str, str]:
+    """The container's env as a kubelet resolves it: values, and secretKeyRef keys when
+    `secrets` is given (other sources are left out); raises _Unresolvable for a missing
+    Secret or key that is not optional."""
+    env: dict[str, str] = {}
+    for var in container.get("env", []):
+        if "value" in var:
+            env[var["name"]] = str(var["value"])
+            continue
+        ref = (var.get("valueFrom") or {}).get("secretKeyRef")
+        if ref is None or secrets is None:
+            continue
+        value = (secrets(namespace, ref["name"]) or {}).get(ref["key"])
+        if value is None and not ref.get("optional"):
+            raise _Unresolvable(f"{var['name']}: Secret {ref['name']} key {ref['key']}")
+        if value is not None:
+            env[var["name"]] = value
+    return env
 
 
 @dataclass(frozen=True)
@@ -143,15 +174,20 @@ def launch_for(
     python: str,
     extra_args: list[str],
     networks: tuple[ipaddress.IPv4Network, ...] = (LOOPBACK,),
+    secrets: SecretReader | None = None,
 ) -> Launch | None:
-    """The sim command for a runnable pod, or None when the pod is not ours to run (pure):
-    only pods whose IP lies in `networks` (addresses this machine can bind) are run."""
+    """The sim command for a runnable pod, or None when the pod is not ours to run (pure but
+    for `secrets`): only pods whose IP lies in `networks` (addresses this machine can bind)
+    and whose env resolves are run."""
     meta = pod.get("metadata", {})
     ip = _runnable_ip(pod, networks)
     container = _engine_container(pod) if ip else None
     if ip is None or container is None:
         return None
-    env = {e["name"]: str(e["value"]) for e in container.get("env", []) if "value" in e}
+    try:
+        env = _env_of(container, meta.get("namespace", ""), secrets)
+    except _Unresolvable:
+        return None
     env.update({"POD_NAME": meta.get("name", ""), "POD_IP": ip})
     args = [_expand(a, env) for a in container.get("args", [])]
     port = _http_port(container)
@@ -192,15 +228,20 @@ def router_launch_for(
     python: str,
     kubeconfig: Path,
     networks: tuple[ipaddress.IPv4Network, ...] = (LOOPBACK,),
+    secrets: SecretReader | None = None,
 ) -> Launch | None:
-    """The real SGLang router for a runnable router pod, or None (pure): the container's args
-    with every listen host replaced by the pod IP, discovery through `kubeconfig`."""
+    """The real SGLang router for a runnable router pod, or None (pure but for `secrets`): the
+    container's args with every listen host replaced by the pod IP, discovery through
+    `kubeconfig`."""
     meta = pod.get("metadata", {})
     ip = _runnable_ip(pod, networks)
     container = _container_running(pod, (ROUTER_LAUNCHER,)) if ip else None
     if ip is None or container is None:
         return None
-    env = {e["name"]: str(e["value"]) for e in container.get("env", []) if "value" in e}
+    try:
+        env = _env_of(container, meta.get("namespace", ""), secrets)
+    except _Unresolvable:
+        return None
     env.update({"POD_NAME": meta.get("name", ""), "POD_IP": ip, "KUBECONFIG": str(kubeconfig),
                 "PYTHONPATH": str(REPO_ROOT)})  # fmt: skip
     args = [_expand(a, env) for a in container.get("args", [])]
@@ -298,6 +339,24 @@ def readiness_patch(pod: Pod, ready: bool, now: str) -> dict[str, Any] | None:
     return {"status": {"conditions": conditions, "containerStatuses": containers}}
 
 
+def _once_per_pass(secrets: SecretReader | None) -> SecretReader | None:
+    """`secrets`, each Secret read at most once (one sync pass); a failed read is a missing one."""
+    if secrets is None:
+        return None
+    read = secrets
+    seen: dict[tuple[str, str], dict[str, str] | None] = {}
+
+    def cached(namespace: str, name: str) -> dict[str, str] | None:
+        if (namespace, name) not in seen:
+            try:
+                seen[(namespace, name)] = read(namespace, name)
+            except Exception:  # the API server did not answer: not started this pass
+                seen[(namespace, name)] = None
+        return seen[(namespace, name)]
+
+    return cached
+
+
 @dataclass
 class _Running:
     launch: Launch
@@ -331,6 +390,8 @@ class PodRunner:
     # set: the kubelet's last step for pods KWOK leaves to the runner (PROBED_READINESS): a
     # deleted pod's object goes (namespace, name, uid) once its processes have stopped
     delete_pod: Callable[[str, str, str], None] | None = None
+    # set: env from secretKeyRef resolves through it (read once per Secret and pass)
+    secrets: SecretReader | None = None
     stopping: set[str] = field(default_factory=set)  # uids whose process is being stopped
 
     def __post_init__(self) -> None:
@@ -342,10 +403,13 @@ class PodRunner:
         actions: list[str] = []
         pods = self.list_pods()
         wanted: dict[tuple[str, str], Launch] = {}
+        secrets = _once_per_pass(self.secrets)
         for pod in pods:
-            launch = launch_for(pod, self.python, self.extra_args, self.networks)
+            launch = launch_for(pod, self.python, self.extra_args, self.networks, secrets)
             if launch is None and self.kubeconfig is not None:
-                launch = router_launch_for(pod, self.python, self.kubeconfig, self.networks)
+                launch = router_launch_for(
+                    pod, self.python, self.kubeconfig, self.networks, secrets
+                )
             if launch is not None:
                 wanted[(launch.namespace, launch.name)] = launch
         for key in [k for k, r in self.running.items() if wanted.get(k) != r.launch]:
@@ -576,6 +640,28 @@ def kube_pod_deleter(kubeconfig: Path) -> Callable[[str, str, str], None]:
     return delete
 
 
+def kube_secret_reader(kubeconfig: Path) -> SecretReader:
+    """A function that reads one Secret's decoded keys (None when it does not exist)."""
+    import base64
+
+    from kubernetes import client, config
+    from kubernetes.client.exceptions import ApiException
+
+    load = config.new_client_from_config
+    core = client.CoreV1Api(load(config_file=str(kubeconfig)))  # type: ignore[no-untyped-call]
+
+    def read(namespace: str, name: str) -> dict[str, str] | None:
+        try:
+            found = core.read_namespaced_secret(name, namespace, _request_timeout=10)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return {k: base64.b64decode(v).decode() for k, v in (found.data or {}).items()}
+
+    return read
+
+
 def http_probe(url: str, timeout: float = 1.0) -> bool:
     """True when GET `url` answers 2xx/3xx within `timeout` (a kubelet's HTTP probe)."""
     try:
@@ -600,7 +686,8 @@ def main(argv: list[str] | None = None) -> int:
                        kubeconfig=args.kubeconfig.resolve() if args.routers else None,
                        network=load_for_kubeconfig(args.kubeconfig),
                        patch_status=kube_status_patcher(args.kubeconfig),
-                       delete_pod=kube_pod_deleter(args.kubeconfig))  # fmt: skip
+                       delete_pod=kube_pod_deleter(args.kubeconfig),
+                       secrets=kube_secret_reader(args.kubeconfig))  # fmt: skip
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # stop the sims before exiting
     try:

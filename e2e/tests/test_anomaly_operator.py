@@ -29,6 +29,7 @@ from e2e.fleet.fleetview import (
     Kubectl,
     cas_status,
     condition,
+    control_key,
     requests_served,
     router_workers,
     serving_decodes,
@@ -80,11 +81,12 @@ def fleet(
     stack = live_stack(SIM_ARGS)
     cas = speculative_sample(DECODES, window_s=60, maxDrainingPercent=34)
     with resource_live(stack, kubectl, cas, log=lambda line: print(f"[live] {line}")) as router:
+        key = control_key(kubectl, namespace)
         decodes = wait_for(f"{DECODES} serving decodes", lambda: len(
             serving_decodes(kubectl, namespace)) == DECODES and serving_decodes(
             kubectl, namespace), 60)  # fmt: skip
         wait_for("the router to list every decode", lambda: http_ok(f"{router}/readiness")
-                 and set(decodes.values()) <= router_workers(router), 60)  # fmt: skip
+                 and set(decodes.values()) <= router_workers(router, key), 60)  # fmt: skip
         yield stack, router
 
 
@@ -118,6 +120,7 @@ async def test_operator_drains_and_replaces_the_faulty_decode(
     that reason (label gone, status.draining names it, the router pod no longer lists it), no
     healthy decode is touched, its controller's replacement joins the router and serves."""
     _, router = fleet
+    key = control_key(kubectl, namespace)
     before = serving_decodes(kubectl, namespace)
     bad, bad_url = sorted(before.items())[1]
     stop, stats, load = await traffic_until_observed(router, kubectl, namespace)
@@ -139,7 +142,7 @@ async def test_operator_drains_and_replaces_the_faulty_decode(
         assert set(before) - {bad} <= set(serving_decodes(kubectl, namespace))
         await asyncio.to_thread(
             wait_for, "the router pod to drop the drained decode",
-            lambda: bad_url not in router_workers(router), 30,
+            lambda: bad_url not in router_workers(router, key), 30,
         )  # fmt: skip
         dropped_at = time.monotonic()
         fresh = await asyncio.to_thread(
@@ -151,7 +154,7 @@ async def test_operator_drains_and_replaces_the_faulty_decode(
         new_url = fresh[new]  # the IP may be the drained pod's: a fresh sim counts from 0
         await asyncio.to_thread(
             wait_for, "the replacement to serve requests through the router",
-            lambda: new_url in router_workers(router) and requests_served(new_url) > 0, 60,
+            lambda: new_url in router_workers(router, key) and requests_served(new_url) > 0, 60,
         )  # fmt: skip
         replaced = time.monotonic() - onset
     finally:

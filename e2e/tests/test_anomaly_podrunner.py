@@ -100,6 +100,34 @@ def test_launch_selection_is_pure_and_strict() -> None:
     assert launch_for(router, "py", []) is None
 
 
+def test_secret_keys_reach_the_args_as_a_kubelet_resolves_them() -> None:
+    """Regression guard: the operator's pods take their admin key by secretKeyRef and
+    `$(CAS_ENGINE_ADMIN_KEY)`; a runner that left it unresolved would start the sim with the
+    literal text as its key, and one that started a pod whose Secret is missing would run
+    what a kubelet refuses (CreateContainerConfigError)."""
+    pod = engine_pod("a", "u1", IP, 31000)
+    container = pod["spec"]["containers"][0]
+    container["args"] += ["--admin-api-key", "$(KEY)"]
+    container["env"].append(
+        {"name": "KEY", "valueFrom": {"secretKeyRef": {"name": "demo-keys", "key": "admin"}}}
+    )
+    asked: list[tuple[str, str]] = []
+
+    def secrets(namespace: str, name: str) -> dict[str, str] | None:
+        asked.append((namespace, name))
+        return {"admin": "s3cret"} if name == "demo-keys" else None
+
+    launch = launch_for(pod, "py", [], secrets=secrets)
+    assert launch is not None and asked == [("ns", "demo-keys")]
+    flag = launch.argv.index("--admin-api-key")
+    assert launch.argv[flag + 1] == "s3cret" and ("KEY", "s3cret") in launch.env
+    container["env"][-1]["valueFrom"]["secretKeyRef"]["name"] = "gone"
+    assert launch_for(pod, "py", [], secrets=secrets) is None
+    container["env"][-1]["valueFrom"]["secretKeyRef"]["optional"] = True
+    optional = launch_for(pod, "py", [], secrets=secrets)
+    assert optional is not None and "KEY" not in dict(optional.env)
+
+
 def test_runner_follows_pods(runner: tuple[PodRunner, list[dict[str, Any]]]) -> None:
     """Regression: a pod's sim must come up at the pod IP with its args, be restarted after a
     crash, be replaced when the pod is replaced, and stop when the pod goes away."""

@@ -27,6 +27,7 @@ from e2e.fleet.fleetview import (
     NAME,
     Kubectl,
     cas_status,
+    control_key,
     entry_url_when_serving,
     long_chat,
     role_pods,
@@ -89,10 +90,11 @@ async def test_scale_down_removes_an_idle_decode_and_cuts_no_request(
 ) -> None:
     stack = live_stack(SIM_ARGS)
     with resource_live(stack, kubectl, sample(DECODES), log=lambda s: print(f"[live] {s}")) as r:
+        key = control_key(kubectl, namespace)
         urls = wait_for(f"{DECODES} decodes", lambda: (u := decode_urls(kubectl, namespace))
                         and len(u) == DECODES and u, 60)  # fmt: skip
         wait_for("the router to list every decode", lambda: http_ok(f"{r}/readiness")
-                 and set(urls.values()) <= router_workers(r), 60)  # fmt: skip
+                 and set(urls.values()) <= router_workers(r, key), 60)  # fmt: skip
         requests = [asyncio.create_task(asyncio.to_thread(long_chat, r, TOKENS)) for _ in "ab"]
         busy = await asyncio.to_thread(
             wait_for, "both requests decoding",
@@ -151,9 +153,10 @@ async def test_a_retired_revision_finishes_its_request_through_the_entry_service
     once the new one is Ready, and goes only after its engines are idle."""
     stack = live_stack(SIM_ARGS)
     with resource_live(stack, kubectl, sample(1), log=lambda s: print(f"[live] {s}")) as r:
+        key = control_key(kubectl, namespace)
         urls = wait_for("a decode", lambda: decode_urls(kubectl, namespace) or None, 60)
         wait_for("the router to list the decode", lambda: http_ok(f"{r}/readiness")
-                 and set(urls.values()) <= router_workers(r), 60)  # fmt: skip
+                 and set(urls.values()) <= router_workers(r, key), 60)  # fmt: skip
         old = cas_status(kubectl, namespace)["revision"]
         entry = wait_for("the entry Service to route",
                          lambda: entry_url_when_serving(kubectl, namespace), 60)  # fmt: skip
@@ -193,10 +196,11 @@ async def test_a_deleted_decode_leaves_the_router_while_it_finishes_its_request(
     flight completes, and only then does the pod go."""
     stack = live_stack(SIM_ARGS)
     with resource_live(stack, kubectl, sample(2), log=lambda s: print(f"[live] {s}")) as r:
+        key = control_key(kubectl, namespace)
         urls = wait_for("2 decodes", lambda: (u := decode_urls(kubectl, namespace))
                         and len(u) == 2 and u, 60)  # fmt: skip
         wait_for("the router to list both decodes", lambda: http_ok(f"{r}/readiness")
-                 and set(urls.values()) <= router_workers(r), 60)  # fmt: skip
+                 and set(urls.values()) <= router_workers(r, key), 60)  # fmt: skip
         request = asyncio.create_task(asyncio.to_thread(long_chat, r, TOKENS))
         busy = await asyncio.to_thread(wait_for, "the request decoding", lambda: next(
             (n for n, u in urls.items() if running(u) > 0), None), 60)  # fmt: skip
@@ -207,7 +211,7 @@ async def test_a_deleted_decode_leaves_the_router_while_it_finishes_its_request(
             return bool(out) and bool(json.loads(out)["metadata"].get("deletionTimestamp"))
 
         await asyncio.to_thread(wait_for, f"{busy} out of the router while Terminating",
-                                lambda: terminating() and urls[busy] not in router_workers(r),
+                                lambda: terminating() and urls[busy] not in router_workers(r, key),
                                 30)  # fmt: skip
         assert not request.done(), "the request ended before the pod left the router"
         result = await request
@@ -249,6 +253,7 @@ async def test_a_deleted_router_pod_loses_no_request_at_the_entry_service(
     stack = live_stack(SIM_ARGS)
     with resource_live(stack, kubectl, cas, log=lambda s: print(f"[live] {s}")):
         urls = wait_for("a decode", lambda: decode_urls(kubectl, namespace) or None, 60)
+        key = control_key(kubectl, namespace)
 
         def routers_serving() -> list[str] | None:
             pods = role_pods(kubectl, namespace, "router")
@@ -257,7 +262,8 @@ async def test_a_deleted_router_pod_loses_no_request_at_the_entry_service(
                          c["type"] == "Ready" and c["status"] == "True"
                          for c in p["status"].get("conditions", []))]  # fmt: skip
             ok = len(found) == 2 and all(
-                http_ok(f"{u}/readiness") and set(urls.values()) <= router_workers(u) for u in found
+                http_ok(f"{u}/readiness") and set(urls.values()) <= router_workers(u, key)
+                for u in found
             )
             return found if ok else None
 

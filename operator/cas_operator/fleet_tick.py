@@ -44,9 +44,11 @@ from cas_operator.autoscale.loop import Autoscaler, AutoscaleResult, PlanNumbers
 from cas_operator.autoscale.model import ObservedSignals
 from cas_operator.desired.build import build_plan
 from cas_operator.desired.plan import InvalidSpec
+from cas_operator.desired.resources.security import keys_secret_name
 from cas_operator.kube import Kube
 from cas_operator.observe.types import MetricsSource, Observation, PodSignals, PodTarget
 from cas_operator.reconcile.core import Measured
+from cas_operator.routers import HttpRouters, control_plane_key, router_pod_urls
 from cas_operator.scaledown.act import ScaleDownResult, scale_down_tick
 from cas_operator.types import Event, Manifest, Status
 
@@ -134,6 +136,16 @@ POD_METADATA_KEPT = (
 )
 
 POD_STATUS_KEPT = ("podIP", "phase", "conditions")
+
+
+def fleet_routers(
+    kube: Kube, pods: PodSnapshot, name: str, namespace: str, spec: CodingAgentServingSpec
+) -> HttpRouters:
+    """The resource's router replicas (from this tick's pods) with its control-plane key."""
+    secret = keys_secret_name(name, spec.security)
+    return HttpRouters(
+        router_pod_urls(pods, namespace, name), key=control_plane_key(kube, namespace, secret)
+    )
 
 
 def slim_pod(pod: Manifest) -> Manifest:
@@ -249,6 +261,7 @@ class FleetTick:
                 state=self.states[uid],
                 now=now,
                 desired=desired_counts(current),
+                routers=fleet_routers(self.kube, snapshot, name, namespace, spec),
             )
             before = self.measured_for(uid, current)
             engine = {c.LABEL_NAME: name, c.LABEL_APP_NAME: c.APP_ENGINE}

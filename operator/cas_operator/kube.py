@@ -7,6 +7,7 @@ of the kinds we manage, so no discovery round trips are needed.
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 from collections.abc import Callable
@@ -37,6 +38,7 @@ class KindInfo:
 KINDS: dict[str, KindInfo] = {
     "ServiceAccount": KindInfo("v1", "serviceaccounts"),
     "ConfigMap": KindInfo("v1", "configmaps"),
+    "Secret": KindInfo("v1", "secrets"),
     "Service": KindInfo("v1", "services"),
     "Pod": KindInfo("v1", "pods"),
     "Event": KindInfo("v1", "events"),
@@ -176,6 +178,15 @@ class Kube:
                 return None
             raise
         return found
+
+    def secret_keys(self, namespace: str, name: str) -> dict[str, str] | None:
+        """The decoded keys of one Secret (read by name: the operator may not list Secrets);
+        None when it does not exist."""
+        found = self.get("Secret", namespace, name)
+        if found is None:
+            return None
+        data = found.get("data") or {}
+        return {k: base64.b64decode(v).decode("utf-8", errors="replace") for k, v in data.items()}
 
     def create(self, kind: str, namespace: str, manifest: Manifest) -> Manifest | None:
         """Create; None when it exists already (409)."""

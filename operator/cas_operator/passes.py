@@ -37,6 +37,7 @@ from cas_operator.metrics import (
     REFRESH_WAIT_SECONDS,
     STATUS_WRITES,
 )
+from cas_operator.reconcile import keys
 from cas_operator.reconcile.core import Measured, Outcome, reconcile
 from cas_operator.reconcile.status import ObservedWorkload, find_condition, status_patch
 from cas_operator.types import Manifest, Status, rfc3339
@@ -284,6 +285,7 @@ class Passes:
         uid, key = str(meta["uid"]), key_of(meta)
         for stamps in (self.last_full_apply, self.applied_at, self.written):
             stamps.pop(uid, None)
+        keys.forget(uid)
         with self._lock:
             self.child_deleted.discard(key)
             self._owner_locks.pop(key, None)

@@ -5,7 +5,9 @@ Data flow: the resource file (YAML, one or more documents; each CodingAgentServi
 rendered) -> `desired.build.plan_raw` (the same parse, validation and plan as the reconcile,
 with no measured load: Auto mode shows the planner's first answer) -> `desired.resources.
 build_all` -> YAML on stdout. An invalid spec prints each bad field on stderr and exits 2.
-The owner uid of the children is a placeholder (the API server assigns the real one).
+The owner uid of the children is a placeholder (the API server assigns the real one). The
+keys Secret is not rendered: its keys are random, made once by the operator (or yours, named in
+`spec.security.keysSecret`).
 """
 
 from __future__ import annotations

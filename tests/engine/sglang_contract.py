@@ -37,6 +37,8 @@ from cas_engine.launch import plan_launch
 LAUNCHER = ["python3", "-m", "cas_engine.launch_server"]
 # What Kubernetes substitutes for the LWS variables in a pod of group 0 (leader).
 LWS_EXPANSION = {"$(LWS_LEADER_ADDRESS)": "10.0.0.1", "$(LWS_WORKER_INDEX)": "0"}
+# What the kubelet reads from the fleet's keys Secret (by secretKeyRef) for these tests.
+SECRET_VALUES = {"engine-admin-key": "admin-key-from-the-secret"}
 
 _MLA = {
     "hidden_size": 7168,
@@ -183,6 +185,18 @@ class PodCommand:
     env: dict[str, str]
 
 
+def kubelet_env(env: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """A container's env as the kubelet resolves it (Secret keys from SECRET_VALUES)."""
+    out = {}
+    for var in env:
+        ref = (var.get("valueFrom") or {}).get("secretKeyRef")
+        if "value" in var:
+            out[var["name"]] = str(var["value"])
+        elif ref is not None:
+            out[var["name"]] = SECRET_VALUES[ref["key"]]
+    return out
+
+
 def engine_commands(manifests: Sequence[Mapping[str, Any]]) -> list[PodCommand]:
     """Every engine container (Deployment and LWS leader/worker templates) of a render."""
     found: list[PodCommand] = []
@@ -190,7 +204,7 @@ def engine_commands(manifests: Sequence[Mapping[str, Any]]) -> list[PodCommand]:
     def walk(node: Any, workload: str) -> None:
         if isinstance(node, dict):
             if node.get("command") == LAUNCHER:
-                env = {e["name"]: str(e["value"]) for e in node.get("env", []) if "value" in e}
+                env = kubelet_env(node.get("env", []))
                 args = [str(a) for a in node["args"]]
                 role = args[args.index("--disaggregation-mode") + 1]
                 found.append(PodCommand(workload, role, args, env))
@@ -206,12 +220,19 @@ def engine_commands(manifests: Sequence[Mapping[str, Any]]) -> list[PodCommand]:
     return found
 
 
-def sglang_argv(args: Sequence[str], model_dir: Path, draft_dir: Path | None = None) -> list[str]:
-    """What SGLang's parser receives from the launcher, with the model path(s) made local."""
+def sglang_argv(
+    args: Sequence[str],
+    model_dir: Path,
+    draft_dir: Path | None = None,
+    env: Mapping[str, str] | None = None,
+) -> list[str]:
+    """What SGLang's parser receives from the launcher, with the model path(s) made local and
+    $(VAR) expanded as the kubelet does (from `env`, and LWS's variables)."""
     argv = plan_launch(list(args), env={}).sglang_argv
+    expansion = {**LWS_EXPANSION, **{f"$({k})": v for k, v in (env or {}).items()}}
     out = []
     for arg in argv:
-        for var, value in LWS_EXPANSION.items():
+        for var, value in expansion.items():
             arg = arg.replace(var, value)
         out.append(arg)
     for flag, local in (("--model-path", model_dir), ("--speculative-draft-model-path", draft_dir)):

@@ -38,6 +38,7 @@ from cas_operator.render import render
 from tests.engine.sglang_contract import (
     MODEL_CONFIGS,
     MODEL_NAMES,
+    SECRET_VALUES,
     PodCommand,
     engine_commands,
     fixture_for,
@@ -77,7 +78,7 @@ def sglang_outcome(cmd: PodCommand, plan: Plan, dirs: dict[str, Path]) -> Any:
     """SGLang's resolved view of one pod's command line, or the exception it raised."""
     model_dir = dirs[fixture_for(plan.spec.model.name)]
     try:
-        return resolve_with_sglang(sglang_argv(cmd.args, model_dir, model_dir), cmd.env)
+        return resolve_with_sglang(sglang_argv(cmd.args, model_dir, model_dir, cmd.env), cmd.env)
     except (SystemExit, ValueError, AssertionError, NotImplementedError, RuntimeError) as exc:
         return exc
 
@@ -133,6 +134,8 @@ def test_sample_command_lines_pass_sglang(sample: str, model_dirs: dict[str, Pat
         view = sglang_outcome(cmd, plan, model_dirs)
         assert not isinstance(view, BaseException), f"{cmd.workload}: {view}\n{cmd.args}"
         assert layout_mismatches(view, cmd, plan) == [], cmd.args
+        # the fleet's admin key reaches SGLang (its admin endpoints refuse without it)
+        assert view.admin_api_key == SECRET_VALUES["engine-admin-key"], cmd.args
     CHECKED["sample"] += len(commands)
 
 

@@ -344,3 +344,30 @@ def test_a_fleet_never_hands_out_one_port_twice(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(fleet_mod, "free_port", lambda host="127.0.0.1": next(offered))
     fleet = fleet_mod.Fleet(prefills=1, decodes=1)
     assert [fleet._port() for _ in range(3)] == [41000, 41001, 41002]
+
+
+async def test_admin_key_guards_sglangs_admin_endpoints_as_sglang_decides() -> None:
+    """The operator renders `--admin-api-key` on every engine pod; the sim then asks SGLang's
+    own auth code (srt/utils/auth.py), so /flush_cache refuses a request without the key,
+    with a wrong one and with the plain api key, while generation, health and metrics stay
+    open (the router and Prometheus carry no key)."""
+    cfg = parse_args(["--sim-speedup", "50", "--admin-api-key", "adm1n"])
+    worker = SimWorker(cfg)
+    await worker.start()
+    try:
+        async with TestClient(TestServer(SimServer(cfg, worker).app())) as c:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "adm1n"}):
+                resp = await c.post("/flush_cache", headers=headers)
+                assert resp.status == 401, headers
+            ok = await c.post("/flush_cache", headers={"Authorization": "Bearer adm1n"})
+            assert ok.status == 200
+            for path in ("/health", "/metrics", "/get_server_info", "/sim/stats"):
+                assert (await c.get(path)).status == 200, path
+            body = {"text": "def f():", "sampling_params": {"max_new_tokens": 4}}
+            assert (await c.post("/generate", json=body)).status == 200
+    finally:
+        await worker.stop()
+
+
+async def test_without_keys_nothing_is_guarded(client: TestClient) -> None:
+    assert (await client.post("/flush_cache")).status == 200

@@ -38,6 +38,10 @@ per watched namespace (Roles) or cluster-wide (ClusterRole) when watchNamespaces
 - apiGroups: [""]
   resources: [services, configmaps, serviceaccounts]
   verbs: [get, list, watch, create, patch, update, delete]
+# each fleet's keys Secret, read by name and made once: never list or watch (other Secrets)
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get, create]
 # labels and annotations of its own pods only: see the ValidatingAdmissionPolicy
 - apiGroups: [""]
   resources: [pods]

@@ -58,6 +58,8 @@ class SimConfig:
     guard_enabled: bool = True
     guard_args: argparse.Namespace | None = None
     ignored_args: tuple[str, ...] = ()
+    api_key: str = ""
+    admin_api_key: str = ""
 
     @property
     def model_name(self) -> str:
@@ -103,6 +105,8 @@ def _add_sglang_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--random-seed", type=int, default=0)
     g.add_argument("--speculative-num-steps", type=int, default=3)
     g.add_argument("--log-level", default="info")
+    g.add_argument("--api-key", default="", help="as SGLang: every endpoint but health/metrics")
+    g.add_argument("--admin-api-key", default="", help="as SGLang: its admin endpoints")
 
 
 def _add_cas_arguments(p: argparse.ArgumentParser) -> None:
@@ -298,6 +302,8 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = No
         spec_num_steps=ns.speculative_num_steps,
         spec_accept_prob=ns.sim_spec_accept_prob,
         fault=ns.sim_fault,
+        api_key=ns.api_key,
+        admin_api_key=ns.admin_api_key,
         prefill_gone_file=ns.cas_prefill_gone_file or "",
         gone_clock_skew_s=10.0 if ns.sim_gone_clock_skew is None else ns.sim_gone_clock_skew,
         guard_args=ns,

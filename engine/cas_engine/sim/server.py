@@ -10,7 +10,9 @@ endpoints (``/sim/kv/dest``, ``/sim/kv/abort``) on ``--disaggregation-bootstrap-
 Every response carries the header ``X-Simulated-Engine`` and every JSON body a ``simulated``
 flag (``metadata`` for OpenAI shapes, ``meta_info`` for ``/generate``). A streaming request
 whose first event is an error (KV transfer timeout, early guard trip) gets a plain HTTP error
-status instead of a stream, so the router can still retry it.
+status instead of a stream, so the router can still retry it. With ``--api-key`` or
+``--admin-api-key`` every request but ``/sim/*`` passes SGLang's own auth decision first
+(:mod:`.auth`): ``/flush_cache`` then needs the admin key, as on a real engine.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -30,7 +32,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from cas_engine.guard import error_body, http_response, sse_error_event
 from cas_engine.kvfence.peer_probe import INCARNATION_HEADER
-from cas_engine.sim import SIMULATOR_NOTICE
+from cas_engine.sim import SIMULATOR_NOTICE, auth
 from cas_engine.sim.config import SimConfig
 from cas_engine.sim.pd import HttpTransport
 from cas_engine.sim.textgen import join_pieces, tokenize
@@ -103,6 +105,9 @@ def _bootstrap(body: dict[str, Any]) -> tuple[str, int, int] | None:
     )
 
 
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
 class SimServer:
     """Routes of one worker; owns the aiohttp apps, delegates everything to the worker."""
 
@@ -114,7 +119,8 @@ class SimServer:
     # ---- apps -------------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=512 * 1024 * 1024)
+        middlewares = [self.sglang_auth] if self.cfg.api_key or self.cfg.admin_api_key else []
+        app = web.Application(client_max_size=512 * 1024 * 1024, middlewares=middlewares)
         r = app.router
         r.add_post("/generate", self.generate)
         r.add_post("/v1/completions", self.completions)
@@ -142,6 +148,22 @@ class SimServer:
         app.router.add_post("/sim/kv/abort", self.kv_abort)
         app.router.add_get("/health", self.health)
         return app
+
+    @web.middleware
+    async def sglang_auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """--api-key / --admin-api-key as SGLang applies them (`sim.auth`); /sim/* stays open."""
+        if not request.path.startswith("/sim/"):
+            allowed, refused = auth.decide(
+                request.method,
+                request.path,
+                request.headers.get("Authorization"),
+                self.cfg.api_key,
+                self.cfg.admin_api_key,
+            )
+            if not allowed:
+                text = "Unauthorized" if refused == 401 else "Forbidden"
+                return _json({"error": text}, status=refused)
+        return await handler(request)
 
     # ---- generation endpoints ---------------------------------------------------------------
 

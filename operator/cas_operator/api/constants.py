@@ -35,6 +35,17 @@ PREFILL_GONE_KEY: Final = "prefills.json"
 PREFILL_GONE_MOUNT: Final = "/etc/cas/prefill-gone"
 APP_PREFILL_GONE: Final = "cas-prefill-gone"
 
+# The fleet's keys Secret (`<name>-keys`, made by the operator unless spec.security.keysSecret
+# names one): router and engine pods take their key by secretKeyRef; the operator reads the
+# router key by name (its RBAC: get and create on Secrets, never list or watch).
+KEYS_SECRET_SUFFIX: Final = "-keys"
+KEY_ROUTER_CONTROL_PLANE: Final = "router-control-plane-key"
+KEY_ENGINE_ADMIN: Final = "engine-admin-key"
+ENV_ROUTER_CONTROL_PLANE_KEY: Final = "CAS_ROUTER_CONTROL_PLANE_KEY"
+ENV_ENGINE_ADMIN_KEY: Final = "CAS_ENGINE_ADMIN_KEY"
+APP_KEYS: Final = "cas-keys"
+ROUTER_KEY_ID: Final = "cas-operator"  # id and name of the router's one control-plane key
+
 ROLE_PREFILL: Final = "prefill"
 ROLE_DECODE: Final = "decode"
 ROLE_ROUTER: Final = "router"
@@ -56,6 +67,7 @@ COND_ANOMALY_SIGNAL: Final = "AnomalySignalAvailable"
 REASON_INVALID_SPEC: Final = "InvalidSpec"
 REASON_LWS_MISSING: Final = "LeaderWorkerSetNotInstalled"
 REASON_APPLY_FAILED: Final = "ApplyFailed"
+REASON_KEYS_SECRET: Final = "KeysSecretUnusable"
 REASON_ALL_READY: Final = "AllPoolsReady"
 REASON_WAITING: Final = "WaitingForPools"
 REASON_ROLLING: Final = "RollingOutRevision"
@@ -82,6 +94,7 @@ LOWEST_DELETION_COST: Final = str(-(2**31))  # an int32, as the controller parse
 # tests/engine/test_engine_contract_sglang.py checks both against SGLang's own parser.
 OWNED_ENGINE_FLAGS: Final = frozenset(
     {
+        "--admin-api-key",
         "--attention-context-parallel-size",
         "--attn-cp-size",
         "--cp-strategy",
@@ -122,6 +135,7 @@ OWNED_ENGINE_ENV: Final = frozenset(
         "SGLANG_DISAGGREGATION_WAITING_TIMEOUT",
         "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE",
         "HOME",  # the non-root user's writable home (desired/resources/security.py)
+        ENV_ENGINE_ADMIN_KEY,  # SGLang's --admin-api-key, from the keys Secret
     }
 )
 OWNED_ENGINE_ENV_PREFIX: Final = "LWS_"  # LeaderWorkerSet injects these into every container

@@ -421,6 +421,18 @@ class RouterSpec(Spec):
     tolerations: list[Toleration] | None = None
 
 
+class SecuritySpec(Spec):
+    keys_secret: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$",
+        description="A Secret in this namespace with the keys `router-control-plane-key` (the "
+        "router's /workers API) and `engine-admin-key` (SGLang's admin endpoints). Default: "
+        "the operator makes `<name>-keys` with random keys, owned by this resource.",
+    )
+
+
 class PodMetadata(Spec):
     """Labels and annotations added to every engine and router pod (the operator's own keys
     win; a key it sets or any `cas.dev/` key is dropped, and `status.warnings` says so)."""
@@ -530,6 +542,7 @@ class CodingAgentServingSpec(Spec):
     anomaly_guard: AnomalyGuardSpec = Field(default_factory=AnomalyGuardSpec)
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     pod_metadata: PodMetadata = Field(default_factory=PodMetadata)
+    security: SecuritySpec = Field(default_factory=SecuritySpec)
 
 
 def parse_spec(raw: dict[str, Any]) -> CodingAgentServingSpec:

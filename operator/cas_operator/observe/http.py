@@ -29,9 +29,17 @@ def post_form(url: str, params: dict[str, str], timeout: float, max_bytes: int) 
     return _fetch(request, timeout, max_bytes)
 
 
-def request(method: str, url: str, timeout: float, max_bytes: int) -> bytes:
+def request(
+    method: str,
+    url: str,
+    timeout: float,
+    max_bytes: int,
+    headers: dict[str, str] | None = None,
+) -> bytes:
     """A body-less `method` request (GET, DELETE); errors as `get`."""
-    return _fetch(urllib.request.Request(url, method=method), timeout, max_bytes)
+    return _fetch(
+        urllib.request.Request(url, method=method, headers=headers or {}), timeout, max_bytes
+    )
 
 
 def _fetch(request: urllib.request.Request, timeout: float, max_bytes: int) -> bytes:

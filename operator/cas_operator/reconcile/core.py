@@ -31,6 +31,7 @@ from cas_operator.desired.resources import build_all
 from cas_operator.desired.resources.meta import Owner
 from cas_operator.desired.revision import RevisionRecord
 from cas_operator.kube import REVISIONED_KINDS, KindNotInstalled, Kube, NamespaceTerminating
+from cas_operator.reconcile.keys import ensure_keys
 from cas_operator.reconcile.status import (
     ObservedWorkload,
     Problem,
@@ -421,7 +422,9 @@ def reconcile(
         )
     except InvalidSpec as exc:
         return Outcome(status=invalid_status(str(exc), generation), invalid=exc)
-    manifests = build_all(Owner(name, namespace, uid), plan)
+    owner = Owner(name, namespace, uid)
+    manifests = build_all(owner, plan)
+    keys_problem = ensure_keys(kube, owner, plan, recheck=full_apply)
     watched = observed is not None
     if observed is None:  # a held plan and a scale-down must know what exists before applying
         observed = observe(kube, namespace, name)
@@ -429,7 +432,7 @@ def reconcile(
     entry = entry_revision(plan, observed, previous)
     point_entry(manifests, plan, entry)
     applied = apply_children(kube, manifests, observed, full_apply, apply_missing, plan.held)
-    problems = applied.problems
+    problems = applied.problems + ([keys_problem] if keys_problem else [])
     if watched:
         observed = merged(observed, applied.workloads)
     elif applied.count or full_apply:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from cas_operator.api import constants as c
 from cas_operator.api.models import KvReclaim
 from cas_operator.desired.plan import Plan, PoolPlan
+from cas_operator.desired.resources.security import key_env
 
 LAUNCHER = ["python3", "-m", "cas_engine.launch_server"]
 # LWS injects these into every container of a group; Kubernetes expands $(VAR) in args.
@@ -34,6 +35,8 @@ def server_args(plan: Plan) -> list[str]:
         "--port",
         str(c.ENGINE_PORT),
         "--enable-metrics",
+        "--admin-api-key",  # from the fleet's keys Secret (desired/resources/security.py)
+        f"$({c.ENV_ENGINE_ADMIN_KEY})",
     ]
 
 
@@ -163,12 +166,14 @@ def engine_args(plan: Plan, pool: PoolPlan) -> list[str]:
 
 
 def engine_env(plan: Plan) -> list[dict[str, object]]:
-    """The prefill time budget through the SGLang variables that govern it, then user env."""
+    """The prefill time budget through the SGLang variables that govern it, the admin key,
+    then user env."""
     budget = str(plan.spec.prefill.timeout_seconds)
     env: list[dict[str, object]] = [
         {"name": "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", "value": budget},
         {"name": "SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "value": budget},
         {"name": "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE", "value": "1"},
+        key_env(plan, c.ENV_ENGINE_ADMIN_KEY, c.KEY_ENGINE_ADMIN),
     ]
     for var in plan.spec.engine.env or []:
         env.append(var.model_dump(by_alias=True, exclude_none=True))

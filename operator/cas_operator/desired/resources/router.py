@@ -15,7 +15,12 @@ from cas_operator.desired.resources.meta import (
     selector_labels,
     with_user_keys,
 )
-from cas_operator.desired.resources.security import container_security, pod_security
+from cas_operator.desired.resources.security import (
+    container_security,
+    key_env,
+    pod_security,
+    router_control_plane_keys,
+)
 
 ROUTER_MODULE = ["python3", "-m", "sglang_router.launch_router"]
 # A deleted router pod keeps accepting this long before SIGTERM: the time for its endpoint to
@@ -52,6 +57,9 @@ def router_args(plan: Plan) -> list[str]:
         "0.0.0.0",
         "--prometheus-port",
         str(c.ROUTER_METRICS_PORT),
+        # /workers and /flush_cache refuse a request without this key (401)
+        "--control-plane-api-keys",
+        router_control_plane_keys(c.ENV_ROUTER_CONTROL_PLANE_KEY),
     ]
     if router.retries == 0:
         return [*args, "--disable-retries"]
@@ -75,6 +83,7 @@ def build_router_deployment(owner: Owner, plan: Plan) -> Manifest:
         "image": router.image or plan.spec.engine.image,
         "command": ROUTER_MODULE,
         "args": router_args(plan),
+        "env": [key_env(plan, c.ENV_ROUTER_CONTROL_PLANE_KEY, c.KEY_ROUTER_CONTROL_PLANE)],
         "ports": [
             {"name": "http", "containerPort": c.ROUTER_PORT},
             {"name": "metrics", "containerPort": c.ROUTER_METRICS_PORT},

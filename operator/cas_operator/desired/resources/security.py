@@ -7,13 +7,24 @@ pod discovery). `engine.rdma` is the one opt-out: it adds IPC_LOCK (pinned memor
 and the RDMA device resource, which "restricted" (and "baseline") refuse, so such a fleet
 needs a namespace that allows privileged pods. Engines write caches under $HOME, which is a
 memory-backed emptyDir at /tmp (a non-root user cannot write the image's /root).
+
+Keys: each fleet has a Secret with a router control-plane key (the router's `/workers` and
+`/flush_cache`; sglang-router 0.3.2 `--control-plane-api-keys`) and an engine admin key
+(SGLang 0.5.23 `--admin-api-key`: srt/utils/auth.py:119-141 refuses the admin endpoints,
+weight updates, abort, flush, profiling, without it; /health and /metrics stay open). Pods
+get them by secretKeyRef and `$(VAR)` in their args, so a pod spec never holds a key. The
+operator makes the Secret once (`build_keys_secret`, random keys) unless the user names one.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Final
 
+from cas_operator.api import constants as c
+from cas_operator.api.models import SecuritySpec
 from cas_operator.desired.plan import Plan
+from cas_operator.desired.resources.meta import Manifest, Owner, base_labels, metadata
 
 RUN_AS: Final = 1000
 HOME: Final = "/tmp"
@@ -42,3 +53,39 @@ def rdma_resources(plan: Plan) -> dict[str, str]:
     """The RDMA device resource an engine pod requests (none without `engine.rdma`)."""
     rdma = plan.spec.engine.rdma
     return {rdma.resource: str(rdma.count)} if rdma is not None else {}
+
+
+def keys_secret_name(name: str, security: SecuritySpec) -> str:
+    """The Secret resource `name`'s keys come from: the user's, or the one the operator makes."""
+    return security.keys_secret or f"{name}{c.KEYS_SECRET_SUFFIX}"
+
+
+def key_env(plan: Plan, var: str, key: str) -> dict[str, Any]:
+    """An env var holding one key of the fleet's Secret (the pod does not start without it)."""
+    return {
+        "name": var,
+        "valueFrom": {
+            "secretKeyRef": {"name": keys_secret_name(plan.name, plan.spec.security), "key": key}
+        },
+    }
+
+
+def router_control_plane_keys(var: str) -> str:
+    """The router's one control-plane key, `id:name:role:key`, the key from env var `var`."""
+    return f"{c.ROUTER_KEY_ID}:{c.ROUTER_KEY_ID}:admin:$({var})"
+
+
+def build_keys_secret(owner: Owner, plan: Plan, new_key: Callable[[], str]) -> Manifest:
+    """The operator-made keys Secret (created once, never updated: its keys are random)."""
+    data = {k: new_key() for k in (c.KEY_ROUTER_CONTROL_PLANE, c.KEY_ENGINE_ADMIN)}
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": metadata(
+            owner,
+            keys_secret_name(plan.name, plan.spec.security),
+            base_labels(plan.name, c.APP_KEYS),
+        ),
+        "stringData": data,
+    }
