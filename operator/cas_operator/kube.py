@@ -46,6 +46,7 @@ KINDS: dict[str, KindInfo] = {
     "Role": KindInfo("rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": KindInfo("rbac.authorization.k8s.io/v1", "rolebindings"),
     "PodDisruptionBudget": KindInfo("policy/v1", "poddisruptionbudgets"),
+    "NetworkPolicy": KindInfo("networking.k8s.io/v1", "networkpolicies"),
     "Deployment": KindInfo("apps/v1", "deployments"),
     "LeaderWorkerSet": KindInfo(c.LWS_API_VERSION, "leaderworkersets"),
     c.KIND: KindInfo(f"{c.GROUP}/{c.VERSION}", c.PLURAL),

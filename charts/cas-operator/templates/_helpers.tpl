@@ -55,6 +55,10 @@ per watched namespace (Roles) or cluster-wide (ClusterRole) when watchNamespaces
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, list, watch, create, patch, update, delete]
+# each fleet's NetworkPolicies (server-side apply, deleted when the spec turns them off)
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, create, patch, delete]
 # each fleet's router reads its pods through a Role the operator makes (it holds what it grants)
 - apiGroups: [rbac.authorization.k8s.io]
   resources: [roles, rolebindings]

@@ -421,7 +421,45 @@ class RouterSpec(Spec):
     tolerations: list[Toleration] | None = None
 
 
+class NetworkPeer(Spec):
+    """Who may connect: pods by labels (in this namespace, or in the namespaces whose labels
+    match `namespaceLabels`; `{}` there means every namespace), or an IP range."""
+
+    model_config = _config(
+        cel(
+            "has(self.cidr) != (has(self.podLabels) || has(self.namespaceLabels))",
+            "a network peer is either cidr or pod/namespace labels",
+            "",
+        ),
+    )
+
+    pod_labels: dict[str, str] | None = Field(default=None, max_length=16)
+    namespace_labels: dict[str, str] | None = Field(default=None, max_length=16)
+    cidr: str | None = Field(default=None, max_length=64, pattern=r"^[0-9a-fA-F:.]+/[0-9]{1,3}$")
+
+
+class NetworkPolicySpec(Spec):
+    enabled: bool = Field(
+        default=True,
+        description="NetworkPolicies for the fleet's engine and router pods (your CNI must "
+        "enforce NetworkPolicy). false: none, and the operator deletes its own.",
+    )
+    clients_from: list[NetworkPeer] | None = Field(
+        default=None,
+        max_length=32,
+        description="Who may call the router's serving port. Default: anyone.",
+    )
+    metrics_from: list[NetworkPeer] | None = Field(
+        default=None,
+        max_length=32,
+        description="Who may scrape the engines' and routers' metrics ports (an engine's is its "
+        "serving port). Default: pods labelled app.kubernetes.io/name=prometheus in any "
+        "namespace.",
+    )
+
+
 class SecuritySpec(Spec):
+    network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
     keys_secret: str | None = Field(
         default=None,
         min_length=1,

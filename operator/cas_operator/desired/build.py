@@ -121,6 +121,7 @@ def build_plan(
         layer_split=resolved.layer_split,
         cp_strategy=resolved.cp_strategy,
         recommendation=recommendation,
+        operator_namespace=limits.operator_namespace,
     )
     rendered, user_input = engine_revision(draft), engine_input(spec)
     runs = choose(

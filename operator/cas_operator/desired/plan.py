@@ -63,6 +63,7 @@ class Plan:
     rendered_revision: str = ""
     engine_input: str = ""  # hash of the user's engine settings (`desired.revision`)
     warnings: tuple[str, ...] = ()  # what the operator did not take from the spec, and why
+    operator_namespace: str | None = None  # where the operator pod runs (api.limits)
 
     @property
     def held(self) -> bool:

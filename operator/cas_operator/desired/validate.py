@@ -7,6 +7,7 @@ The CEL rules in `api/models.py` are mirrored here so both layers agree (a test 
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 
 from cas_operator.api import constants as c
@@ -176,6 +177,32 @@ def _rollout_errors(spec: CodingAgentServingSpec) -> list[SpecError]:
     return []
 
 
+def _network_errors(spec: CodingAgentServingSpec) -> list[SpecError]:
+    """Each peer is an IP range or labels, not both, not neither (the CRD's CEL rule too)."""
+    policy = spec.security.network_policy
+    errors = []
+    for field, peers in (
+        ("clientsFrom", policy.clients_from),
+        ("metricsFrom", policy.metrics_from),
+    ):
+        for i, peer in enumerate(peers or []):
+            labelled = peer.pod_labels is not None or peer.namespace_labels is not None
+            where = f"security.networkPolicy.{field}[{i}]"
+            if (peer.cidr is not None) == labelled:
+                errors.append(SpecError(where, "a network peer is either cidr or labels"))
+            elif peer.cidr is not None and not _is_cidr(peer.cidr):
+                errors.append(SpecError(f"{where}.cidr", f"{peer.cidr!r} is not an IP range"))
+    return errors
+
+
+def _is_cidr(text: str) -> bool:
+    try:
+        ipaddress.ip_network(text, strict=False)
+    except ValueError:
+        return False
+    return True
+
+
 def limit_errors(spec: CodingAgentServingSpec, limits: OperatorLimits) -> list[SpecError]:
     """Auto mode grows up to `ratio.gpuBudget`: that must fit the operator's cap."""
     cap, budget = limits.max_gpus_per_resource, spec.ratio.gpu_budget
@@ -198,4 +225,5 @@ def validate(spec: CodingAgentServingSpec, resolved: Resolved | None = None) -> 
         *_engine_errors(spec),
         *_hicache_errors(spec),
         *_rollout_errors(spec),
+        *_network_errors(spec),
     ]

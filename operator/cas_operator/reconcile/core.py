@@ -29,6 +29,7 @@ from cas_operator.desired.build import plan_raw
 from cas_operator.desired.plan import InvalidSpec, Plan
 from cas_operator.desired.resources import build_all
 from cas_operator.desired.resources.meta import Owner
+from cas_operator.desired.resources.network import network_policy_names
 from cas_operator.desired.revision import RevisionRecord
 from cas_operator.kube import REVISIONED_KINDS, KindNotInstalled, Kube, NamespaceTerminating
 from cas_operator.reconcile.keys import ensure_keys
@@ -207,6 +208,17 @@ class Applied:
     count: int
     problems: list[Problem]
     workloads: list[ObservedWorkload]
+
+
+def remove_network_policies(kube: Kube, plan: Plan) -> list[Problem]:
+    """`security.networkPolicy.enabled: false`: the operator's policies go (if any)."""
+    problems = []
+    for name in network_policy_names(plan.name):
+        try:
+            kube.delete("NetworkPolicy", plan.namespace, name)
+        except Exception as exc:
+            problems.append(Problem(c.REASON_APPLY_FAILED, f"NetworkPolicy {name}: {exc}"))
+    return problems
 
 
 def drift(seen: ObservedWorkload, manifest: dict[str, Any], held: bool = False) -> str:
@@ -433,6 +445,8 @@ def reconcile(
     point_entry(manifests, plan, entry)
     applied = apply_children(kube, manifests, observed, full_apply, apply_missing, plan.held)
     problems = applied.problems + ([keys_problem] if keys_problem else [])
+    if full_apply and not plan.spec.security.network_policy.enabled:
+        problems += remove_network_policies(kube, plan)
     if watched:
         observed = merged(observed, applied.workloads)
     elif applied.count or full_apply:

@@ -1,4 +1,4 @@
-"""The fleet's control surfaces need its keys, through the OPERATOR PROCESS on the local stack:
+"""The fleet's keys and NetworkPolicies, through the OPERATOR PROCESS on the local stack:
 the real API server and Secret, the real SGLang router (0.3.2) in PD mode, sims as the engine
 pods (their auth is SGLang's own decision code: cas_engine.sim.auth).
 
@@ -6,7 +6,10 @@ Regression (issue 17): the router's `/workers` API had no key, so anyone who rea
 point could deregister workers or register their own URL and receive users' prompts; SGLang's
 admin endpoints (weight updates, abort, flush) were open on every engine pod. Now the operator
 makes a keys Secret per fleet, the pods take it by secretKeyRef, and the operator's own
-deregistrations carry the key (the drain and scale-down tests exercise that path).
+deregistrations carry the key (the drain and scale-down tests exercise that path). There was
+no NetworkPolicy either: the operator now applies one for the engines and one for the routers,
+which the real API server validates; their selectors are checked against the pods it lists (no
+local CNI enforces them: see docs/local-stack.md).
 """
 
 from __future__ import annotations
@@ -90,3 +93,36 @@ async def test_the_router_worker_api_and_engine_admin_endpoints_need_the_fleets_
         # no pod spec holds a key: they reference the Secret
         pods = kubectl("get", "pods", "-n", namespace, "-o", "json")
         assert control not in pods and admin not in pods
+
+
+def selected(kubectl: Kubectl, namespace: str, selector: dict[str, str]) -> set[str]:
+    query = ",".join(f"{k}={v}" for k, v in selector.items())
+    found = json.loads(kubectl("get", "pods", "-n", namespace, "-l", query, "-o", "json"))
+    return {p["metadata"]["name"] for p in found["items"]}
+
+
+async def test_the_fleets_network_policies_are_stored_and_select_exactly_its_pods(
+    live_stack: MakeLiveStack, namespace: str, kubectl: Kubectl, crds: None
+) -> None:
+    cas: dict[str, Any] = yaml.safe_load((ROOT / "config/samples/minimal.yaml").read_text())
+    name = cas["metadata"]["name"]
+    stack = live_stack(["--sim-speedup", "20"])
+    with resource_live(stack, kubectl, cas, log=lambda s: print(f"[live] {s}")):
+        stored = json.loads(kubectl("get", "networkpolicies", "-n", namespace, "-o", "json"))
+        by_name = {p["metadata"]["name"]: p["spec"] for p in stored["items"]}
+        assert set(by_name) == {f"{name}-engines", f"{name}-router"}
+        engines = {p["metadata"]["name"] for r in ("prefill", "decode")
+                   for p in role_pods(kubectl, namespace, r)}  # fmt: skip
+        routers = {p["metadata"]["name"] for p in role_pods(kubectl, namespace, "router")}
+        assert engines and routers
+        engine_selector = by_name[f"{name}-engines"]["podSelector"]["matchLabels"]
+        router_selector = by_name[f"{name}-router"]["podSelector"]["matchLabels"]
+        assert selected(kubectl, namespace, engine_selector) == engines
+        assert selected(kubectl, namespace, router_selector) == routers
+        fleet = by_name[f"{name}-engines"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
+        assert selected(kubectl, namespace, fleet) == engines | routers
+        # turned off, the operator removes them
+        off = {"spec": {"security": {"networkPolicy": {"enabled": False}}}}
+        kubectl("patch", "cas", name, "-n", namespace, "--type=merge", "-p", json.dumps(off))
+        wait_for("the policies removed", lambda: not json.loads(kubectl(
+            "get", "networkpolicies", "-n", namespace, "-o", "json"))["items"], 60)  # fmt: skip
