@@ -330,6 +330,46 @@ SCHEMA_REJECTIONS = [
     ({"engine": {"args": ["--tp-size", "4"]}}, "engine.args must not set a flag the operator"),
     ({"engine": {"args": ["--cas-guard-enabled=false"]}}, "engine.args must not set a flag"),
     ({"engine": {"env": [{"name": "LWS_LEADER_ADDRESS", "value": "x"}]}}, "engine.env must not"),
+    # env.valueFrom takes only what an engine needs, one source, never beside a value
+    (
+        {"engine": {"env": [{"name": "X", "valueFrom": {"resourceFieldRef": {"resource": "a"}}}]}},
+        "resourceFieldRef",
+    ),
+    (
+        {
+            "engine": {
+                "env": [{"name": "X", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels"}}}]
+            }
+        },
+        "spec.engine.env[0].valueFrom.fieldRef.fieldPath",
+    ),
+    (
+        {
+            "engine": {
+                "env": [
+                    {
+                        "name": "X",
+                        "value": "v",
+                        "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
+                    }
+                ]
+            }
+        },
+        "an env var has value or valueFrom, not both",
+    ),
+    (
+        {"engine": {"env": [{"name": "X", "valueFrom": {}}]}},
+        "valueFrom takes exactly one of",
+    ),
+    ({"security": {"keysSecret": "Not_A_Name"}}, "spec.security.keysSecret"),
+    (
+        {
+            "security": {
+                "networkPolicy": {"clientsFrom": [{"cidr": "10.0.0.0/8", "podLabels": {"a": "b"}}]}
+            }
+        },
+        "a network peer is either cidr or pod/namespace labels",
+    ),
 ]
 
 

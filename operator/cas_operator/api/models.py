@@ -161,12 +161,60 @@ class Toleration(Spec):
     toleration_seconds: int | None = None
 
 
-class EnvVar(Spec):
-    name: str = Field(min_length=1, max_length=256)
-    value: str | None = None
-    value_from: dict[str, Any] | None = Field(
-        default=None, json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}
+_K8S_NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+
+
+class KeyRef(Spec):
+    """One key of a Secret or ConfigMap in the resource's namespace."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=_K8S_NAME)
+    key: str = Field(min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$")
+    optional: bool | None = None
+
+
+class PodField(StrEnum):
+    """The pod fields an engine may read (the downward API's, less labels and annotations)."""
+
+    NAME = "metadata.name"
+    NAMESPACE = "metadata.namespace"
+    UID = "metadata.uid"
+    NODE_NAME = "spec.nodeName"
+    HOST_IP = "status.hostIP"
+    POD_IP = "status.podIP"
+
+
+class FieldRef(Spec):
+    field_path: PodField
+
+
+class EnvVarSource(Spec):
+    """Where a variable's value comes from: exactly one of a Secret key, a ConfigMap key or a
+    pod field. Nothing else (no resourceFieldRef, no unknown fields)."""
+
+    model_config = _config(
+        cel(
+            "[has(self.secretKeyRef), has(self.configMapKeyRef), has(self.fieldRef)]"
+            ".filter(x, x).size() == 1",
+            "valueFrom takes exactly one of secretKeyRef, configMapKeyRef, fieldRef",
+        ),
     )
+
+    secret_key_ref: KeyRef | None = None
+    config_map_key_ref: KeyRef | None = None
+    field_ref: FieldRef | None = None
+
+
+class EnvVar(Spec):
+    model_config = _config(
+        cel(
+            "!(has(self.value) && has(self.valueFrom))",
+            "an env var has value or valueFrom, not both",
+        ),
+    )
+
+    name: str = Field(min_length=1, max_length=256, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+    value: str | None = Field(default=None, max_length=32768)
+    value_from: EnvVarSource | None = None
 
 
 # ---------------------------------------------------------------------------------------------

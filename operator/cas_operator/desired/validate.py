@@ -16,6 +16,7 @@ from cas_operator.api.models import (
     DSA_MODELS,
     MAX_DSA_CP_TENSOR_PARALLEL,
     CodingAgentServingSpec,
+    EnvVar,
     PoolSpec,
     PrefillPoolSpec,
     RatioMode,
@@ -158,7 +159,22 @@ def _engine_errors(spec: CodingAgentServingSpec) -> list[SpecError]:
     for i, var in enumerate(spec.engine.env or []):
         if var.name in c.OWNED_ENGINE_ENV or var.name.startswith(c.OWNED_ENGINE_ENV_PREFIX):
             errors.append(SpecError(f"engine.env[{i}].name", f"{var.name} is set by the operator"))
+        errors += _env_source_errors(f"engine.env[{i}]", var)
     return errors
+
+
+def _env_source_errors(where: str, var: EnvVar) -> list[SpecError]:
+    """The CRD's CEL rules on an env var, for specs that did not come through the API server."""
+    if var.value is not None and var.value_from is not None:
+        return [SpecError(where, "an env var has value or valueFrom, not both")]
+    source = var.value_from
+    if source is None:
+        return []
+    chosen = [source.secret_key_ref, source.config_map_key_ref, source.field_ref]
+    if sum(x is not None for x in chosen) != 1:
+        why = "takes exactly one of secretKeyRef, configMapKeyRef, fieldRef"
+        return [SpecError(f"{where}.valueFrom", why)]
+    return []
 
 
 def _hicache_errors(spec: CodingAgentServingSpec) -> list[SpecError]:

@@ -176,5 +176,5 @@ def engine_env(plan: Plan) -> list[dict[str, object]]:
         key_env(plan, c.ENV_ENGINE_ADMIN_KEY, c.KEY_ENGINE_ADMIN),
     ]
     for var in plan.spec.engine.env or []:
-        env.append(var.model_dump(by_alias=True, exclude_none=True))
+        env.append(var.model_dump(mode="json", by_alias=True, exclude_none=True))
     return env
