@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import yaml
 
@@ -59,6 +59,7 @@ from e2e.runtime.prometheus import (
     file_sd_scrape_config,
     prometheus_binary,
     start_prometheus,
+    static_scrape_config,
     write_file_sd,
 )
 
@@ -124,9 +125,12 @@ class LiveStack:
         log(f"pod runner started: sims and SGLang routers for {self.namespace}")
         env: dict[str, str] = {}
         if use_prometheus and prometheus_binary() is not None:
-            job = file_sd_scrape_config(sd_file, self.scrape_interval_s)
+            jobs = [file_sd_scrape_config(sd_file, self.scrape_interval_s)]
+            if self.metrics_port:  # the operator's own metrics (the dashboard's fleet panels)
+                operator = (f"127.0.0.1:{self.metrics_port}", {"component": "cas-operator"})
+                jobs.append(static_scrape_config([operator], self.scrape_interval_s))
             self.prometheus = start_prometheus(
-                self.run_dir / "prometheus", [job], interval_s=self.scrape_interval_s
+                self.run_dir / "prometheus", jobs, interval_s=self.scrape_interval_s
             )
             env["CAS_PROMETHEUS_URL"] = self.prometheus.url
             log(f"prometheus ready at {self.prometheus.url}")
@@ -201,9 +205,12 @@ class LiveStack:
             self.prometheus = None
 
 
-# A test's factory of its namespace's LiveStack, given the sims' arguments (the `live_stack`
-# fixture in e2e/tests/conftest.py).
-MakeLiveStack = Callable[[list[str]], LiveStack]
+class MakeLiveStack(Protocol):
+    """A test's factory of its namespace's LiveStack, given the sims' arguments and any other
+    LiveStack field (the `live_stack` fixture in e2e/tests/conftest.py)."""
+
+    def __call__(self, sim_args: list[str], **extra: Any) -> LiveStack: ...
+
 
 http_ok = http_probe  # "does GET `url` answer 2xx within the timeout", for the stack's users
 

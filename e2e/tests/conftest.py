@@ -24,6 +24,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -127,11 +128,11 @@ def live_stack(cluster: ClusterHandle, namespace: str, tmp_path: Path) -> MakeLi
     identity, 2 s scrapes, and the API server's audit log read for refusals at the end of
     ``resource_live``."""
 
-    def make(sim_args: list[str]) -> LiveStack:
+    def make(sim_args: list[str], **extra: Any) -> LiveStack:
         return LiveStack(
             cluster.kubeconfig, namespace, tmp_path / "live", sim_args=sim_args,
             scrape_interval_s=2.0, operator_args=("-n", namespace),
-            audit_log=cluster.audit_log,
+            audit_log=cluster.audit_log, **extra,
         )  # fmt: skip
 
     return make

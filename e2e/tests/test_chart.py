@@ -43,6 +43,7 @@ def variants(watch: str) -> dict[str, dict[str, Any]]:
         "ha": {"replicas": 3, "prometheusUrl": "http://prometheus.monitoring:9090"},
         "minimal": {"admissionPolicy": {"enabled": False}, "resources": {}},
         "capped": {"maxGpusPerResource": 64},
+        "dashboard": {"metrics": {"grafanaDashboard": {"enabled": True}}},
     }
 
 
@@ -70,6 +71,12 @@ def test_every_rendered_object_passes_the_api_servers_dry_run(
             assert "ClusterRole" not in kinds and "Role" in kinds, sorted(kinds)
         if name == "default":
             assert {"ClusterRole", "ValidatingAdmissionPolicy"} <= kinds, sorted(kinds)
+            assert not [o for o in objects if o["metadata"]["name"].endswith("-dashboard")]
+        if name == "dashboard":  # the file e2e/tests/test_dashboard.py queries, as Grafana loads it
+            (board,) = [o for o in objects if o["metadata"]["name"] == "cas-chart-dry-dashboard"]
+            assert board["metadata"]["labels"]["grafana_dashboard"] == "1"
+            shipped = (chart.CHART_DIR / "dashboards" / "cas-fleet.json").read_text()
+            assert json.loads(board["data"]["cas-fleet.json"]) == json.loads(shipped)
         out = kubectl("apply", "--dry-run=server", "--server-side", "--force-conflicts",
                       "-f", "-", stdin=yaml.safe_dump_all(objects))  # fmt: skip
         assert out.count("(server dry run)") == len(objects), (name, out)

@@ -36,6 +36,8 @@ from cas_operator.metrics import (
     RECONCILE_SECONDS,
     REFRESH_WAIT_SECONDS,
     STATUS_WRITES,
+    forget_fleet,
+    record_fleet,
 )
 from cas_operator.reconcile import keys
 from cas_operator.reconcile.core import Measured, Outcome, reconcile
@@ -194,6 +196,7 @@ class Passes:
             self.kube().patch_status(c.KIND, namespace, name, changes)
             self.written[uid] = {**baseline, **changes}
             STATUS_WRITES.inc()
+        record_fleet(namespace, name, outcome.status)
         return outcome
 
     def may_create(self, uid: str, trigger: str, deleted: bool, now: float) -> bool:
@@ -286,6 +289,7 @@ class Passes:
         for stamps in (self.last_full_apply, self.applied_at, self.written):
             stamps.pop(uid, None)
         keys.forget(uid)
+        forget_fleet(*key)
         with self._lock:
             self.child_deleted.discard(key)
             self._owner_locks.pop(key, None)
