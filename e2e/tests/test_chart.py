@@ -321,16 +321,19 @@ def test_helm_upgrade_from_the_previous_chart_keeps_the_fleet_ready_and_every_ch
 
 
 def _finalizers_grant(release: str, namespace: str) -> list[dict[str, Any]]:
-    """What a hardened cluster's admin had to add to chart 0.1.0's RBAC; and Secrets: this
-    code stands in for 0.1.0's operator before the upgrade, and unlike that one it makes each
-    fleet's keys Secret (0.1.0's code never used Secrets, its chart never granted them)."""
+    """What a hardened cluster's admin had to add to chart 0.1.0's RBAC; and Secrets and
+    NetworkPolicies: this code stands in for 0.1.0's operator before the upgrade, and unlike
+    that one it makes each fleet's keys Secret and NetworkPolicies (0.1.0's code never touched
+    them, its chart never granted them)."""
     name = f"{release}-finalizers"
     role = {
         "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
         "metadata": {"name": name},
         "rules": [{"apiGroups": ["serving.cas.dev"], "verbs": ["update"],
                    "resources": ["codingagentservings/finalizers"]},
-                  {"apiGroups": [""], "verbs": ["get", "create"], "resources": ["secrets"]}],
+                  {"apiGroups": [""], "verbs": ["get", "create"], "resources": ["secrets"]},
+                  {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"],
+                   "verbs": ["get", "create", "patch", "delete"]}],
     }  # fmt: skip
     binding = {
         "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
