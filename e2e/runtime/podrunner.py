@@ -9,8 +9,9 @@ KWOK only pretends to run containers; this runner makes engine pods real process
    pod IP added there), not terminating, with a container whose command runs
    ``cas_engine.launch_server`` or ``cas_engine.sim`` - ensures one ``python -m cas_engine.sim``
    runs with the container's args ($(VAR) expanded from its env: literal values, and keys of
-   Secrets by ``secretKeyRef`` through ``secrets``, as a kubelet resolves them; a pod whose
-   Secret or key is missing is not started, as a kubelet leaves it in
+   Secrets by ``secretKeyRef`` through ``secrets``, as a kubelet resolves them: once, when it
+   starts the process, so a running pod is never stopped because a Secret read failed; a pod
+   whose Secret or key is missing is not started, as a kubelet leaves it in
    CreateContainerConfigError), bound to the pod IP and its
    ``http`` container port; with ``kubeconfig`` set, router pods (a container running
    ``sglang_router.launch_router``) run too, as the real SGLang router with the container's
@@ -405,11 +406,14 @@ class PodRunner:
         wanted: dict[tuple[str, str], Launch] = {}
         secrets = _once_per_pass(self.secrets)
         for pod in pods:
-            launch = launch_for(pod, self.python, self.extra_args, self.networks, secrets)
-            if launch is None and self.kubeconfig is not None:
-                launch = router_launch_for(
-                    pod, self.python, self.kubeconfig, self.networks, secrets
-                )
+            launch = self._launch(pod, None)  # ours and runnable? (no Secret read)
+            if launch is None:
+                continue
+            current = self.running.get((launch.namespace, launch.name))
+            if current is not None and current.launch.uid == launch.uid:
+                launch = current.launch  # a kubelet resolves env once, when it starts one
+            elif secrets is not None:
+                launch = self._launch(pod, secrets)
             if launch is not None:
                 wanted[(launch.namespace, launch.name)] = launch
         for key in [k for k, r in self.running.items() if wanted.get(k) != r.launch]:
@@ -423,6 +427,13 @@ class PodRunner:
         if self.sd_file is not None:
             write_file_sd(self.sd_file, self._scrape_targets(pods, wanted))
         return [a for a in actions if a]
+
+    def _launch(self, pod: Pod, secrets: SecretReader | None) -> Launch | None:
+        """What to run for `pod` (an engine's sim, else a router when routers run)."""
+        launch = launch_for(pod, self.python, self.extra_args, self.networks, secrets)
+        if launch is None and self.kubeconfig is not None:
+            launch = router_launch_for(pod, self.python, self.kubeconfig, self.networks, secrets)
+        return launch
 
     def _finalize_deleted(self, pods: list[Pod]) -> list[str]:
         """Delete the objects of terminating pods KWOK leaves to the runner once nothing of

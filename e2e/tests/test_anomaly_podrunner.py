@@ -320,3 +320,37 @@ def test_the_hook_is_bounded_by_the_pods_grace_period(tmp_path: Path) -> None:
         assert done.get("tokens", 0) < 6000, done  # and cut: the grace is the bound
     finally:
         r.stop_all()
+
+
+def test_a_running_pod_is_not_stopped_when_its_secret_cannot_be_read(tmp_path: Path) -> None:
+    """Regression (CI, stop 26): the runner re-read every pod's Secret on each sync and
+    stopped a running pod when the read failed (a loaded API server), so the router and
+    engines of a fleet restarted again and again. A kubelet resolves env once, at start."""
+    port = free_port(IP)
+    pod = engine_pod("k", "uk", IP, port)
+    container = pod["spec"]["containers"][0]
+    container["args"] += ["--admin-api-key", "$(KEY)"]
+    container["env"].append(
+        {"name": "KEY", "valueFrom": {"secretKeyRef": {"name": "demo-keys", "key": "admin"}}}
+    )
+    reads = {"ok": True, "count": 0}
+
+    def secrets(namespace: str, name: str) -> dict[str, str] | None:
+        reads["count"] += 1
+        if not reads["ok"]:
+            raise OSError("the API server did not answer")
+        return {"admin": "s3cret"}
+
+    r = PodRunner(lambda: [pod], tmp_path / "logs", extra_args=["--sim-speedup", "20"],
+                  secrets=secrets)  # fmt: skip
+    try:
+        r.sync()
+        assert healthy(IP, port)
+        started = r.running[("ns", "k")].record.pid
+        reads["ok"], before = False, reads["count"]
+        for _ in range(3):
+            r.sync()
+        assert r.running[("ns", "k")].record.pid == started and healthy(IP, port, 2)
+        assert reads["count"] == before  # nothing read for a pod that runs
+    finally:
+        r.stop_all()
