@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import urllib.parse
 import urllib.request
@@ -224,6 +225,20 @@ async def test_a_deleted_decode_leaves_the_router_while_it_finishes_its_request(
     assert result == (200, TOKENS), result
 
 
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def router_log_lines(stack: LiveStack) -> dict[str, list[str]]:
+    """Each router pod log's discovery and warning lines (the failure message's evidence)."""
+    marks = ("Adding pod", "Removing pod", "WARN", "ERROR", "Failed", "failed")
+    return {
+        log.name.rsplit(".", 2)[-2]: [ANSI.sub("", line)[-240:]
+                                      for line in log.read_text(errors="replace").splitlines()
+                                      if any(m in line for m in marks)][-20:]
+        for log in sorted((stack.run_dir / "pods").glob("*router*.log"))
+    }  # fmt: skip
+
+
 def short_requests(url: str, until: float, out: list[tuple[int, str]]) -> None:
     """Short chat requests to `url`, one after another, until the monotonic time `until`
     (at most 400): (status, error) each, error "" when it completed."""
@@ -255,21 +270,30 @@ async def test_a_deleted_router_pod_loses_no_request_at_the_entry_service(
         urls = wait_for("a decode", lambda: decode_urls(kubectl, namespace) or None, 60)
         key = control_key(kubectl, namespace)
 
+        seen: dict[str, Any] = {}  # the last look, for the failure message
+
         def routers_serving() -> list[str] | None:
             pods = role_pods(kubectl, namespace, "router")
             found = [f"http://{p['status']['podIP']}:8000" for p in pods
                      if p.get("status", {}).get("podIP") and any(
                          c["type"] == "Ready" and c["status"] == "True"
                          for c in p["status"].get("conditions", []))]  # fmt: skip
+            seen.update(pods=[p["metadata"]["name"] for p in pods], ready=found, decodes=urls)
+            seen["routers"] = {u: (http_ok(f"{u}/readiness"), sorted(router_workers(u, key)))
+                               for u in found}  # fmt: skip
             ok = len(found) == 2 and all(
-                http_ok(f"{u}/readiness") and set(urls.values()) <= router_workers(u, key)
-                for u in found
+                ready and set(urls.values()) <= set(workers)
+                for ready, workers in seen["routers"].values()
             )
             return found if ok else None
 
-        victim_url = (await asyncio.to_thread(wait_for, "2 routers serving", routers_serving, 90))[
-            0
-        ]
+        try:
+            serving = await asyncio.to_thread(wait_for, "2 routers serving", routers_serving, 90)
+        except TimeoutError as exc:
+            raise AssertionError(
+                f"{exc}; last seen: {seen}; router discovery: {router_log_lines(stack)}"
+            ) from exc
+        victim_url = serving[0]
         victim = next(p["metadata"]["name"] for p in role_pods(kubectl, namespace, "router")
                       if victim_url.startswith(f"http://{p['status'].get('podIP')}:"))  # fmt: skip
         entry = await asyncio.to_thread(

@@ -105,6 +105,9 @@ def test_setup_refuses_a_routed_range_and_teardown_removes_exactly_what_it_made(
         ["ip", "link", "add", decoy_link, "type", "veth", "peer", "name", "cnzzzzzp"], check=True
     )
     for link in (decoy_link, "cnzzzzzp"):
+        # No IPv6 link-local address: the kernel adds its routes a moment after the link comes up
+        # (after duplicate-address detection), which raced the route snapshot below.
+        subprocess.run(["ip", "link", "set", "dev", link, "addrgenmode", "none"], check=True)
         subprocess.run(["ip", "link", "set", link, "up"], check=True)
     before_routes = _routes()
     try:
