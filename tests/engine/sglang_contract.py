@@ -38,7 +38,10 @@ LAUNCHER = ["python3", "-m", "cas_engine.launch_server"]
 # What Kubernetes substitutes for the LWS variables in a pod of group 0 (leader).
 LWS_EXPANSION = {"$(LWS_LEADER_ADDRESS)": "10.0.0.1", "$(LWS_WORKER_INDEX)": "0"}
 # What the kubelet reads from the fleet's keys Secret (by secretKeyRef) for these tests.
-SECRET_VALUES = {"engine-admin-key": "admin-key-from-the-secret"}
+# A key that starts with "-", as a user's Secret (or a URL-safe random key, 1 in 64) may: the
+# parser must still read it as the flag's value (regression: "--admin-api-key: expected one
+# argument" at pod start).
+SECRET_VALUES = {"engine-admin-key": "-admin-key-from-the-secret"}
 
 _MLA = {
     "hidden_size": 7168,

@@ -110,3 +110,12 @@ def test_a_refused_read_is_degraded_not_a_crash_and_is_retried() -> None:
     cond = degraded(run(kube, SPEC, "uid-refused", full=False))
     assert cond["status"] == "True"
     keys.forget("uid-refused")
+
+
+def test_made_keys_never_start_with_a_dash_and_never_hold_the_routers_separator() -> None:
+    """Regression: keys were URL-safe base64, which begins with '-' one time in 64; the engine's
+    argument parser then read `--admin-api-key -…` as a missing value and the pod never
+    started. Made keys are hex now, and the flag is rendered as one `--flag=value` word."""
+    made = [keys.new_key() for _ in range(2000)]
+    assert all(k[0] != "-" and ":" not in k and len(k) == 2 * keys.KEY_BYTES for k in made)
+    assert len(set(made)) == len(made)

@@ -23,14 +23,16 @@ from cas_operator.kube import Kube
 from cas_operator.reconcile.status import Problem
 
 log = logging.getLogger(__name__)
-KEY_BYTES = 32  # 256 bits, URL-safe text (no ':' or spaces: the router splits id:name:role:key)
+KEY_BYTES = 32  # 256 bits as hex: no ':' or spaces (the router splits id:name:role:key), no
+# leading '-' (a URL-safe key began with one 1 time in 64, and a command-line parser read it
+# as a flag)
 REQUIRED_KEYS = (c.KEY_ROUTER_CONTROL_PLANE, c.KEY_ENGINE_ADMIN)
 _verified: dict[str, str] = {}  # resource uid -> the Secret found usable
 _lock = threading.Lock()
 
 
 def new_key() -> str:
-    return secrets.token_urlsafe(KEY_BYTES)
+    return secrets.token_hex(KEY_BYTES)
 
 
 def ensure_keys(kube: Kube, owner: Owner, plan: Plan, *, recheck: bool) -> Problem | None:

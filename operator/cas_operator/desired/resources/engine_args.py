@@ -35,8 +35,9 @@ def server_args(plan: Plan) -> list[str]:
         "--port",
         str(c.ENGINE_PORT),
         "--enable-metrics",
-        "--admin-api-key",  # from the fleet's keys Secret (desired/resources/security.py)
-        f"$({c.ENV_ENGINE_ADMIN_KEY})",
+        # From the fleet's keys Secret (desired/resources/security.py). One word with "=":
+        # argparse takes a separate value that starts with "-" for a flag and refuses it.
+        f"--admin-api-key=$({c.ENV_ENGINE_ADMIN_KEY})",
     ]
 
 
