@@ -7,6 +7,9 @@ agents in a loop, streaming and non-streaming, long generations (`ignore_eos`, s
 must hold exactly the tokens asked for). Then each path runs in turn, and waits until the
 fleet has converged (status at the new counts, nothing draining, one revision left):
 
+- ``operator upgrade``: the fleet was made by an older build (``e2e.runtime.older_operator``,
+  which renders the engine pods differently); it is replaced by this build, which must hold
+  the running revision (``status.heldRevision``) and restart no engine pod (``restarted``);
 - ``decode 4 -> 2`` and ``prefill 3 -> 1``: a spec change;
 - ``kubectl scale 2 -> 1``: the scale subresource (decode);
 - ``engine change``: a new revision; the old one leaves the entry point, then goes;
@@ -18,9 +21,8 @@ stream that ended short of its tokens), retried (a connection that closed or was
 before the request went out, retried once as the OpenAI SDK does; a second such error is a
 failure), and the seconds until converged. Prints a table and
 writes ``bench/results/lifecycle.json``: a list of ``{path, sent, failed, cut, seconds}``.
-Not covered (said in docs/architecture.md): an operator upgrade with a changed build and a node
-drain through evictions (KWOK deletes a pod object at once, so an evicted pod's deregistration
-is not real here).
+Not covered (said in docs/architecture.md): a node drain through evictions (KWOK deletes a
+pod object at once, so an evicted pod's deregistration is not real here).
 
 Cluster: the running ``make cluster-up`` stack, or a private one (bench/anomaly.py's helper).
 """
@@ -184,6 +186,29 @@ async def restart_mid_drain(kubectl: Kubectl, namespace: str, stack: LiveStack) 
     stack.operator.start()
 
 
+def engine_pod_uids(kubectl: Kubectl, namespace: str) -> set[str]:
+    pods = json.loads(kubectl("get", "pods", "-n", namespace, "-l",
+                              f"cas.dev/name={NAME},app.kubernetes.io/name=cas-engine",
+                              "-o", "json"))["items"]  # fmt: skip
+    return {p["metadata"]["uid"] for p in pods if not p["metadata"].get("deletionTimestamp")}
+
+
+async def upgrade_operator(kubectl: Kubectl, namespace: str, stack: LiveStack) -> None:
+    """The fleet was made by an older build (`e2e.runtime.older_operator`, which renders the
+    engine pods with one env var more): stop it and start this build, as a chart upgrade does."""
+    assert stack.operator is not None
+    assert stack.operator.module != "cas_operator", "the fleet must be made by the older build"
+    assert not held(kubectl, namespace), "the older build already holds a revision"
+    stack.operator.stop()
+    stack.operator.module = "cas_operator"
+    stack.operator.start()
+
+
+def held(kubectl: Kubectl, namespace: str) -> bool:
+    """The operator keeps the running revision and says what it would roll to."""
+    return "heldRevision" in cas_status(kubectl, namespace)
+
+
 async def run_paths(kubectl: Kubectl, namespace: str, stack: LiveStack, load: Load,
                     grace: float, only: str | None = None) -> list[dict[str, Any]]:  # fmt: skip
     engine_env = [{"name": "CAS_BENCH_ROLL", "value": "2"}]
@@ -192,6 +217,7 @@ async def run_paths(kubectl: Kubectl, namespace: str, stack: LiveStack, load: Lo
         await asyncio.to_thread(step)
 
     paths: list[tuple[str, Callable[[], Awaitable[None]], tuple[int, int]]] = [
+        ("operator upgrade", lambda: upgrade_operator(kubectl, namespace, stack), (3, 4)),
         ("decode 4 -> 2", lambda: act(lambda: patch(kubectl, namespace,
                                                     {"decode": {"replicas": 2}})), (3, 2)),
         ("prefill 3 -> 1", lambda: act(lambda: patch(kubectl, namespace,
@@ -207,10 +233,14 @@ async def run_paths(kubectl: Kubectl, namespace: str, stack: LiveStack, load: Lo
         if only is not None and only not in name:
             continue
         print(f"[bench] path: {name}", flush=True)
+        upgrade = name == "operator upgrade"
+        pods_before = engine_pod_uids(kubectl, namespace)
         began = time.monotonic()
         await start()
         await asyncio.to_thread(wait_for, f"{name} converged",
-                                lambda p=prefill, d=decode: converged(kubectl, namespace, p, d),
+                                lambda p=prefill, d=decode, u=upgrade: converged(
+                                    kubectl, namespace, p, d) and (not u or held(
+                                        kubectl, namespace)),
                                 grace + 240)  # fmt: skip
         seconds = time.monotonic() - began
         await asyncio.sleep(5)  # requests sent just before convergence finish
@@ -220,12 +250,19 @@ async def run_paths(kubectl: Kubectl, namespace: str, stack: LiveStack, load: Lo
                         "retried": sum(r.retried for r in seen),
                         "seconds": round(seconds, 1),
                         "errors": sorted({r.error for r in seen if r.error})[:5]})  # fmt: skip
+        if upgrade:  # engine pods the new build replaced (target 0: it holds the revision)
+            results[-1]["restarted"] = len(pods_before - engine_pod_uids(kubectl, namespace))
         print(f"[bench] {results[-1]}", flush=True)
     return results
 
 
-START = {"decode": (3, 4), "prefill": (3, 2), "kubectl": (1, 2), "engine": (1, 1),
-         "operator": (1, 1)}  # fmt: skip
+# The counts the fleet starts at when `--only` names a path (a key in the path's name).
+START = {"upgrade": (3, 4), "decode": (3, 4), "prefill": (3, 2), "kubectl": (1, 2),
+         "engine": (1, 1), "restart": (1, 1)}  # fmt: skip
+
+
+def start_counts(only: str | None) -> tuple[int, int]:
+    return next((v for k, v in START.items() if only and k in only), START["upgrade"])
 
 
 async def live(
@@ -235,13 +272,17 @@ async def live(
     namespace = f"bench-lifecycle-{uuid.uuid4().hex[:6]}"
     await asyncio.to_thread(apply_crds, kubectl)
     await asyncio.to_thread(create_namespace, kubectl, namespace)
+    # The first path, "operator upgrade", needs the fleet made by an older build.
+    older = only is None or "upgrade" in only
+    module = "e2e.runtime.older_operator" if older else "cas_operator"
     stack = LiveStack(kubeconfig, namespace, run / "live", sim_args=SIM_ARGS,
-                      scrape_interval_s=2.0, operator_args=("-n", namespace))  # fmt: skip
+                      scrape_interval_s=2.0, operator_args=("-n", namespace),
+                      operator_module=module)  # fmt: skip
     traffic: asyncio.Task[None] | None = None
     load: Load | None = None
     try:
         stack.start(log=lambda line: print(f"[live] {line}", flush=True))
-        prefill, decode = START[(only or "decode").split()[0]]
+        prefill, decode = start_counts(only)
         cas = sample(prefill, decode)
         kubectl("apply", "-n", namespace, "-f", "-", stdin=yaml.safe_dump(probed_by_runner(cas)))
         await asyncio.to_thread(wait_for, "the fleet", lambda: converged(
@@ -282,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['seconds']:>8}")  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
-    return 0 if all(r["failed"] == 0 and r["cut"] == 0 for r in results) else 1
+    ok = all(r["failed"] == 0 and r["cut"] == 0 and not r.get("restarted") for r in results)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -95,6 +95,7 @@ class LiveStack:
     operator_log: Path | None = None  # default: <run_dir>/operator.log
     operator_args: tuple[str, ...] = ()  # e.g. ("-n", namespace): watch this namespace only
     metrics_port: int = 0
+    operator_module: str = "cas_operator"  # e2e.runtime.older_operator: an older build
     audit_log: Path | None = None  # set: resource_live fails on a refused request (see there)
     # The operator runs under the Helm chart's ServiceAccount token (e2e.runtime.chart), not as
     # the admin: namespaced values for ``-n`` (a Role in that namespace), else all namespaces.
@@ -141,6 +142,7 @@ class LiveStack:
         self.operator = OperatorProcess(
             self.identity.kubeconfig, self.operator_log or self.run_dir / "operator.log",
             metrics_port=self.metrics_port, extra_args=self.operator_args, env=env,
+            module=self.operator_module,
         )  # fmt: skip
         self.operator.start()
         log(f"operator started (log: {self.operator.log_path})")

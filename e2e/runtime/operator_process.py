@@ -25,9 +25,12 @@ class OperatorProcess:
         metrics_port: int = 0,
         extra_args: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
+        module: str = "cas_operator",
     ) -> None:
         self.kubeconfig, self.log_path, self.metrics_port = kubeconfig, log_path, metrics_port
         self.extra_args, self.env = extra_args, dict(env or {})
+        # what `python -m` runs: e2e.runtime.older_operator plays an older build
+        self.module = module
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -35,7 +38,7 @@ class OperatorProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "cas_operator", "--liveness", "",
+                [sys.executable, "-m", self.module, "--liveness", "",
                  "--metrics-port", str(self.metrics_port), *self.extra_args],
                 cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
             )  # fmt: skip
