@@ -107,5 +107,11 @@ bench-guard: setup ## Quality-gate overhead per verify step (batch 1/64/256)
 bench-operator: setup bins ## N = 10, 50, 200 resources at once -> Ready latency, CPU, memory
 	$(PY) -m bench.operator_scale
 
+##@ GPU
+
+gpu-check: ## One-shot check on a CUDA machine: GPU tests, HiCache race on real streams, wait and gate costs (GPU_CHECK_ARGS=--cpu-dry-run without one)
+	bash tools/gpu-check.sh $(GPU_CHECK_ARGS)
+
 .PHONY: run test help setup sysdeps cluster-status e2e crds verify lint lint-docker image typecheck unit bins cluster-up \
-	cluster-down bench bench-race bench-anomaly bench-lifecycle bench-planner bench-guard bench-operator bench-sim sim-demo
+	cluster-down bench bench-race bench-anomaly bench-lifecycle bench-planner bench-guard bench-operator bench-sim sim-demo \
+	gpu-check
