@@ -40,8 +40,9 @@ class MemoryKube:
     """Workloads and other children keyed by (kind, name): apply, list, delete, and status
     patches of the owner; Secrets by create (409: None) and read by name, their `stringData`
     as the server stores it. Applied workloads report ready (unless `ready=False`); without
-    `lws` the LeaderWorkerSet kind is not served. Records applies, creates, merge patches,
-    deletes, LISTs and status patches."""
+    `lws` the LeaderWorkerSet kind is not served. `replace` honours the resourceVersion
+    precondition. Records applies, creates, replaces, merge patches, deletes, LISTs and
+    status patches."""
 
     def __init__(self, *, lws: bool = True, ready: bool = True) -> None:
         self.objects: dict[tuple[str, str], Manifest] = {}
@@ -51,6 +52,7 @@ class MemoryKube:
         self.status_patches: list[Manifest] = []
         self.patches: list[tuple[str, str]] = []
         self.created: list[tuple[str, str]] = []
+        self.replaced: list[tuple[str, str]] = []
         self.lws, self.ready = lws, ready
 
     def apply(self, manifest: Manifest) -> Manifest:
@@ -83,6 +85,24 @@ class MemoryKube:
     def delete(self, kind: str, namespace: str, name: str) -> None:
         self.objects.pop((kind, name), None)
         self.deleted.append((kind, name))
+
+    def get(self, kind: str, namespace: str, name: str) -> Manifest | None:
+        found = self.objects.get((kind, name))
+        return None if found is None else copy.deepcopy(found)
+
+    def replace(self, kind: str, namespace: str, name: str, manifest: Manifest) -> Manifest | None:
+        """PUT with the resourceVersion as a precondition (a stale one: None, as a 409)."""
+        stored = self.objects.get((kind, name))
+        if stored is None:
+            return None
+        version = stored["metadata"].get("resourceVersion")
+        if manifest["metadata"].get("resourceVersion") != version:
+            return None
+        made = copy.deepcopy(manifest)
+        made["metadata"]["resourceVersion"] = str(int(version or 0) + 1)
+        self.objects[(kind, name)] = made
+        self.replaced.append((kind, name))
+        return made
 
     def patch(self, kind: str, namespace: str, name: str, patch: Manifest) -> Manifest:
         obj = self.objects[(kind, name)]

@@ -1,4 +1,4 @@
-"""The fleet tick: every few seconds, loops 2 and 3 (anomaly, autoscale) over every resource.
+"""The fleet tick: every few seconds, loops 2-4 (anomaly, autoscale, rollout) over every resource.
 
 Data flow (every `interval` seconds, started by handlers.py at operator start-up):
 the latest copy of every CodingAgentServing (kopf's watch-fed `serving_index`)
@@ -11,8 +11,11 @@ the latest copy of every CodingAgentServing (kopf's watch-fed `serving_index`)
       hint; in Recommend/Auto the measured load; in Auto one damped replica step);
    3. the scale-down loop: `scaledown.act.scale_down_tick` over the same pods, against the
       counts the last pass wrote (retire marks, releases; how far each workload may shrink);
-   4. the findings as one `reconcile.core.Measured` (status.anomaly, status.draining,
-      status.autoscaler, the load and Auto's counts), handed to the passes in memory
+   4. the rollout loop (Canary fleets): `rollout.act.rollout_tick` analyses the canary against
+      the stable revision and moves the rollout (status.rollout); the anomaly loop judged the
+      canary's pods apart and its finding is one of the rollout's inputs;
+   5. the findings as one `reconcile.core.Measured` (status.anomaly, status.draining,
+      status.autoscaler, the load, Auto's counts, the rollout), handed to the passes in memory
       (`measured_for`); when it changed, `on_change` asks for a pass.
 The passes are the one writer of a resource's status: a condition and its evidence
 (`Degraded: FleetWideAnomaly` and `status.anomaly.fleetWide`) land in the same write.
@@ -29,7 +32,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pydantic import ValidationError
@@ -48,6 +51,7 @@ from cas_operator.desired.resources.security import keys_secret_name
 from cas_operator.kube import Kube
 from cas_operator.observe.types import MetricsSource, Observation, PodSignals, PodTarget
 from cas_operator.reconcile.core import Measured
+from cas_operator.rollout.act import Findings, canary_of, rollout_tick, stable_pools
 from cas_operator.routers import HttpRouters, control_plane_key, router_pod_urls
 from cas_operator.scaledown.act import ScaleDownResult, scale_down_tick
 from cas_operator.types import Event, Manifest, Status
@@ -252,6 +256,8 @@ class FleetTick:
         try:
             if uid not in self.states:  # a restarted operator keeps its drain record
                 self.states[uid] = LoopState(GuardState.restored(current.get("anomaly")))
+            before = self.measured_for(uid, current)
+            canary = canary_of(spec, before.rollout, current)
             result = anomaly_tick(
                 snapshot,
                 source,
@@ -260,10 +266,10 @@ class FleetTick:
                 spec=spec.anomaly_guard,
                 state=self.states[uid],
                 now=now,
-                desired=desired_counts(current),
+                desired=stable_pools(current) or desired_counts(current),
                 routers=fleet_routers(self.kube, snapshot, name, namespace, spec),
+                canary=canary,
             )
-            before = self.measured_for(uid, current)
             engine = {c.LABEL_NAME: name, c.LABEL_APP_NAME: c.APP_ENGINE}
             scaled = self.autoscaler.step(
                 uid,
@@ -282,7 +288,17 @@ class FleetTick:
                 float(spec.engine.drain_seconds),
                 now,
             )
+            rolled = rollout_tick(
+                snapshot,
+                self.source(),
+                resource,
+                spec,
+                before.rollout,
+                Findings(result.degraded, result.canary_anomaly),
+                now,
+            )
             measured = measured_from(result, scaled, retired, self.states[uid].guard)
+            measured = replace(measured, rollout=rolled.state)
             self.measured[uid] = measured
         except Exception:  # one resource's failure must not stop the others' tick
             log.exception("fleet tick of %s/%s failed", namespace, name)
@@ -291,7 +307,7 @@ class FleetTick:
             # The reconcile folds these into the pools and conditions and writes them with
             # its status: hand them over in memory and ask for a pass.
             self.on_change(resource)
-        self._post(resource, result.events + retired.events)
+        self._post(resource, result.events + retired.events + rolled.events)
         return 1 if measured != before else 0
 
     def _post(self, resource: Manifest, events: list[Event]) -> None:

@@ -49,6 +49,7 @@ KINDS: dict[str, KindInfo] = {
     "NetworkPolicy": KindInfo("networking.k8s.io/v1", "networkpolicies"),
     "Deployment": KindInfo("apps/v1", "deployments"),
     "LeaderWorkerSet": KindInfo(c.LWS_API_VERSION, "leaderworkersets"),
+    "HTTPRoute": KindInfo("gateway.networking.k8s.io/v1", "httproutes"),
     c.KIND: KindInfo(f"{c.GROUP}/{c.VERSION}", c.PLURAL),
 }
 # Kinds that carry a revision label and are deleted once a newer revision is ready.

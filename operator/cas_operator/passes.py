@@ -69,6 +69,7 @@ OWNED_STATUS_KEYS = (
     "anomaly",
     "draining",
     "autoscaler",
+    "rollout",
 )
 Key = tuple[str, str]  # (namespace, name)
 Observe = Callable[[], list[ObservedWorkload]]

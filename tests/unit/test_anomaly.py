@@ -21,10 +21,10 @@ from cas_operator.anomaly.detect import (
     decide,
     drain_capacity,
     judge_pod,
-    poisson_sf,
 )
 from cas_operator.api.models import AnomalyGuardSpec, GuardAction
 from cas_operator.observe.types import PodSignals, PodView
+from cas_operator.stats import poisson_sf
 
 TICK = 5.0
 WINDOW = 300.0

@@ -22,7 +22,8 @@ from cas_operator.autoscale.controller import (
     failing_sides,
 )
 from cas_operator.autoscale.model import ObservedSignals, SloInputs
-from cas_operator.autoscale.signals import histogram_quantile, observed_signals, quantized
+from cas_operator.autoscale.signals import observed_signals, quantized
+from cas_operator.observe.histogram import histogram_quantile
 from cas_operator.observe.types import PodSignals, PodView
 from cas_operator.reconcile.core import Measured, reconcile
 from tests.fakes import MemoryKube

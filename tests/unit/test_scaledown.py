@@ -18,7 +18,7 @@ from cas_operator.anomaly.drain import (
 from cas_operator.api import constants as c
 from cas_operator.api.models import GuardAction
 from cas_operator.observe.types import PodSignals
-from cas_operator.scaledown.act import older_revisions, scale_down_tick, work_of
+from cas_operator.scaledown.act import other_revisions, scale_down_tick, work_of
 from cas_operator.scaledown.decide import (
     Instance,
     PoolFloor,
@@ -204,6 +204,6 @@ def test_an_older_revisions_work_counts_its_ready_instances_only() -> None:
     starting["status"]["conditions"] = [{"type": "Ready", "status": "False"}]
     pods = [engine_pod("old0", revision="r0"), starting, engine_pod("new0")]
     signals = {"old0": PodSignals(running=2, queued=1), "old1": None}
-    assert older_revisions(pods, signals, "r1") == (RevisionLoad("r0", 3.0),)
-    assert older_revisions(pods, {}, "r1") == (RevisionLoad("r0", None),)
-    assert older_revisions([starting], {}, "r1") == (RevisionLoad("r0", 0.0),)
+    assert other_revisions(pods, signals, frozenset({"r1"})) == (RevisionLoad("r0", 3.0),)
+    assert other_revisions(pods, {}, frozenset({"r1"})) == (RevisionLoad("r0", None),)
+    assert other_revisions([starting], {}, frozenset({"r1"})) == (RevisionLoad("r0", 0.0),)

@@ -57,6 +57,7 @@ class LoopState:
     """What the caller keeps per custom resource between ticks (in memory only)."""
 
     guard: GuardState = field(default_factory=GuardState)
+    canary: GuardState = field(default_factory=GuardState)  # a canary revision's own pods
 
 
 @dataclass
@@ -76,6 +77,7 @@ class TickResult:
     decision: AnomalyDecision | None = None
     views: list[PodView] = field(default_factory=list)  # the pods left, with their signals
     pods: list[Manifest] = field(default_factory=list)  # the same pods, as listed and marked
+    canary_anomaly: str | None = None  # a canary revision's pods judged anomalous
 
 
 def engine_pods(api: PodApi, namespace: str, name: str) -> list[Manifest]:
@@ -188,6 +190,7 @@ def anomaly_tick(
     drain_policy: DrainPolicy | None = None,
     routers: Routers | None = None,
     desired: dict[str, int] | None = None,
+    canary: str | None = None,
 ) -> TickResult:
     """One observe -> decide -> act pass for one CodingAgentServing.
 
@@ -200,17 +203,27 @@ def anomaly_tick(
     default: the resource's router pods over HTTP); 5. advance drains in progress;
     6. report status.draining, the Degraded messages and per-pool anomaly rates.
     `desired` is each pool's desired instance count (the circuit breaker counts missing ones).
+    `canary`: the revision a canary rollout runs; its pods are judged apart, against their own
+    pool (the others' baseline stays clean), and never drained: the rollout aborts on what
+    this finds (`TickResult.canary_anomaly`).
     """
     drain_policy = drain_policy or DrainPolicy()
     pods = engine_pods(api, namespace, name)
     observation = source.observe([target_of(p) for p in pods], float(spec.window_seconds))
     events: list[Event] = []
     decision: AnomalyDecision | None = None
+    canary_anomaly: str | None = None
     if spec.enabled:
         views = [view_of(p, observation.signals.get(_meta(p)["name"])) for p in pods]
-        decision = decide(spec, views, state.guard, now, policy, desired)
+        in_canary = {_meta(p)["name"] for p in pods if canary and revision_of(p) == canary}
+        decision = decide(
+            spec, [v for v in views if v.name not in in_canary], state.guard, now, policy, desired
+        )
         state.guard = decision.state
         events += decision.events
+        canary_anomaly = _judge_canary(
+            spec, [v for v in views if v.name in in_canary], state, now, policy
+        )
         by_name = {_meta(p)["name"]: p for p in pods}
         for order in decision.drains:
             events.append(start_drain(api, by_name[order.name], order.reason, now))
@@ -230,7 +243,39 @@ def anomaly_tick(
         decision=decision,
         views=views,
         pods=remaining,
+        canary_anomaly=canary_anomaly,
     )
+
+
+def revision_of(pod: Manifest) -> str | None:
+    found: str | None = _meta(pod).get("labels", {}).get(c.LABEL_REVISION)
+    return found
+
+
+def _judge_canary(
+    spec: AnomalyGuardSpec,
+    views: list[PodView],
+    state: LoopState,
+    now: float,
+    policy: Policy | None,
+) -> str | None:
+    """A canary revision's pods, judged against each other with the same rules but never
+    drained: an incident among them, or any pod hot for long enough, is the canary's
+    anomaly (None: none, or no canary pods)."""
+    if not views:
+        state.canary = GuardState()
+        return None
+    observe_only = spec.model_copy(update={"action": GuardAction.OBSERVE})
+    found = decide(observe_only, views, state.canary, now, policy)
+    state.canary = found.state
+    if found.degraded is not None:
+        return found.degraded
+    enter = (policy or Policy()).enter_observations
+    hot = sorted(n for n, streak in found.state.hot_streak.items() if streak >= enter)
+    if not hot:
+        return None
+    reasons = ", ".join(f"{n} ({found.verdicts[n].reason})" for n in hot if n in found.verdicts)
+    return f"canary pods anomalous: {reasons}"
 
 
 def _mark_draining(pod: Manifest, reason: str, now: float) -> None:

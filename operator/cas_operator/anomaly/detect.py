@@ -25,7 +25,6 @@ Rules, in order:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -33,6 +32,7 @@ from typing import Any
 from cas_operator.api import constants as c
 from cas_operator.api.models import AnomalyGuardSpec, GuardAction
 from cas_operator.observe.types import PodSignals, PodView
+from cas_operator.stats import exceeds
 from cas_operator.types import parse_time, rfc3339
 
 REASON_LOW_ACCEPT = "low_accept_length"
@@ -124,38 +124,6 @@ class AnomalyDecision:
     pool_rate: dict[str, float | None]
     events: list[tuple[str, str, str]]
     state: GuardState
-
-
-def poisson_sf(k: float, lam: float) -> float:
-    """P(X >= k) for X ~ Poisson(lam), k rounded down; log-space so large lam cannot underflow."""
-    n = math.floor(k)
-    if n <= 0:
-        return 1.0
-    if lam <= 0.0:
-        return 0.0
-    if n > 5000:  # normal approximation with continuity correction; exact sums get long
-        z = (n - 0.5 - lam) / math.sqrt(lam)
-        return 0.5 * math.erfc(z / math.sqrt(2.0))
-    if n > lam:  # upper tail: terms shrink geometrically from n on
-        return min(1.0, _sum_pmf(range(n, n + 20000), lam))
-    return max(0.0, 1.0 - _sum_pmf(range(n), lam))
-
-
-def _sum_pmf(js: range, lam: float) -> float:
-    """Sum of Poisson(lam) probabilities over `js`, stopping once terms stop mattering."""
-    total = 0.0
-    log_lam = math.log(lam)
-    for j in js:
-        term = math.exp(-lam + j * log_lam - math.lgamma(j + 1))
-        total += term
-        if j > lam and term < total * 1e-15:
-            break
-    return total
-
-
-def exceeds(count: float, checked: float, rate: float, alpha: float) -> bool:
-    """True when `count` events in `checked` trials are significantly above `rate`."""
-    return count > checked * rate and poisson_sf(count, checked * rate) < alpha
 
 
 def _judged(pod: PodView, policy: Policy) -> PodSignals | None:

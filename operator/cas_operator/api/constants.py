@@ -78,6 +78,13 @@ REASON_SIGNAL_UNAVAILABLE: Final = "AnomalySignalUnavailable"
 REASON_NOT_OBSERVED: Final = "NotObservedYet"
 REASON_OPERATOR_UPGRADE_HELD: Final = "OperatorUpgradeHeld"
 REASON_SPEC_WARNING: Final = "SpecWarning"
+REASON_INVALID_ROUTE: Final = "HTTPRouteUnusable"  # gateway.httpRoute lacks our backendRefs
+REASON_CANARY: Final = "CanaryProgressing"
+REASON_ROLLOUT_PAUSED: Final = "RolloutPaused"
+REASON_PROMOTING: Final = "CanaryPromoting"
+REASON_ROLLOUT_ABORTED: Final = "RolloutAborted"
+# On the resource: a user's rollout command (promote, skip, abort, retry), consumed once.
+ANNOTATION_ROLLOUT_ACTION: Final = "cas.dev/rollout-action"
 
 LWS_API_VERSION: Final = "leaderworkerset.x-k8s.io/v1"
 LWS_WORKER_INDEX_LABEL: Final = "leaderworkerset.sigs.k8s.io/worker-index"  # set by LWS; 0 = leader

@@ -168,6 +168,9 @@ PRINTER_COLUMNS = [
     {"name": "Prefill", "type": "string", "jsonPath": ".status.prefill.summary"},
     {"name": "Decode", "type": "string", "jsonPath": ".status.decode.summary"},
     {"name": "Revision", "type": "string", "jsonPath": ".status.revision", "priority": 1},
+    {"name": "Stable", "type": "string", "jsonPath": ".status.rollout.stableRevision"},
+    {"name": "Canary", "type": "string", "jsonPath": ".status.rollout.summary"},
+    {"name": "Rollout", "type": "string", "jsonPath": ".status.rollout.phase", "priority": 1},
     {"name": "Anomaly", "type": "string", "jsonPath": ".status.anomaly.rate"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]

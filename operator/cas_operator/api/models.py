@@ -552,13 +552,91 @@ class AnomalyGuardSpec(Spec):
 
 
 class CanaryStep(Spec):
-    weight: int = Field(ge=0, le=100)
-    pause_seconds: int | None = Field(default=None, ge=0)
+    """One canary step: the canary revision gets `weight` percent of requests, then the step
+    holds (`pauseSeconds`, one analysis window when absent, or until promoted) while the
+    analysis compares it with the stable revision."""
+
+    model_config = _config(
+        cel(
+            "!(has(self.pauseSeconds) && has(self.pauseUntilPromoted))",
+            "a step pauses for pauseSeconds or until promoted, not both",
+            ".pauseUntilPromoted",
+        ),
+    )
+
+    weight: int = Field(ge=0, le=100, description="Percent of requests the canary gets.")
+    pause_seconds: int | None = Field(
+        default=None,
+        ge=0,
+        le=7 * 86400,
+        description="How long the step holds once its weight is in effect (the analysis runs "
+        "throughout; the step ends only on a passing analysis). Absent: one analysis window.",
+    )
+    pause_until_promoted: bool | None = Field(
+        default=None,
+        description="Hold at this step until promoted (`kubectl cas rollout promote NAME` or "
+        "the annotation cas.dev/rollout-action=promote); a failing analysis still aborts.",
+    )
 
 
 class AnalysisSpec(Spec):
-    max_anomaly_rate: float | None = Field(default=None, ge=0.0, le=1.0)
-    max_ttft_seconds: float | None = Field(default=None, gt=0.0)
+    """How a canary step is judged against the stable revision over `windowSeconds`. A gate
+    fails when the canary's count is significantly above its limit (one-sided Poisson test);
+    fewer than `minRequests` canary requests, or metrics missing, is inconclusive: the
+    rollout pauses, never promotes."""
+
+    window_seconds: int = Field(
+        default=120, ge=15, le=3600, description="The analysis window (seconds)."
+    )
+    min_requests: int = Field(
+        default=50,
+        ge=1,
+        le=1_000_000,
+        description="Canary requests the window must hold for a verdict.",
+    )
+    max_gate_trip_ratio: float = Field(
+        default=2.0,
+        ge=1.0,
+        le=1000.0,
+        description="The canary's quality-gate trip rate may be at most this times the "
+        "stable revision's (or anomalyGuard.podAnomalyRateThreshold, if higher).",
+    )
+    max_error_ratio: float = Field(
+        default=2.0,
+        ge=1.0,
+        le=1000.0,
+        description="The share of 5xx answers of the canary's routers may be at most this "
+        "times the stable routers' (or 1%, if higher).",
+    )
+    max_kv_transfer_failure_ratio: float = Field(
+        default=2.0,
+        ge=1.0,
+        le=1000.0,
+        description="The canary's failed KV transfers and bootstraps per request may be at "
+        "most this times the stable revision's (or 0.1%, if higher).",
+    )
+    max_ttft_ratio: float = Field(
+        default=1.5,
+        ge=1.0,
+        le=100.0,
+        description="The canary's TTFT p90 may be at most this times the stable revision's.",
+    )
+    max_itl_ratio: float = Field(
+        default=1.5,
+        ge=1.0,
+        le=100.0,
+        description="The canary's median inter-token latency may be at most this times the "
+        "stable revision's.",
+    )
+    max_anomaly_rate: float | None = Field(
+        default=None,
+        ge=0.0,
+        le=1.0,
+        description="An absolute cap on the canary's quality-gate trip rate.",
+    )
+    max_ttft_seconds: float | None = Field(
+        default=None, gt=0.0, le=3600.0, description="An absolute cap on the canary's TTFT p90."
+    )
 
 
 class RolloutSpec(Spec):
@@ -572,12 +650,60 @@ class RolloutSpec(Spec):
 
     strategy: RolloutStrategy = RolloutStrategy.ROLLING
     steps: list[CanaryStep] | None = Field(default=None, max_length=32)
-    analysis: AnalysisSpec | None = None
+    analysis: AnalysisSpec = Field(default_factory=AnalysisSpec)
+    max_surge_gpus: int | None = Field(
+        default=None,
+        ge=0,
+        le=1_000_000,
+        description="Canary: the most GPUs both revisions may use together beyond "
+        "ratio.gpuBudget (or beyond the stable pools' size, without a budget); the stable "
+        "pools give up instances (drained first) when the canary needs more. Absent: the "
+        "canary runs on top of the stable pools.",
+    )
     on_operator_upgrade: OperatorUpgradePolicy = Field(
         default=OperatorUpgradePolicy.HOLD,
         description="Hold: a new operator version that renders this spec's engine pods "
         "differently leaves them as they run (status.heldRevision says what it would roll to); "
         "Roll: it rolls them like a spec change.",
+    )
+
+
+DNS_1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+DNS_1123_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+
+class ParentRef(Spec):
+    """A Gateway (Gateway API) the fleet's HTTPRoute attaches to."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=DNS_1123_SUBDOMAIN)
+    namespace: str | None = Field(default=None, min_length=1, max_length=63, pattern=DNS_1123_LABEL)
+    section_name: str | None = Field(
+        default=None, min_length=1, max_length=253, pattern=DNS_1123_SUBDOMAIN
+    )
+    port: int | None = Field(default=None, ge=1, le=65535)
+
+
+class GatewaySpec(Spec):
+    """Serve through a Gateway API implementation: the operator owns the HTTPRoute `<name>`
+    attached to `parentRefs`, or sets only the weights of the HTTPRoute you name
+    (`httpRoute`: its backendRefs to the Services `<name>-stable` and `<name>-canary`). A
+    canary's traffic split is then exact (HTTPRoute weights)."""
+
+    model_config = _config(
+        cel(
+            "has(self.parentRefs) != has(self.httpRoute)",
+            "gateway names parentRefs (an HTTPRoute the operator owns) or httpRoute (yours, "
+            "whose weights the operator sets), not both",
+            "",
+        ),
+    )
+
+    parent_refs: list[ParentRef] | None = Field(default=None, min_length=1, max_length=8)
+    hostnames: list[Annotated[str, Field(max_length=253)]] | None = Field(
+        default=None, max_length=16
+    )
+    http_route: str | None = Field(
+        default=None, min_length=1, max_length=253, pattern=DNS_1123_SUBDOMAIN
     )
 
 
@@ -627,6 +753,7 @@ class CodingAgentServingSpec(Spec):
     router: RouterSpec = Field(default_factory=RouterSpec)
     anomaly_guard: AnomalyGuardSpec = Field(default_factory=AnomalyGuardSpec)
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    gateway: GatewaySpec | None = None
     pod_metadata: PodMetadata = Field(default_factory=PodMetadata)
     security: SecuritySpec = Field(default_factory=SecuritySpec)
 

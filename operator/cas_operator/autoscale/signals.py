@@ -9,11 +9,11 @@ controller (`autoscale.controller`).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 from cas_operator.api import constants as c
 from cas_operator.autoscale.model import ObservedSignals
+from cas_operator.observe.histogram import histogram_quantile, merged_buckets
 from cas_operator.observe.types import PodSignals, PodView
 
 # ---------------------------------------------------------------- observed load
@@ -35,33 +35,6 @@ def _total(values: Sequence[float | None]) -> float | None:
 def _mean(values: Sequence[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return sum(present) / len(present) if present else None
-
-
-def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float | None:
-    """Prometheus' histogram_quantile over cumulative (upper bound, count) buckets sorted by
-    bound: linear inside the bucket the rank falls in; the highest finite bound when it falls
-    in +Inf; None without observations (pure)."""
-    total = buckets[-1][1] if buckets else 0.0
-    if total <= 0 or not math.isinf(buckets[-1][0]):
-        return None
-    rank, lower, below = q * total, 0.0, 0.0
-    for bound, count in buckets:
-        if count >= rank:
-            if math.isinf(bound):
-                return lower
-            share = (rank - below) / (count - below) if count > below else 1.0
-            return lower + (bound - lower) * share
-        lower, below = bound, count
-    return lower
-
-
-def merged_buckets(signals: Sequence[PodSignals], itl: bool = False) -> list[tuple[float, float]]:
-    """One histogram from the pods' TTFT (or ITL) buckets (counts summed per bound)."""
-    merged: dict[float, float] = {}
-    for s in signals:
-        for bound, count in (s.itl_buckets if itl else s.ttft_buckets) or ():
-            merged[bound] = merged.get(bound, 0.0) + count
-    return sorted(merged.items())
 
 
 def observed_signals(pods: Sequence[PodView], window_s: float) -> ObservedSignals:

@@ -25,7 +25,7 @@ from cas_operator.desired.resolve import Resolved, resolve
 from cas_operator.desired.resources.meta import dropped_user_keys
 from cas_operator.desired.revision import RevisionRecord, choose, engine_input, engine_revision
 from cas_operator.desired.shapes import instance_shape
-from cas_operator.desired.validate import SpecError, limit_errors, validate
+from cas_operator.desired.validate import SpecError, limit_errors, surge_errors, validate
 
 
 def _layout(spec: CodingAgentServingSpec, resolved: Resolved) -> LayerLayout | None:
@@ -106,6 +106,8 @@ def build_plan(
             f"Auto: planner's {replicas.ratio} rejected ({why}); kept {fixed.ratio}",
         )
         errors = budget_errors(spec, replicas, prefill_shape.gpus, decode_shape.gpus, limits)
+    full_gpus = replicas.prefill * prefill_shape.gpus + replicas.decode * decode_shape.gpus
+    errors += surge_errors(spec, full_gpus, prefill_shape.gpus, decode_shape.gpus)
     if errors:
         raise InvalidSpec(errors)
     draft = Plan(

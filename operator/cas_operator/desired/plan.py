@@ -64,6 +64,7 @@ class Plan:
     engine_input: str = ""  # hash of the user's engine settings (`desired.revision`)
     warnings: tuple[str, ...] = ()  # what the operator did not take from the spec, and why
     operator_namespace: str | None = None  # where the operator pod runs (api.limits)
+    routers: int | None = None  # router replicas, when a rollout sets them (else the spec's)
 
     @property
     def held(self) -> bool:
@@ -78,6 +79,19 @@ class Plan:
             prefill=replace(self.prefill, workload_name=f"{self.name}-prefill-{revision}"),
             decode=replace(self.decode, workload_name=f"{self.name}-decode-{revision}"),
         )
+
+    def sized(self, prefill: int, decode: int, routers: int) -> Plan:
+        """This plan with other pool sizes and router replicas (a canary's share)."""
+        return replace(
+            self,
+            prefill=replace(self.prefill, replicas=prefill),
+            decode=replace(self.decode, replicas=decode),
+            routers=routers,
+        )
+
+    @property
+    def router_replicas(self) -> int:
+        return self.spec.router.replicas if self.routers is None else self.routers
 
     @property
     def router_name(self) -> str:

@@ -184,13 +184,45 @@ def _hicache_errors(spec: CodingAgentServingSpec) -> list[SpecError]:
 
 
 def _rollout_errors(spec: CodingAgentServingSpec) -> list[SpecError]:
-    rollout = spec.rollout
+    """The CRD's rules on rollout and gateway (for specs that did not come through the API
+    server), and what a canary needs to split traffic at all."""
+    rollout, gateway = spec.rollout, spec.gateway
+    errors = []
     if rollout.strategy.value == "Canary" and not rollout.steps:
-        return [SpecError("rollout.steps", "a Canary rollout needs at least one step")]
+        errors.append(SpecError("rollout.steps", "a Canary rollout needs at least one step"))
     weights = [step.weight for step in rollout.steps or []]
     if weights != sorted(weights):
-        return [SpecError("rollout.steps", f"weights must not decrease: {weights}")]
-    return []
+        errors.append(SpecError("rollout.steps", f"weights must not decrease: {weights}"))
+    for i, step in enumerate(rollout.steps or []):
+        if step.pause_seconds is not None and step.pause_until_promoted is not None:
+            why = "a step pauses for pauseSeconds or until promoted, not both"
+            errors.append(SpecError(f"rollout.steps[{i}].pauseUntilPromoted", why))
+    if rollout.strategy.value == "Canary" and gateway is None and spec.router.replicas < 1:
+        why = "a Canary rollout without spec.gateway splits traffic by router replicas: at least 1"
+        errors.append(SpecError("router.replicas", why))
+    if gateway is not None and (gateway.parent_refs is None) == (gateway.http_route is None):
+        why = "names parentRefs (an HTTPRoute the operator owns) or httpRoute (yours), not both"
+        errors.append(SpecError("gateway", why))
+    return errors
+
+
+def surge_errors(
+    spec: CodingAgentServingSpec, full_gpus: int, prefill_gpus: int, decode_gpus: int
+) -> list[SpecError]:
+    """`rollout.maxSurgeGpus` caps both revisions of a canary at the budget (or the full
+    pools) plus the surge: that must hold one instance of each role per revision."""
+    surge = spec.rollout.max_surge_gpus
+    if surge is None or spec.rollout.strategy.value != "Canary":
+        return []
+    limit = (spec.ratio.gpu_budget or full_gpus) + surge
+    least = 2 * (prefill_gpus + decode_gpus)
+    if limit >= least:
+        return []
+    why = (
+        f"a canary and its stable revision need at least one instance of each role each "
+        f"({least} GPUs); the budget plus the surge allow {limit}"
+    )
+    return [SpecError("rollout.maxSurgeGpus", why)]
 
 
 def _network_errors(spec: CodingAgentServingSpec) -> list[SpecError]:

@@ -73,7 +73,18 @@ class PrometheusSource:
                 name: self._query(name, f"sum {by} (increase({name}{sel}{w}))")
                 for name in m.LOAD_COUNTERS
             },
+            m.RESPONSES: self._query(
+                "router answers", f"sum {by} (increase({m.ROUTER_RESPONSES}{sel}{w}))"
+            ),
+            m.ERRORS_5XX: self._query(
+                "router 5xx",
+                f'sum {by} (increase({m.ROUTER_RESPONSES}{{status_code=~"5..",{sel[1:]}{w}))',
+            ),
         }
+        failures = "|".join(m.KV_FAILURE_COUNTERS)
+        counters[m.KV_FAILURES] = self._query(
+            "kv failures", f'sum {by} (increase({{__name__=~"{failures}",{sel[1:]}{w}))'
+        )
         ttft, itl = (
             self._query(
                 purpose,

@@ -27,7 +27,16 @@ from cas_operator.observe import types as m
 from cas_operator.observe.http import FetchError, get
 from cas_operator.observe.types import Observation, PodSignals, PodTarget
 
-COUNTER_KEYS = (m.CHECKED, m.REASON_LOW, m.REASON_HIGH, m.ABORTED, *m.LOAD_COUNTERS)
+COUNTER_KEYS = (
+    m.CHECKED,
+    m.REASON_LOW,
+    m.REASON_HIGH,
+    m.ABORTED,
+    *m.LOAD_COUNTERS,
+    m.KV_FAILURES,
+    m.RESPONSES,
+    m.ERRORS_5XX,
+)
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,12 @@ def parse_exposition(text: str, at: float) -> Scrape:
                 counters[key] = counters.get(key, 0.0) + value
             elif sample.name in (m.CHECKED, m.ABORTED, *m.LOAD_COUNTERS):
                 counters[sample.name] = counters.get(sample.name, 0.0) + value
+            elif sample.name in m.KV_FAILURE_COUNTERS:
+                counters[m.KV_FAILURES] = counters.get(m.KV_FAILURES, 0.0) + value
+            elif sample.name == m.ROUTER_RESPONSES:
+                counters[m.RESPONSES] = counters.get(m.RESPONSES, 0.0) + value
+                if str(sample.labels.get("status_code", "")).startswith("5"):
+                    counters[m.ERRORS_5XX] = counters.get(m.ERRORS_5XX, 0.0) + value
             elif sample.name in m.HISTOGRAMS:
                 key = m.bucket_key(sample.labels.get("le", ""), sample.name)
                 counters[key] = counters.get(key, 0.0) + value
@@ -94,6 +109,7 @@ def windowed_increase(samples: Sequence[Scrape], key: str, window: float) -> flo
 class _History:
     ip: str
     samples: deque[Scrape] = field(default_factory=lambda: deque(maxlen=512))
+    keep_seconds: float = 0.0
 
 
 @dataclass
@@ -144,7 +160,10 @@ class ScrapeSource:
         if hist is None or hist.ip != target.ip:
             hist = self._history[target.name] = _History(ip=target.ip or "")
         hist.samples.append(result)
-        while hist.samples and hist.samples[0].at < result.at - 2 * window:
+        # Kept for the longest window any caller asks for (the anomaly loop's and a rollout
+        # analysis' windows differ): trimming to the shorter one would blind the longer.
+        hist.keep_seconds = max(hist.keep_seconds, 2 * window)
+        while hist.samples and hist.samples[0].at < result.at - hist.keep_seconds:
             hist.samples.popleft()
         counters = {}
         buckets = [k for k in result.counters if k.startswith(m.HISTOGRAMS)]

@@ -25,6 +25,16 @@ TTFT_BUCKET: Final = "sglang:time_to_first_token_seconds_bucket"  # cumulative, 
 # SGLang 0.5.23 srt/observability/metrics_collector.py:2051; decode pods observe it per token.
 ITL_BUCKET: Final = "sglang:inter_token_latency_seconds_bucket"
 HISTOGRAMS: Final = (TTFT_BUCKET, ITL_BUCKET)
+# Failed PD KV hand-offs (SGLang 0.5.23 srt/observability/metrics_collector.py:667-673).
+KV_FAILURE_COUNTERS: Final = (
+    "sglang:num_transfer_failed_reqs_total",
+    "sglang:num_bootstrap_failed_reqs_total",
+)
+KV_FAILURES: Final = "kv_failures"  # the counters' key of their sum (one pod's)
+# The router's answers by HTTP status (sglang-router 0.3.2 / smg; label `status_code`).
+ROUTER_RESPONSES: Final = "smg_http_responses_total"
+RESPONSES: Final = "responses"  # the counters' key of all of a router pod's answers
+ERRORS_5XX: Final = "responses_5xx"  # ... and of those with a 5xx status
 REASON_LOW: Final = "low_accept_length"
 REASON_HIGH: Final = "high_accept_rate"
 # PD queues of requests whose KV is not handed over yet (SGLang 0.5.23
@@ -62,6 +72,9 @@ class PodSignals:
     # TTFT histogram over the window: (bucket upper bound s, cumulative count), by bound
     ttft_buckets: tuple[tuple[float, float], ...] | None = None
     itl_buckets: tuple[tuple[float, float], ...] | None = None  # inter-token latency, the same way
+    kv_failures: float | None = None  # failed KV transfers and bootstraps in the window
+    responses: float | None = None  # a router pod's answers in the window
+    errors_5xx: float | None = None  # ... of which 5xx
     error: str | None = None
 
     @property
@@ -137,8 +150,9 @@ def signals_from(
 ) -> PodSignals:
     """Assemble PodSignals from windowed increases and latest gauges of one pod.
 
-    `counters` keys: CHECKED, REASON_LOW, REASON_HIGH, ABORTED, LOAD_COUNTERS and
-    `bucket_key(le, histogram)` per TTFT and ITL bucket (absent = series missing); `gauges`
+    `counters` keys: CHECKED, REASON_LOW, REASON_HIGH, ABORTED, LOAD_COUNTERS, KV_FAILURES,
+    RESPONSES, ERRORS_5XX and `bucket_key(le, histogram)` per TTFT and ITL bucket (absent =
+    series missing); `gauges`
     keys: GAUGES and KV_TRANSFERS (the sum of the pod's KV_TRANSFER_QUEUES; absent outside PD).
     A pod without guard series (a prefill, or an engine without the guard) gets None trip fields,
     which the planner reads as "insufficient data", not as healthy.
@@ -159,4 +173,7 @@ def signals_from(
         cached_tokens=counters.get(CACHED_TOKENS),
         ttft_buckets=_buckets(counters),
         itl_buckets=_buckets(counters, ITL_BUCKET),
+        kv_failures=counters.get(KV_FAILURES),
+        responses=counters.get(RESPONSES),
+        errors_5xx=counters.get(ERRORS_5XX),
     )

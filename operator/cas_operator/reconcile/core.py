@@ -23,6 +23,7 @@ from typing import Any
 
 from cas_operator.api import constants as c
 from cas_operator.api.limits import OperatorLimits
+from cas_operator.api.models import RolloutStrategy
 from cas_operator.autoscale.controller import STATUS_KEY, AutoState
 from cas_operator.autoscale.model import ObservedSignals
 from cas_operator.desired.build import plan_raw
@@ -30,17 +31,25 @@ from cas_operator.desired.plan import InvalidSpec, Plan
 from cas_operator.desired.resources import build_all
 from cas_operator.desired.resources.meta import Owner
 from cas_operator.desired.resources.network import network_policy_names
+from cas_operator.desired.resources.traffic import (
+    build_traffic,
+    route_weights,
+    track_service_name,
+)
 from cas_operator.desired.revision import RevisionRecord
+from cas_operator.desired.traffic import MODE_GATEWAY, MODE_SERVICE, Sizes, Split, split_for
 from cas_operator.kube import REVISIONED_KINDS, KindNotInstalled, Kube, NamespaceTerminating
 from cas_operator.reconcile.keys import ensure_keys
 from cas_operator.reconcile.status import (
     ObservedWorkload,
     Problem,
+    RolloutView,
     Status,
     compute_status,
     invalid_status,
     is_true,
 )
+from cas_operator.rollout.state import RolloutState
 from cas_operator.scaledown.decide import (
     PoolFloor,
     RetirePolicy,
@@ -79,6 +88,7 @@ class Measured:
     sections: Status | None = None
     floors: tuple[PoolFloor, ...] = ()  # how far each pool may shrink (scale-down loop)
     older: tuple[RevisionLoad, ...] = ()  # older revisions' engine work (their retire)
+    rollout: RolloutState | None = None  # loop 4's state (status.rollout), None: not run yet
 
     @property
     def anomaly(self) -> dict[str, Any] | None:
@@ -96,6 +106,7 @@ class Measured:
         return cls(
             auto_replicas=state.replicas if state else None,
             sections={"anomaly": anomaly} if anomaly is not None else None,
+            rollout=RolloutState.from_status(status),
         )
 
 
@@ -210,17 +221,6 @@ class Applied:
     workloads: list[ObservedWorkload]
 
 
-def remove_network_policies(kube: Kube, plan: Plan) -> list[Problem]:
-    """`security.networkPolicy.enabled: false`: the operator's policies go (if any)."""
-    problems = []
-    for name in network_policy_names(plan.name):
-        try:
-            kube.delete("NetworkPolicy", plan.namespace, name)
-        except Exception as exc:
-            problems.append(Problem(c.REASON_APPLY_FAILED, f"NetworkPolicy {name}: {exc}"))
-    return problems
-
-
 def drift(seen: ObservedWorkload, manifest: dict[str, Any], held: bool = False) -> str:
     """How an observed workload differs from its manifest ("" when it does not): its template
     (spec-hash; not while `held`) or its replicas. Either side may have moved: someone edited
@@ -333,6 +333,7 @@ def retire_stale(
     observed: list[ObservedWorkload],
     older: tuple[RevisionLoad, ...],
     now: float,
+    keep: frozenset[str] | None = None,
 ) -> Retired:
     """Step 4b, once the current revision is Ready and the entry Service sends only to it:
     each older revision's workloads are marked out of the entry point
@@ -344,7 +345,8 @@ def retire_stale(
     out = Retired()
     policy = RetirePolicy(max_wait_seconds=plan.spec.engine.drain_seconds)
     work = {load.revision: load.work for load in older}
-    for revision in sorted({w.revision for w in observed if w.revision != plan.revision}):
+    keep = frozenset({plan.revision}) if keep is None else keep
+    for revision in sorted({w.revision for w in observed if w.revision not in keep}):
         workloads = [w for w in observed if w.revision == revision]
         marked = [w.retiring_since for w in workloads if w.retiring_since is not None]
         since = min(marked) if marked else None
@@ -367,7 +369,7 @@ def retire_stale(
         for kind in REVISIONED_KINDS:
             for obj in kube.list(kind, plan.namespace, selector):
                 kube.delete(kind, plan.namespace, obj["metadata"]["name"])
-        why = f"revision {revision} replaced by {plan.revision} ({step.progress})"
+        why = f"revision {revision} retired, {'/'.join(sorted(keep))} kept ({step.progress})"
         out.events.append(("Normal", "RevisionRetired", why))
         out.deleted += (revision,)
     return out
@@ -435,18 +437,30 @@ def reconcile(
     except InvalidSpec as exc:
         return Outcome(status=invalid_status(str(exc), generation), invalid=exc)
     owner = Owner(name, namespace, uid)
-    manifests = build_all(owner, plan)
     keys_problem = ensure_keys(kube, owner, plan, recheck=full_apply)
     watched = observed is not None
     if observed is None:  # a held plan and a scale-down must know what exists before applying
         observed = observe(kube, namespace, name)
+    if plan.spec.rollout.strategy == RolloutStrategy.CANARY:
+        context = PassContext(kube, owner, plan, observed, watched, full_apply, apply_missing)
+        return reconcile_canary(
+            context,
+            measured=measured,
+            previous=previous or {},
+            recorded=recorded,
+            generation=generation,
+            problems=[keys_problem] if keys_problem else [],
+            now=now,
+        )
+    manifests = build_all(owner, plan)
     gate_scale_down(manifests, observed, measured.floors)
     entry = entry_revision(plan, observed, previous)
     point_entry(manifests, plan, entry)
+    manifests += build_traffic(owner, plan, whole_split(plan, entry))
     applied = apply_children(kube, manifests, observed, full_apply, apply_missing, plan.held)
     problems = applied.problems + ([keys_problem] if keys_problem else [])
-    if full_apply and not plan.spec.security.network_policy.enabled:
-        problems += remove_network_policies(kube, plan)
+    if full_apply:
+        problems += remove_optional_children(kube, plan, previous or {})
     if watched:
         observed = merged(observed, applied.workloads)
     elif applied.count or full_apply:
@@ -456,9 +470,11 @@ def reconcile(
 
     if is_true(status, c.COND_READY) and any(w.revision != plan.revision for w in observed):
         if entry != plan.revision:  # the new revision serves: the entry moves to it alone
-            moved = _apply_one(kube, point_entry(manifests, plan, plan.revision))
-            problems += [moved.problem] if moved.problem is not None else []
-            entry = plan.revision if moved.problem is None else entry
+            entry_children = [point_entry(manifests, plan, plan.revision)]
+            entry_children += build_traffic(owner, plan, whole_split(plan, plan.revision))
+            moved = [_apply_one(kube, child).problem for child in entry_children]
+            problems += [p for p in moved if p is not None]
+            entry = plan.revision if not any(moved) else entry
         retired = Retired()
         if entry == plan.revision:
             retired = retire_stale(kube, plan, observed, measured.older, now)
@@ -473,10 +489,190 @@ def reconcile(
             entry=entry,
             retiring=retired.progress,
         )
-    failed = sum(p.reason == c.REASON_APPLY_FAILED for p in problems)
+    rolling = RolloutState(stable=entry or plan.revision).to_status()
+    rolling["traffic"] = traffic_objects(plan)
     return Outcome(
-        status={**status, **(measured.sections or {})},
+        status={**status, "rollout": rolling, **tick_sections(measured)},
         events=events,
         applied=applied.count,
-        failed=failed,
+        failed=sum(p.reason == c.REASON_APPLY_FAILED for p in problems),
     )
+
+
+def tick_sections(measured: Measured) -> Status:
+    """The status sections the fleet tick owns (the rollout's is the pass's to write, with
+    what the pass derives from it)."""
+    return {k: v for k, v in (measured.sections or {}).items() if k != "rollout"}
+
+
+def whole_split(plan: Plan, entry: str | None) -> Split:
+    """A Rolling fleet's traffic objects (with a Gateway): both Services on the revision the
+    entry Service sends to, all weight on the stable one."""
+    serving = entry or plan.revision
+    sizes = Sizes(plan.prefill.replicas, plan.decode.replicas, plan.router_replicas)
+    return Split(
+        plan.revision, serving, None, 0, True, sizes, None, entry, "", "", frozenset({serving})
+    )
+
+
+@dataclass(frozen=True)
+class PassContext:
+    """What every step of one pass works on: the client, the owner, the plan, the workloads as
+    observed (watch-fed or listed) and how the pass applies."""
+
+    kube: Kube
+    owner: Owner
+    plan: Plan
+    observed: list[ObservedWorkload]
+    watched: bool
+    full_apply: bool
+    apply_missing: bool
+
+
+def reconcile_canary(
+    ctx: PassContext,
+    *,
+    measured: Measured,
+    previous: Status,
+    recorded: RevisionRecord | None,
+    generation: int,
+    problems: list[Problem],
+    now: float,
+) -> Outcome:
+    """A Canary fleet's pass: the rollout state (loop 4's, else the status's) adopts the
+    spec's revision; `desired.traffic.split_for` sizes the canary and the stable revision and
+    splits the traffic; the current revision is built at its sizes (none of it when aborted),
+    the stable revision's workloads get their replica counts, the traffic objects their
+    weights; every revision the split does not keep retires through the drain path."""
+    kube, plan, observed = ctx.kube, ctx.plan, ctx.observed
+    state = (measured.rollout or RolloutState.recorded(previous)).adopt(plan.revision)
+    others = frozenset(w.revision for w in observed) - {plan.revision, state.stable}
+    split = split_for(plan, state, others)
+    sized = plan.sized(
+        split.current_sizes.prefill, split.current_sizes.decode, split.current_sizes.routers
+    )
+    manifests = build_all(ctx.owner, sized)
+    if not split.build_current:  # aborted: nothing of this revision, the rest as usual
+        manifests = [m for m in manifests if c.LABEL_REVISION not in m["metadata"]["labels"]]
+    point_entry(manifests, sized, split.entry)
+    manifests += build_traffic(ctx.owner, sized, split)
+    resized = stable_replicas(split, observed)
+    gate_scale_down(manifests + resized, observed, measured.floors)
+    applied = apply_children(
+        kube, manifests, observed, ctx.full_apply, ctx.apply_missing, sized.held
+    )
+    problems = problems + applied.problems + patch_replicas(kube, plan.namespace, resized)
+    problems += set_route_weights(kube, sized, split)
+    if ctx.full_apply:
+        problems += remove_optional_children(kube, plan, previous)
+    observed = (
+        merged(observed, applied.workloads)
+        if ctx.watched
+        else observe(kube, plan.namespace, plan.name)
+    )
+    retired = retire_stale(kube, sized, observed, measured.older, now, keep=split.keep)
+    observed = [w for w in observed if w.revision not in retired.deleted]
+    status = compute_status(
+        sized,
+        observed,
+        problems,
+        generation,
+        measured.anomaly,
+        entry=split.stable,
+        retiring=retired.progress,
+        rollout=RolloutView(state, split, traffic_objects(plan)),
+    )
+    events = said_once(plan, recorded, previous) + retired.events
+    return Outcome(
+        status={**status, **tick_sections(measured)},
+        events=events,
+        applied=applied.count,
+        failed=sum(p.reason == c.REASON_APPLY_FAILED for p in problems),
+    )
+
+
+def stable_replicas(split: Split, observed: list[ObservedWorkload]) -> list[Manifest]:
+    """Replica counts for the stable revision's workloads while it is not the spec's (their
+    templates stay as they run): the split's sizes, as `spec.replicas` merge patches."""
+    sizes = split.stable_sizes
+    if sizes is None or split.stable == split.current:
+        return []
+    wanted = {c.ROLE_PREFILL: sizes.prefill, c.ROLE_DECODE: sizes.decode}
+    wanted[c.ROLE_ROUTER] = sizes.routers
+    return [
+        {"kind": w.kind, "metadata": {"name": w.name}, "spec": {"replicas": wanted[w.role]}}
+        for w in observed
+        if w.revision == split.stable and w.role in wanted
+    ]
+
+
+def patch_replicas(kube: Kube, namespace: str, patches: list[Manifest]) -> list[Problem]:
+    """Merge-patch the replica counts of workloads that exist (see `stable_replicas`)."""
+    problems = []
+    for patch in patches:
+        kind, name = patch["kind"], patch["metadata"]["name"]
+        try:
+            kube.patch(kind, namespace, name, {"spec": patch["spec"]})
+        except Exception as exc:
+            problems.append(Problem(c.REASON_APPLY_FAILED, f"{kind} {name} replicas: {exc}"))
+    return problems
+
+
+def set_route_weights(kube: Kube, plan: Plan, split: Split) -> list[Problem]:
+    """`gateway.httpRoute`: the user's HTTPRoute gets the split's weights on its backendRefs
+    to `<name>-stable` and `<name>-canary` (read, then written with its resourceVersion as a
+    precondition; nothing else of it changes)."""
+    gateway = plan.spec.gateway
+    if gateway is None or gateway.http_route is None:
+        return []
+    weight = split.weight if split.canary is not None and not split.waiting else 0
+    where = f"HTTPRoute {gateway.http_route}"
+    try:
+        route = kube.get("HTTPRoute", plan.namespace, gateway.http_route)
+        if route is None:
+            return [Problem(c.REASON_APPLY_FAILED, f"{where} not found (spec.gateway.httpRoute)")]
+        patched = route_weights(route, plan.name, weight)
+        if (
+            patched is not None
+            and kube.replace("HTTPRoute", plan.namespace, gateway.http_route, patched) is None
+        ):
+            return [Problem(c.REASON_APPLY_FAILED, f"{where} changed while its weights were set")]
+    except ValueError as exc:
+        return [Problem(c.REASON_INVALID_ROUTE, str(exc))]
+    except Exception as exc:
+        return [Problem(c.REASON_APPLY_FAILED, f"{where}: {exc}")]
+    return []
+
+
+def traffic_objects(plan: Plan) -> Status:
+    """`status.rollout.traffic`'s record of the traffic objects this spec has: the mode, and
+    the HTTPRoute (the operator's own or the user's). The next full pass removes those a
+    spec change dropped (`remove_optional_children`)."""
+    gateway = plan.spec.gateway
+    if gateway is None:
+        return {"mode": MODE_SERVICE}
+    route = {"name": gateway.http_route or plan.name, "owned": gateway.http_route is None}
+    return {"mode": MODE_GATEWAY, "httpRoute": route}
+
+
+def remove_optional_children(kube: Kube, plan: Plan, previous: Status) -> list[Problem]:
+    """Children a spec field turned off go: the NetworkPolicies
+    (`security.networkPolicy.enabled: false`), and the traffic objects the last pass recorded
+    (`traffic_objects`) that this spec no longer has (no `spec.gateway`; a user's HTTPRoute
+    instead of the operator's)."""
+    gone: list[tuple[str, str]] = []
+    if not plan.spec.security.network_policy.enabled:
+        gone += [("NetworkPolicy", name) for name in network_policy_names(plan.name)]
+    had = ((previous.get("rollout") or {}).get("traffic")) or {}
+    gateway = plan.spec.gateway
+    if had.get("mode") == MODE_GATEWAY and gateway is None:
+        gone += [("Service", track_service_name(plan.name, t)) for t in ("stable", "canary")]
+    if (had.get("httpRoute") or {}).get("owned") and (gateway is None or gateway.http_route):
+        gone.append(("HTTPRoute", plan.name))
+    problems = []
+    for kind, name in gone:
+        try:
+            kube.delete(kind, plan.namespace, name)
+        except Exception as exc:
+            problems.append(Problem(c.REASON_APPLY_FAILED, f"{kind} {name}: {exc}"))
+    return problems

@@ -14,6 +14,8 @@ from cas_operator.api import constants as c
 from cas_operator.desired.plan import Plan, PoolPlan
 from cas_operator.desired.recommend import ShapeAdvice, ShapePlan
 from cas_operator.desired.resources.config import plan_summary
+from cas_operator.desired.traffic import Sizes, Split
+from cas_operator.rollout.state import Phase, RolloutState
 from cas_operator.types import parse_time
 
 Status = dict[str, Any]
@@ -164,6 +166,115 @@ def _signal_condition(anomaly: dict[str, Any] | None, generation: int) -> dict[s
     return condition(c.COND_ANOMALY_SIGNAL, True, c.REASON_AS_EXPECTED, "", generation)
 
 
+@dataclass(frozen=True)
+class RolloutView:
+    """A Canary fleet's rollout as one pass saw it: loop 4's state and the split the pass
+    applied (`desired.traffic`)."""
+
+    state: RolloutState
+    split: Split
+    traffic: Status  # the traffic objects the spec has (`reconcile.core.traffic_objects`)
+
+
+def revision_waiting(revision: str, observed: list[ObservedWorkload], label: str) -> list[str]:
+    """What one revision's pools and router wait for (empty: all exist and are Ready)."""
+    waiting = []
+    for role in (*c.POOL_ROLES, c.ROLE_ROUTER):
+        mine = [w for w in observed if w.revision == revision and w.role == role]
+        if not mine:
+            waiting.append(f"{label} {role} missing")
+        elif not all(w.ready for w in mine):
+            ready, wanted = sum(w.ready_replicas for w in mine), sum(w.replicas for w in mine)
+            waiting.append(f"{label} {role} {ready}/{wanted} ready")
+    return waiting
+
+
+def _sizes_status(revision: str, sizes: Sizes, observed: list[ObservedWorkload]) -> dict[str, Any]:
+    """One revision's pools as `status.rollout.stable` / `.canary` show them."""
+    out: dict[str, Any] = {"revision": revision}
+    for role, wanted in (
+        (c.ROLE_PREFILL, sizes.prefill),
+        (c.ROLE_DECODE, sizes.decode),
+        (c.ROLE_ROUTER, sizes.routers),
+    ):
+        mine = [w for w in observed if w.revision == revision and w.role == role]
+        ready = min(sum(w.ready_replicas for w in mine), wanted)
+        out[role] = {"replicas": wanted, "readyReplicas": ready}
+    return out
+
+
+def rollout_status(
+    view: RolloutView, observed: list[ObservedWorkload], traffic: Status
+) -> dict[str, Any]:
+    """`status.rollout`: loop 4's state, the traffic split and each revision's pools. The
+    canary's `readyStep` is the step whose sizes its pools are Ready at (loop 4 moves traffic
+    to a step only then)."""
+    state, split = view.state, view.split
+    out = state.to_status()
+    weight = split.weight if split.canary is not None and not split.waiting else 0
+    out["traffic"] = {
+        **traffic,
+        "canaryWeight": weight,
+        "precision": split.precision or None,
+        "waiting": split.waiting or None,
+    }
+    out["traffic"] = {k: v for k, v in out["traffic"].items() if v is not None}
+    if split.stable_sizes is not None:
+        out["stable"] = _sizes_status(split.stable, split.stable_sizes, observed)
+    if split.canary is not None:
+        canary = _sizes_status(split.canary, split.current_sizes, observed)
+        ready = not revision_waiting(split.canary, observed, "canary") and all(
+            w.replicas == canary[w.role]["replicas"]
+            for w in observed
+            if w.revision == split.canary and w.role in canary
+        )
+        if ready:
+            canary["readyStep"] = split.sized_step
+        out["canary"] = canary
+        out["summary"] = f"{split.canary} {weight}%"
+    return out
+
+
+def _rollout_conditions(
+    view: RolloutView,
+    observed: list[ObservedWorkload],
+    retiring: tuple[str, ...],
+    generation: int,
+) -> tuple[list[str], dict[str, Any], Problem | None]:
+    """What Ready waits for (the revisions that receive requests), the Progressing
+    condition, and the abort as a Degraded problem."""
+    state, split = view.state, view.split
+    waiting = []
+    for revision in sorted(split.serving):
+        label = "canary" if revision == split.canary else f"revision {revision}"
+        waiting += revision_waiting(revision, observed, label)
+    if state.phase == Phase.ABORTED and split.canary is None:
+        message = "; ".join((state.reason, *retiring))
+        progressing = condition(
+            c.COND_PROGRESSING, False, c.REASON_ROLLOUT_ABORTED, message, generation
+        )
+        return waiting, progressing, Problem(c.REASON_ROLLOUT_ABORTED, state.reason)
+    if split.canary is not None:
+        reason = {
+            Phase.PAUSED: c.REASON_ROLLOUT_PAUSED,
+            Phase.PROMOTING: c.REASON_PROMOTING,
+        }.get(state.phase, c.REASON_CANARY)
+        canary_waits = revision_waiting(split.canary, observed, "canary")
+        parts = (state.reason, *canary_waits, split.waiting, *retiring)
+        message = "; ".join(p for p in parts if p)
+        return waiting, condition(c.COND_PROGRESSING, True, reason, message, generation), None
+    if retiring:
+        message = "; ".join((f"serving revision {split.stable}", *retiring))
+        progressing = condition(c.COND_PROGRESSING, True, c.REASON_ROLLING, message, generation)
+        return waiting, progressing, None
+    if waiting:
+        message = "; ".join(waiting)
+        progressing = condition(c.COND_PROGRESSING, True, c.REASON_WAITING, message, generation)
+        return waiting, progressing, None
+    done = condition(c.COND_PROGRESSING, False, c.REASON_RECONCILED, "up to date", generation)
+    return waiting, done, None
+
+
 def compute_status(
     plan: Plan,
     observed: list[ObservedWorkload],
@@ -173,11 +284,14 @@ def compute_status(
     *,
     entry: str | None = None,
     retiring: tuple[str, ...] = (),
+    rollout: RolloutView | None = None,
 ) -> Status:
     """The full desired status (without conditions' transition times).
 
     `entry` is the revision the entry Service sends to (`status.servingRevision`; None: every
-    revision's routers), `retiring` says how each older revision's retire is going.
+    revision's routers), `retiring` says how each older revision's retire is going, `rollout`
+    a Canary fleet's rollout (Ready then means: every revision that receives requests is
+    Ready; Progressing follows the rollout; an abort makes it Degraded).
 
     `problems` (failed applies, missing APIs) make the resource Degraded and not Ready; the
     fleet tick's findings (`status.anomaly`, handed to the pass that writes this status) only make
@@ -185,7 +299,11 @@ def compute_status(
     """
     readiness = _readiness(plan, observed)
     waiting, stale = readiness.waiting, readiness.stale
-    ready = readiness.ready and not problems
+    rolled: dict[str, Any] | None = None
+    if rollout is not None:
+        waiting, rolled, aborted = _rollout_conditions(rollout, observed, retiring, generation)
+        problems = [*problems, aborted] if aborted is not None else problems
+    ready = not waiting and not problems
     summary = plan_summary(plan)
     degradations = [*problems, *anomaly_findings(anomaly)[0]]
     if degradations:
@@ -205,7 +323,9 @@ def compute_status(
     else:
         message = "; ".join(waiting) or "see Degraded"
         ready_cond = condition(c.COND_READY, False, c.REASON_WAITING, message, generation)
-    if stale:
+    if rolled is not None:
+        progressing = rolled
+    elif stale:
         progressing = condition(
             c.COND_PROGRESSING,
             True,
@@ -221,6 +341,12 @@ def compute_status(
         progressing = condition(
             c.COND_PROGRESSING, False, c.REASON_RECONCILED, "up to date", generation
         )
+    pools = {
+        role: pool_status(plan, pool, observed)
+        for role, pool in zip(c.POOL_ROLES, plan.pools, strict=True)
+    }
+    if rollout is not None and not rollout.split.build_current and rollout.split.stable_sizes:
+        pools = _serving_pools(plan, rollout.split, observed)
     return {
         "observedGeneration": generation,
         "revision": plan.revision,
@@ -229,11 +355,30 @@ def compute_status(
         "heldRevision": held_revision(plan),
         "warnings": list(plan.warnings) or None,
         "conditions": [ready_cond, progressing, degraded, _signal_condition(anomaly, generation)],
-        "prefill": pool_status(plan, plan.prefill, observed),
-        "decode": pool_status(plan, plan.decode, observed),
+        "prefill": pools[c.ROLE_PREFILL],
+        "decode": pools[c.ROLE_DECODE],
+        **(
+            {"rollout": rollout_status(rollout, observed, rollout.traffic)}
+            if rollout is not None
+            else {}
+        ),
         "ratio": ratio_status(plan),
         "layerSplit": summary.get("layerSplit"),
         "gpus": summary["gpus"],
+    }
+
+
+def _serving_pools(
+    plan: Plan, split: Split, observed: list[ObservedWorkload]
+) -> dict[str, dict[str, Any]]:
+    """`status.<pool>` of an aborted canary's fleet: the stable revision's pools, which serve."""
+    assert split.stable_sizes is not None
+    stable = plan.at_revision(split.stable).sized(
+        split.stable_sizes.prefill, split.stable_sizes.decode, split.stable_sizes.routers
+    )
+    return {
+        role: pool_status(stable, pool, observed)
+        for role, pool in zip(c.POOL_ROLES, stable.pools, strict=True)
     }
 
 

@@ -3,13 +3,15 @@
 Entry point: `scale_down_tick(api, pods, signals, status, drain_seconds, now)`, called by the
 fleet tick after the anomaly loop, with the engine instances it listed (one pod each: LWS
 leaders only, none being deleted) and their signals. Per pool of the current revision
-(`status.revision`), against the desired count the last pass wrote (`status.<pool>.replicas`):
+(`status.revision`), or of both revisions of a canary rollout, against the desired count the
+last pass wrote (`desired_pools`):
 read each pod as a `decide.Instance`, decide (`decide.retire_step`, pure), then patch the pods:
 marks take a pod out of rotation (the serving label off; the anomaly loop deregisters every pod
 out of rotation from every router, every tick), a release gives it the lowest pod-deletion-cost,
 a restore puts it back. The result's `floors` tell the reconcile how far each workload may
 shrink (`decide.replicas_to_apply`), and `older` how much work each older revision still
-runs (its retire waits for it: `decide.retire_revision`). Ownership: `api` does all API I/O;
+runs (its retire waits for it: `decide.retire_revision`): every revision without a desired
+count. Ownership: `api` does all API I/O;
 nothing is kept between ticks (the state is on the pods).
 """
 
@@ -121,39 +123,61 @@ def scale_down_tick(
     policy: RetirePolicy | None = None,
 ) -> ScaleDownResult:
     """One tick of every pool's scale-down (see the module docstring)."""
-    revision = status.get("revision")
-    if not revision:
+    pools = desired_pools(status)
+    if not pools:
         return ScaleDownResult()
     policy = policy or RetirePolicy(max_wait_seconds=drain_seconds)
     events: list[Event] = []
     floors = []
-    for role in c.POOL_ROLES:
-        desired = (status.get(role) or {}).get("replicas")
+    for (revision, role), desired in sorted(pools.items()):
         mine = [
             p
             for p in pods
             if p["metadata"].get("labels", {}).get(c.LABEL_ROLE) == role
             and p["metadata"].get("labels", {}).get(c.LABEL_REVISION) == revision
         ]
-        if desired is None or not mine:
+        if not mine:
             continue
         instances = [instance_of(p, signals.get(p["metadata"]["name"])) for p in mine]
-        step = retire_step(int(desired), instances, now, policy)
+        step = retire_step(desired, instances, now, policy)
         why = f"scale-down of the {role} pool from {len(instances)} to {desired} instances"
         namespace = str(mine[0]["metadata"].get("namespace", ""))
         events += _act(api, namespace, role, step, why, now)
-        floors.append(PoolFloor(str(revision), role, step.keep, len(instances)))
-    return ScaleDownResult(events, tuple(floors), older_revisions(pods, signals, str(revision)))
+        floors.append(PoolFloor(revision, role, step.keep, len(instances)))
+    kept = frozenset(revision for revision, _ in pools)
+    return ScaleDownResult(events, tuple(floors), other_revisions(pods, signals, kept))
 
 
-def older_revisions(
-    pods: list[Manifest], signals: Mapping[str, PodSignals | None], current: str
+def desired_pools(status: Status) -> dict[tuple[str, str], int]:
+    """Each pool's desired instance count by (revision, role), as the last pass wrote it:
+    the current revision's (`status.revision`, `status.<pool>.replicas`), or during a canary
+    rollout the stable and the canary revision's (`status.rollout.stable` / `.canary`)."""
+    rollout = status.get("rollout") or {}
+    out: dict[tuple[str, str], int] = {}
+    if rollout.get("stable"):
+        for section in (rollout.get("stable"), rollout.get("canary")):
+            revision = (section or {}).get("revision")
+            for role in c.POOL_ROLES:
+                count = ((section or {}).get(role) or {}).get("replicas")
+                if revision and count is not None:
+                    out[(str(revision), role)] = int(count)
+        return out
+    revision = status.get("revision")
+    for role in c.POOL_ROLES:
+        count = (status.get(role) or {}).get("replicas")
+        if revision and count is not None:
+            out[(str(revision), role)] = int(count)
+    return out
+
+
+def other_revisions(
+    pods: list[Manifest], signals: Mapping[str, PodSignals | None], kept: frozenset[str]
 ) -> tuple[RevisionLoad, ...]:
-    """The work of every revision other than `current` (their retire waits for it)."""
+    """The work of every revision not `kept` (their retire waits for it)."""
     work: dict[str, float | None] = {}
     for pod in pods:
         revision = pod["metadata"].get("labels", {}).get(c.LABEL_REVISION, "")
-        if revision == current:
+        if revision in kept:
             continue
         before = work.setdefault(revision, 0.0)
         if not is_ready(pod):

@@ -113,7 +113,7 @@ def build_router_deployment(owner: Owner, plan: Plan) -> Manifest:
         "kind": "Deployment",
         "metadata": metadata(owner, plan.router_name, labels),
         "spec": {
-            "replicas": router.replicas,
+            "replicas": plan.router_replicas,
             "selector": {"matchLabels": selector_labels(plan.name, c.ROLE_ROUTER, plan.revision)},
             "template": {
                 "metadata": {

@@ -2,9 +2,11 @@
 -- Install: resource.customizations.health.serving.cas.dev_CodingAgentServing in argocd-cm
 -- (docs/architecture.md, GitOps rules). Tested by tests/unit/test_argocd_health.py against health_test.yaml.
 --
--- Healthy only when the operator observed the current generation, Ready is True and no older
--- revision is still rolling out; Degraded when the Degraded condition is True (an invalid
--- spec, a failed apply, a fleet-wide anomaly); Progressing otherwise. Any field may be
+-- Healthy only when the operator observed the current generation, Ready is True, no older
+-- revision is still rolling out and the stable revision is the spec's; Degraded when the
+-- Degraded condition is True (an invalid spec, a failed apply, a fleet-wide anomaly, an
+-- aborted canary); Suspended while a canary rollout is paused (a step held until promoted,
+-- an inconclusive analysis, a fleet-wide anomaly); Progressing otherwise. Any field may be
 -- missing: nothing here indexes a nil.
 local function conditions(o)
   if type(o.status) ~= "table" or type(o.status.conditions) ~= "table" then return {} end
@@ -38,12 +40,21 @@ end
 if generation ~= nil and ready.observedGeneration ~= generation then
   return {status = "Progressing", message = "the operator has not observed generation " .. tostring(generation) .. " yet"}
 end
+local rollout = type(status.rollout) == "table" and status.rollout or {}
+if rollout.phase == "Paused" then
+  local why = type(rollout.reason) == "string" and rollout.reason or "paused"
+  return {status = "Suspended", message = "canary rollout paused: " .. why}
+end
 if ready.status ~= "True" then
   return {status = "Progressing", message = said(ready, "not ready")}
 end
 local progressing = conds["Progressing"]
 if progressing ~= nil and progressing.status == "True" then
   return {status = "Progressing", message = said(progressing, "rolling out")}
+end
+if type(rollout.stableRevision) == "string" and type(status.revision) == "string"
+    and rollout.stableRevision ~= status.revision then
+  return {status = "Progressing", message = "serving revision " .. rollout.stableRevision .. ", the spec's is " .. status.revision}
 end
 local message = said(ready, "ready")
 if type(status.heldRevision) == "table" and type(status.heldRevision.revision) == "string" then
