@@ -4,10 +4,10 @@ Like `helm template`: users (and tests) review what a change does before GitOps 
 Data flow: the resource file (YAML, one or more documents; each CodingAgentServing is
 rendered) -> `desired.build.plan_raw` (the same parse, validation and plan as the reconcile,
 with no measured load: Auto mode shows the planner's first answer) -> `desired.resources.
-build_all` -> YAML on stdout. An invalid spec prints each bad field on stderr and exits 2.
-The owner uid of the children is a placeholder (the API server assigns the real one). The
-keys Secret is not rendered: its keys are random, made once by the operator (or yours, named in
-`spec.security.keysSecret`).
+build_all` and, with `spec.gateway`, the traffic Services and HTTPRoute -> YAML on stdout. An
+invalid spec prints each bad field on stderr and exits 2. The owner uid of the children is a
+placeholder (the API server assigns the real one). The keys Secret is not rendered: its keys
+are random, made once by the operator (or yours, named in `spec.security.keysSecret`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from cas_operator.desired.build import plan_raw
 from cas_operator.desired.plan import InvalidSpec, Plan
 from cas_operator.desired.resources import build_all
 from cas_operator.desired.resources.meta import Owner
+from cas_operator.desired.resources.traffic import build_traffic
+from cas_operator.desired.traffic import single_revision
 from cas_operator.types import Manifest
 
 API_VERSION = f"{c.GROUP}/{c.VERSION}"
@@ -49,7 +51,8 @@ def plan_of(resource: Manifest, namespace: str | None = None) -> Plan:
 def render(resource: Manifest, namespace: str | None = None) -> list[Manifest]:
     """Every child of one resource, in apply order; raises InvalidSpec."""
     plan = plan_of(resource, namespace)
-    return build_all(Owner(plan.name, plan.namespace, PLACEHOLDER_UID), plan)
+    owner = Owner(plan.name, plan.namespace, PLACEHOLDER_UID)
+    return build_all(owner, plan) + build_traffic(owner, plan, single_revision(plan, None))
 
 
 def main(path: str, *, namespace: str | None, revision_only: bool, out: TextIO = sys.stdout) -> int:

@@ -39,7 +39,7 @@ def run(kube: MemoryKube, spec: dict[str, Any], generation: int = 1, **extra: An
         uid="uid-1",
         generation=generation,
         raw_spec=spec,
-        full_apply=True,
+        full_apply=extra.pop("full", True),
         now=extra.pop("now", NOW),
         **extra,
     )
@@ -96,10 +96,13 @@ def test_a_new_revision_starts_as_a_small_canary_while_the_stable_one_serves() -
 
 
 def test_the_weight_in_effect_reaches_the_httproute() -> None:
+    """Regression: the route was applied only on full passes (every 5 minutes), so a step's
+    weight reached the Gateway minutes late; a refresh pass must carry it."""
     kube = MemoryKube()
     r1, r2, before = started(kube)
     state = replace(RolloutState(stable=r1).adopt(r2), weight=10, step_started=NOW)
-    run(kube, V2, generation=2, previous=before.status, measured=Measured(rollout=state))
+    measured = Measured(rollout=state)
+    run(kube, V2, generation=2, previous=before.status, measured=measured, full=False)
     assert weights(kube) == [90, 10]
     moved = replace(state, step=1, weight=10)  # next step: pools grow first, weight stays
     outcome = run(kube, V2, generation=2, previous=before.status, measured=Measured(rollout=moved))
@@ -121,7 +124,10 @@ def test_without_a_gateway_the_entry_service_spans_both_routers_at_the_weight() 
     )
     assert c.LABEL_REVISION not in selector(kube, "demo")
     assert (replicas(kube, f"demo-router-{r1}"), replicas(kube, f"demo-router-{r2}")) == (9, 1)
-    assert outcome.status["rollout"]["traffic"]["precision"] == "1 of 10 routers (10%)"
+    assert (
+        outcome.status["rollout"]["traffic"]["precision"]
+        == "1 of 10 routers (10% of new connections)"
+    )
     assert ("HTTPRoute", "demo") not in kube.objects
 
 

@@ -123,6 +123,14 @@ def test_a_router_without_a_5xx_series_has_no_errors() -> None:
     assert quiet.errors_5xx == 0.0 and judged(quiet, STABLE).verdict == Verdict.PASS
 
 
+def test_absent_kv_failure_series_read_as_zero_for_a_measured_pod() -> None:
+    """SGLang's failure counters are labelled: a decode that never failed exports no series.
+    Regression: that read as "not measured" and held every step inconclusive."""
+    quiet = replace(decode(200), kv_failures=None)
+    canary = metrics("c", ("decode", quiet), ("router", router(200)))
+    assert canary.kv_failures == 0.0 and judged(canary, STABLE).verdict == Verdict.PASS
+
+
 def test_a_canary_pod_without_metrics_makes_the_analysis_inconclusive() -> None:
     blind = metrics(
         "c",

@@ -14,6 +14,7 @@ from cas_operator.reconcile.status import (
     compute_status,
     merge_conditions,
     status_patch,
+    stored,
 )
 
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
@@ -139,3 +140,15 @@ def test_unavailable_signal_is_a_condition_not_an_action() -> None:
     assert signal["reason"] == c.REASON_SIGNAL_UNAVAILABLE
     fresh = conditions(compute_status(plan, all_ready(plan), [], 1, None))
     assert fresh[c.COND_ANOMALY_SIGNAL]["reason"] == c.REASON_NOT_OBSERVED
+
+
+def test_a_section_that_went_is_removed_by_the_merge_patch() -> None:
+    """Regression: the status is written as a merge patch, so `status.rollout.canary` of an
+    ended canary stayed on the resource (the scale-down loop then kept sizing both revisions
+    and the old one was never found idle). A key that went is sent as null; a null that the
+    server already dropped is no change."""
+    old = {"rollout": {"phase": "Progressing", "canary": {"revision": "r2"}}, "conditions": []}
+    new = {"rollout": {"phase": "Stable"}, "conditions": []}
+    patch = status_patch(old, new, "2026-12-04T00:00:00Z")
+    assert patch["rollout"] == {"phase": "Stable", "canary": None}
+    assert status_patch({**old, **stored(patch)}, new, "2026-12-04T00:00:00Z") == {}

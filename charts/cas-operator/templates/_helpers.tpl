@@ -59,6 +59,11 @@ per watched namespace (Roles) or cluster-wide (ClusterRole) when watchNamespaces
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
   verbs: [get, create, patch, delete]
+# spec.gateway: the fleet's HTTPRoute (server-side apply; deleted when the spec drops it), or
+# the weights of the user's HTTPRoute it names (read, then written with its resourceVersion)
+- apiGroups: [gateway.networking.k8s.io]
+  resources: [httproutes]
+  verbs: [get, create, patch, update, delete]
 # each fleet's router reads its pods through a Role the operator makes (it holds what it grants)
 - apiGroups: [rbac.authorization.k8s.io]
   resources: [roles, rolebindings]

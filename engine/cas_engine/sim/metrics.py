@@ -55,6 +55,13 @@ class SimMetrics:
         self.generation_tokens = counter("sglang:generation_tokens", "Generated tokens")
         self.requests = counter("sglang:num_requests", "Requests finished (any outcome)")
         self.aborted = counter("sglang:num_aborted_requests", "Requests aborted")
+        # SGLang 0.5.23 srt/observability/metrics_collector.py:667-673 (PD decode side here)
+        self.bootstrap_failed = counter(
+            "sglang:num_bootstrap_failed_reqs", "PD: requests whose KV bootstrap failed"
+        )
+        self.transfer_failed = counter(
+            "sglang:num_transfer_failed_reqs", "PD: requests whose KV transfer failed"
+        )
         self.ttft = Histogram(
             "sglang:time_to_first_token_seconds",
             "Time to first token",

@@ -484,6 +484,7 @@ class _OpenAIShape(_Shape):
     def __init__(self, server: SimServer, run: Run, body: dict[str, Any], *, chat: bool) -> None:
         self.run = run
         self.chat = chat
+        self.host = server.cfg.host
         self.model = body.get("model") or server.cfg.model_name
         self.created = int(time.time())
         self.id = run.req.rid
@@ -506,11 +507,15 @@ class _OpenAIShape(_Shape):
 
     def _metadata(self) -> dict[str, Any]:
         meta = self.run.meta_info()
-        return {
+        out = {
             **SIM_META,
             "spec_verify_ct": meta["spec_verify_ct"],
             "spec_accept_length": meta["spec_accept_length"],
         }
+        bootstrap = self.run.req.bootstrap
+        if bootstrap is not None:  # which prefill fed this decode (tests check PD pairs)
+            out["pd_pair"] = {"prefill": f"{bootstrap[0]}:{bootstrap[1]}", "decode": self.host}
+        return out
 
     def full(self, text: str, reason: str) -> dict[str, Any]:
         choice: dict[str, Any] = {

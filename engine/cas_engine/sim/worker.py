@@ -365,11 +365,13 @@ class SimWorker:
         budget = self.cfg.wall(self.cfg.prefill_budget_s)
         slot = await kv.acquire(room, host, port, budget)
         if slot is None:
+            self.metrics.bootstrap_failed.labels(self.m).inc()
             self._fail_transfer(run, "no KV slot or bootstrap registration within the budget")
             return
         cached = await kv.wait_done(room, budget)
         if cached is None:
             kv.abort(room, host, port)
+            self.metrics.transfer_failed.labels(self.m).inc()
             self._fail_transfer(run, "KV transfer missed the prefill time budget")
             return
         run.cached_tokens = cached

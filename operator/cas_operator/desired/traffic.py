@@ -10,9 +10,11 @@ that exist. Output: a `Split`, which the reconcile applies:
   at `ratio.gpuBudget` plus the surge, the stable pools then shrinking through the scale-down
   loop, which drains before it removes);
 - how traffic is split: with `spec.gateway`, HTTPRoute weights on the Services
-  `<name>-stable` and `<name>-canary` (exact); without, the entry Service `<name>` selects
-  both revisions' routers and the split follows their replica counts (`router_split`), which
-  needs every other revision's router gone first.
+  `<name>-stable` and `<name>-canary` (exact, per request); without, the entry Service
+  `<name>` selects both revisions' routers and the split follows their replica counts
+  (`router_split`), which needs every other revision's router gone first. kube-proxy balances
+  connections, not requests: a client that keeps its connection alive stays on the router it
+  reached first, so that split holds for new connections only.
 An aborted canary (`state.aborted` == the spec's revision) builds none of its children: the
 stable revision serves alone until the spec changes or the user retries.
 """
@@ -145,7 +147,10 @@ def split_for(plan: Plan, state: RolloutState, others: frozenset[str]) -> Split:
             stable_routers, canary_routers = router_split(weight, max(routers, 1))
             entry = None
         share = canary_routers / (stable_routers + canary_routers)
-        precision = f"{canary_routers} of {stable_routers + canary_routers} routers ({share:.0%})"
+        precision = (
+            f"{canary_routers} of {stable_routers + canary_routers} routers ({share:.0%} of "
+            "new connections)"
+        )
     elif not gateway:
         entry = current if weight >= 100 else stable
         precision = "whole revisions (entry Service)"
@@ -163,4 +168,26 @@ def split_for(plan: Plan, state: RolloutState, others: frozenset[str]) -> Split:
         keep=frozenset({stable, current}),
         waiting=waiting,
         sized_step=state.step,
+    )
+
+
+def single_revision(plan: Plan, serving: str | None) -> Split:
+    """The split of a fleet without a canary (a Rolling fleet, or `cas-operator render`): both
+    traffic Services on the revision that serves (`serving`, else the spec's), all weight on
+    the stable one."""
+    revision = serving or plan.revision
+    sizes = Sizes(plan.prefill.replicas, plan.decode.replicas, plan.router_replicas)
+    mode = MODE_GATEWAY if plan.spec.gateway is not None else MODE_SERVICE
+    return Split(
+        plan.revision,
+        revision,
+        None,
+        0,
+        True,
+        sizes,
+        None,
+        serving,
+        mode,
+        "",
+        frozenset({revision}),
     )

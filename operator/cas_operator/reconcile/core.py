@@ -37,7 +37,13 @@ from cas_operator.desired.resources.traffic import (
     track_service_name,
 )
 from cas_operator.desired.revision import RevisionRecord
-from cas_operator.desired.traffic import MODE_GATEWAY, MODE_SERVICE, Sizes, Split, split_for
+from cas_operator.desired.traffic import (
+    MODE_GATEWAY,
+    MODE_SERVICE,
+    Split,
+    single_revision,
+    split_for,
+)
 from cas_operator.kube import REVISIONED_KINDS, KindNotInstalled, Kube, NamespaceTerminating
 from cas_operator.reconcile.keys import ensure_keys
 from cas_operator.reconcile.status import (
@@ -456,7 +462,7 @@ def reconcile(
     gate_scale_down(manifests, observed, measured.floors)
     entry = entry_revision(plan, observed, previous)
     point_entry(manifests, plan, entry)
-    manifests += build_traffic(owner, plan, whole_split(plan, entry))
+    manifests += build_traffic(owner, plan, single_revision(plan, entry))
     applied = apply_children(kube, manifests, observed, full_apply, apply_missing, plan.held)
     problems = applied.problems + ([keys_problem] if keys_problem else [])
     if full_apply:
@@ -471,7 +477,7 @@ def reconcile(
     if is_true(status, c.COND_READY) and any(w.revision != plan.revision for w in observed):
         if entry != plan.revision:  # the new revision serves: the entry moves to it alone
             entry_children = [point_entry(manifests, plan, plan.revision)]
-            entry_children += build_traffic(owner, plan, whole_split(plan, plan.revision))
+            entry_children += build_traffic(owner, plan, single_revision(plan, plan.revision))
             moved = [_apply_one(kube, child).problem for child in entry_children]
             problems += [p for p in moved if p is not None]
             entry = plan.revision if not any(moved) else entry
@@ -503,16 +509,6 @@ def tick_sections(measured: Measured) -> Status:
     """The status sections the fleet tick owns (the rollout's is the pass's to write, with
     what the pass derives from it)."""
     return {k: v for k, v in (measured.sections or {}).items() if k != "rollout"}
-
-
-def whole_split(plan: Plan, entry: str | None) -> Split:
-    """A Rolling fleet's traffic objects (with a Gateway): both Services on the revision the
-    entry Service sends to, all weight on the stable one."""
-    serving = entry or plan.revision
-    sizes = Sizes(plan.prefill.replicas, plan.decode.replicas, plan.router_replicas)
-    return Split(
-        plan.revision, serving, None, 0, True, sizes, None, entry, "", "", frozenset({serving})
-    )
 
 
 @dataclass(frozen=True)
@@ -554,14 +550,16 @@ def reconcile_canary(
     manifests = build_all(ctx.owner, sized)
     if not split.build_current:  # aborted: nothing of this revision, the rest as usual
         manifests = [m for m in manifests if c.LABEL_REVISION not in m["metadata"]["labels"]]
-    point_entry(manifests, sized, split.entry)
-    manifests += build_traffic(ctx.owner, sized, split)
+    routing = [point_entry(manifests, sized, split.entry), *build_traffic(ctx.owner, sized, split)]
+    manifests = [m for m in manifests if m not in routing]
     resized = stable_replicas(split, observed)
     gate_scale_down(manifests + resized, observed, measured.floors)
     applied = apply_children(
         kube, manifests, observed, ctx.full_apply, ctx.apply_missing, sized.held
     )
     problems = problems + applied.problems + patch_replicas(kube, plan.namespace, resized)
+    if ctx.full_apply or routing_moves(split, previous):
+        problems += [p for m in routing if (p := _apply_one(kube, m).problem) is not None]
     problems += set_route_weights(kube, sized, split)
     if ctx.full_apply:
         problems += remove_optional_children(kube, plan, previous)
@@ -588,6 +586,19 @@ def reconcile_canary(
         events=events,
         applied=applied.count,
         failed=sum(p.reason == c.REASON_APPLY_FAILED for p in problems),
+    )
+
+
+def routing_moves(split: Split, previous: Status) -> bool:
+    """Whether the entry Service and the traffic objects must be applied on this pass: while a
+    canary runs (its weight moves between passes; a pass is cheap next to a request sent to the
+    wrong revision), and whenever what they route to differs from what the last pass recorded
+    (a promotion, an abort, the end of a canary)."""
+    if split.canary is not None:
+        return True
+    before = previous.get("rollout") or {}
+    return (before.get("stableRevision"), before.get("canaryRevision")) != (split.stable, None) or (
+        previous.get("servingRevision") != split.entry
     )
 
 

@@ -463,5 +463,25 @@ def status_patch(old: Status, new: Status, now: str) -> Status:
     whole snapshot is always internally consistent.
     """
     new = {**new, "conditions": merge_conditions(old.get("conditions", []), new["conditions"], now)}
-    changed = any(old.get(key) != value for key, value in new.items())
-    return new if changed else {}
+    changed = any(stored(old.get(key)) != stored(value) for key, value in new.items())
+    return {key: removing(old.get(key), value) for key, value in new.items()} if changed else {}
+
+
+def stored(value: Any) -> Any:
+    """`value` as the API server keeps it after a merge patch: no null inside an object."""
+    if isinstance(value, dict):
+        return {k: stored(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [stored(v) for v in value]
+    return value
+
+
+def removing(old: Any, new: Any) -> Any:
+    """`new` with a null for every key of `old` it no longer has, at any depth of nested
+    objects: a merge patch leaves a key it does not name as it was (a canary section after
+    the canary ended, say), so the whole new status must name the ones that went."""
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return new
+    out = {k: removing(old.get(k), v) for k, v in new.items()}
+    out.update({k: None for k in old if k not in new})
+    return out

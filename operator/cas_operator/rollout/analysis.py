@@ -79,6 +79,9 @@ class RevisionMetrics:
         engines = decode + prefill
         responses = _sum([s.responses for s in routers])
         errors = _sum([s.errors_5xx for s in routers])
+        requests = _sum([s.requests for s in decode])
+        # SGLang's failure counters have labels: no series until the first failure
+        kv_failures = _sum([s.kv_failures for s in engines])
         unmeasured = tuple(
             sorted(
                 p.name
@@ -88,10 +91,10 @@ class RevisionMetrics:
         )
         return cls(
             revision=revision,
-            requests=_sum([s.requests for s in decode]),
+            requests=requests,
             checked=_sum([s.checked for s in decode]),
             trips=_sum([s.trips for s in decode]),
-            kv_failures=_sum([s.kv_failures for s in engines]),
+            kv_failures=kv_failures if kv_failures is not None or requests is None else 0.0,
             responses=responses,
             # a router that answered but never failed exports no 5xx series
             errors_5xx=errors if errors is not None or responses is None else 0.0,
