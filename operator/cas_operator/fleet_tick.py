@@ -279,6 +279,7 @@ class FleetTick:
                 current,
                 plan_numbers(name, namespace, spec, before),
                 now,
+                canary=canary,
             )
             retired = scale_down_tick(
                 snapshot,

@@ -304,3 +304,35 @@ def test_pods_are_listed_in_pages_and_slimmed_as_they_arrive() -> None:
     assert all("spec" not in p and "managedFields" not in p["metadata"] for p in got)
     assert got[0]["status"]["podIP"] == "127.0.0.1"
     assert got[0]["metadata"]["labels"][c.LABEL_SERVING] == "true"
+
+
+def test_a_canary_is_judged_apart_never_drained_and_its_anomaly_aborts_the_rollout() -> None:
+    """Regression (issue 16): the anomaly loop pooled a canary's pods with the stable ones (a
+    bad canary raised the stable baseline and was drained and replaced by the same bad
+    engine), and Auto sized the fleet from one revision's counts. Now the canary's pods are
+    judged among themselves, never drained, their anomaly aborts the rollout, and Auto keeps
+    its counts while the canary runs."""
+    stable = [pod("a", "ns", n, role) for n, role in (("a-p0", "prefill"), ("a-d0", "decode"),
+                                                      ("a-d1", "decode"))]  # fmt: skip
+    canary = [pod("a", "ns", n, role) for n, role in (("a-cp", "prefill"), ("a-cd", "decode"))]
+    for p, revision in [(p, "r1") for p in stable] + [(p, "r2") for p in canary]:
+        p["metadata"]["labels"][c.LABEL_REVISION] = revision
+    store, source = MemoryPods(stable + canary, forbid_list=True), CannedMetrics()
+    source.by_name["a-cd"] = CORRUPT
+    g, posted = guard(store, source)
+    res = resource("a", status={
+        "revision": "r2",
+        "autoscaler": {"prefill": 1, "decode": 2, "reason": "earlier"},
+        "rollout": {"phase": "Progressing", "stableRevision": "r1", "canaryRevision": "r2"},
+    })  # fmt: skip
+    res["spec"] = {**AUTO, "rollout": {"strategy": "Canary", "steps": [{"weight": 20}]}}
+    g.tick([res], now=T0)
+    assert g.measured["uid-a"].auto_replicas == (1, 2)
+    assert "held" in sections(g, "a")["autoscaler"]
+    for i in (1, 2):
+        g.tick([res], now=T0 + 5 * i)
+    measured = g.measured["uid-a"]
+    assert measured.rollout is not None and measured.rollout.phase.value == "Aborted"
+    assert "canary anomaly" in measured.rollout.reason and "a-cd" in measured.rollout.reason
+    assert ("patch", "a-cd") not in store.calls  # never drained
+    assert any(event[1] == "RolloutAborted" for _, event in posted)

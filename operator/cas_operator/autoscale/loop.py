@@ -73,13 +73,18 @@ class Autoscaler:
         status: Status,
         plan_for: Callable[[ObservedSignals], PlanNumbers | None],
         now: float,
+        canary: str | None = None,
     ) -> AutoscaleResult:
         """One tick for one resource; `pods()` reads its engine pods (terminating ones
         included; only Auto needs them, so Fixed and Recommend never filter the snapshot),
-        `status` its current status, `plan_for` plans it for a measured load."""
+        `status` its current status, `plan_for` plans it for a measured load. While a canary
+        runs (`canary`: its revision) the load is still measured over both revisions, but
+        nothing is sized from it: the rollout sizes both revisions' pools, and a pool's
+        pressure hint or an Auto step against one revision's counts would be wrong; Auto
+        keeps its counts until the rollout ends."""
         counts = pool_counts(status)
         scale = None
-        if counts is not None:
+        if counts is not None and canary is None:
             bounds = ScaleBounds(spec.ratio.min, spec.ratio.max, spec.ratio.gpu_budget)
             scale = suggest_scale(views, counts, bounds, self.pressure.get(uid, PressureState()))
             self.pressure[uid] = scale.state
@@ -94,6 +99,9 @@ class Autoscaler:
         if spec.ratio.mode != RatioMode.AUTO:
             self.auto.pop(uid, None)
             return AutoscaleResult(scale, entry, observed, None)
+        if canary is not None:
+            entry["held"] = f"canary {canary} rolling out: Auto keeps its counts until it ends"
+            return AutoscaleResult(scale, entry, observed, auto.replicas if auto else None)
         numbers = plan_for(observed)
         if numbers is None:  # the spec is invalid: the reconcile reports it
             return AutoscaleResult(scale, entry, observed, auto.replicas if auto else None)
