@@ -158,6 +158,33 @@ def test_minimal_sample_becomes_ready_with_every_child(
     assert operator.running(), operator.log_tail()
 
 
+def test_a_git_apply_after_the_operator_reconciled_shows_no_drift(
+    operator: OperatorProcess, kubectl: Kubectl, namespace: str
+) -> None:
+    """GitOps contract (issue 16): once the operator reconciled a resource (its status, kopf's
+    annotations, a rollout action it consumed), a server-side dry-run diff of what Git holds,
+    under Argo CD's field manager, shows nothing: the operator never writes a field Git owns
+    (spec, labels, the annotations in Git)."""
+    manifest = small("minimal.yaml", prefill={"tensorParallel": 1}, decode={"tensorParallel": 1})
+    manifest["metadata"]["labels"] = {"app.kubernetes.io/instance": "fleet-app"}  # Argo CD's
+    manifest["spec"]["rollout"] = {"strategy": "Canary", "steps": [{"weight": 25}]}
+    as_git = ["--server-side", "--field-manager=argocd-controller", "-n", namespace, "-f", "-"]
+    kubectl("apply", *as_git, stdin=yaml.safe_dump(manifest))
+    wait_ready(kubectl, namespace, "minimal")
+    kubectl("annotate", "cas", "minimal", "-n", namespace, "cas.dev/rollout-action=skip")
+
+    def consumed() -> bool:
+        cas = get_json(kubectl, "cas", "minimal", "-n", namespace)
+        return "cas.dev/rollout-action" not in (cas["metadata"].get("annotations") or {})
+
+    wait_until("the rollout action consumed", consumed, 60)
+    drift = kubectl("diff", *as_git, stdin=yaml.safe_dump(manifest), check=False)
+    assert drift.strip() == "", drift
+    for kind in ("deploy", "svc", "pdb", "configmap"):  # Argo CD's tracking stays on the parent
+        for child in children(kubectl, namespace, kind, "minimal"):
+            assert "app.kubernetes.io/instance" not in child["metadata"]["labels"], child
+
+
 def test_glm5_sample_plans_layersplit_and_flags(
     operator: OperatorProcess, kubectl: Kubectl, namespace: str
 ) -> None:
