@@ -82,7 +82,7 @@ sim-demo: setup ## Router + 1 prefill + 2 decode sims on loopback, coding-agent 
 
 ##@ Benchmarks
 
-bench: bench-race bench-guard bench-sim bench-operator bench-anomaly bench-planner bench-lifecycle ## All benchmarks (never part of make test)
+bench: bench-race bench-guard bench-sim bench-operator bench-anomaly bench-planner bench-lifecycle bench-canary ## All benchmarks (never part of make test)
 
 bench-sim: setup ## Sim: 256-stream throughput; PD reclaim race Immediate/Upstream/Strict side by side
 	$(PY) -m bench.sim_throughput --streams 256 --tokens 400 --runs 3
@@ -96,6 +96,9 @@ bench-anomaly: setup bins ## Anomaly reaction: onset -> out of rotation / replac
 
 bench-lifecycle: setup bins ## Pod-removal paths under load: sent / failed / cut requests and seconds per path
 	$(PY) bench/lifecycle.py --out bench/results/lifecycle.json
+
+bench-canary: setup bins ## Canary rollouts under load through the Gateway: seconds per step, abort of a bad canary, exposure, failed and mixed-pair requests
+	$(PY) bench/canary.py --out bench/results/canary.json
 
 bench-planner: setup ## P:D planner vs 1:1, best fixed, mean-based, exhaustive; LayerSplit gain table
 	$(PY) -m bench.planner --quick --scale-tables --out bench/results/planner.json
@@ -113,5 +116,5 @@ gpu-check: ## One-shot check on a CUDA machine: GPU tests, HiCache race on real 
 	bash tools/gpu-check.sh $(GPU_CHECK_ARGS)
 
 .PHONY: run test help setup sysdeps cluster-status e2e crds verify lint lint-docker image typecheck unit bins cluster-up \
-	cluster-down bench bench-race bench-anomaly bench-lifecycle bench-planner bench-guard bench-operator bench-sim sim-demo \
+	cluster-down bench bench-race bench-anomaly bench-lifecycle bench-canary bench-planner bench-guard bench-operator bench-sim sim-demo \
 	gpu-check

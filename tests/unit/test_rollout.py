@@ -341,3 +341,14 @@ def test_bad_rollout_specs_are_refused_with_the_field_named() -> None:
     }
     with pytest.raises(InvalidSpec, match=r"rollout\.maxSurgeGpus"):
         plan_of(tiny)
+
+
+def test_a_gpu_budget_alone_caps_both_revisions() -> None:
+    """`ratio.gpuBudget` is a budget for the fleet, canary included: without maxSurgeGpus the
+    stable pools give up what the canary takes (never more than the budget in total)."""
+    plan = plan_of({**CANARY, "ratio": {"gpuBudget": 96}})
+    split = split_for(plan, replace_state(step=1), frozenset())
+    assert split.stable_sizes is not None
+    total = split.stable_sizes.gpus(plan) + split.current_sizes.gpus(plan)
+    assert total <= 96 and (split.current_sizes.prefill, split.current_sizes.decode) == (2, 4)
+    assert split.stable_sizes.prefill >= 1 and split.stable_sizes.decode >= 1

@@ -656,9 +656,9 @@ class RolloutSpec(Spec):
         ge=0,
         le=1_000_000,
         description="Canary: the most GPUs both revisions may use together beyond "
-        "ratio.gpuBudget (or beyond the stable pools' size, without a budget); the stable "
-        "pools give up instances (drained first) when the canary needs more. Absent: the "
-        "canary runs on top of the stable pools.",
+        "ratio.gpuBudget (or beyond the stable pools' size, without a budget; 0 when unset); "
+        "the stable pools give up instances (drained first) when the canary needs more. "
+        "Without a budget and without this, the canary runs on top of the stable pools.",
     )
     on_operator_upgrade: OperatorUpgradePolicy = Field(
         default=OperatorUpgradePolicy.HOLD,

@@ -6,9 +6,9 @@ that exist. Output: a `Split`, which the reconcile applies:
 - which revisions stay (`keep`; every other one retires through the drain path);
 - the sizes of the current revision's pools and routers (the canary's: the step's weight of
   the full pools at the planner's P:D, at least one instance per role) and of the stable
-  revision's (the full pools; fewer when `rollout.maxSurgeGpus` caps both revisions' GPUs
-  at `ratio.gpuBudget` plus the surge, the stable pools then shrinking through the scale-down
-  loop, which drains before it removes);
+  revision's (the full pools; fewer when both revisions would pass `ratio.gpuBudget` plus
+  `rollout.maxSurgeGpus` (`surge_limit`), the stable pools then shrinking through the
+  scale-down loop, which drains before it removes);
 - how traffic is split: with `spec.gateway`, HTTPRoute weights on the Services
   `<name>-stable` and `<name>-canary` (exact, per request); without, the entry Service
   `<name>` selects both revisions' routers and the split follows their replica counts
@@ -96,6 +96,16 @@ def fit(plan: Plan, wanted: tuple[int, int], room: int) -> tuple[int, int]:
     return p, d
 
 
+def surge_limit(plan: Plan, full_gpus: int) -> int | None:
+    """The most GPUs both revisions of a canary may hold: `ratio.gpuBudget` (or the full
+    pools, without one) plus `rollout.maxSurgeGpus` (0 when unset); None with neither set
+    (the canary then runs on top of the stable pools)."""
+    budget, surge = plan.spec.ratio.gpu_budget, plan.spec.rollout.max_surge_gpus
+    if budget is None and surge is None:
+        return None
+    return (budget or full_gpus) + (surge or 0)
+
+
 def router_split(weight: int, base: int) -> tuple[int, int]:
     """(stable, canary) router replicas whose ratio is closest to `weight`% for the canary,
     each at least one, together at most max(SPLIT_ROUTERS, 2 x base); fewest routers on ties."""
@@ -130,9 +140,8 @@ def split_for(plan: Plan, state: RolloutState, others: frozenset[str]) -> Split:
     size_weight = target_weight(plan.spec.rollout.steps or [], state.step)
     canary_p, canary_d = canary_pools(plan, size_weight)
     stable_p, stable_d = full.prefill, full.decode
-    surge = plan.spec.rollout.max_surge_gpus
-    if surge is not None:
-        limit = (plan.spec.ratio.gpu_budget or full.gpus(plan)) + surge
+    limit = surge_limit(plan, full.gpus(plan))
+    if limit is not None:
         minimum = plan.prefill.shape.gpus + plan.decode.shape.gpus
         canary_p, canary_d = fit(plan, (canary_p, canary_d), limit - minimum)
         canary_gpus = canary_p * plan.prefill.shape.gpus + canary_d * plan.decode.shape.gpus

@@ -209,12 +209,13 @@ def _rollout_errors(spec: CodingAgentServingSpec) -> list[SpecError]:
 def surge_errors(
     spec: CodingAgentServingSpec, full_gpus: int, prefill_gpus: int, decode_gpus: int
 ) -> list[SpecError]:
-    """`rollout.maxSurgeGpus` caps both revisions of a canary at the budget (or the full
-    pools) plus the surge: that must hold one instance of each role per revision."""
-    surge = spec.rollout.max_surge_gpus
-    if surge is None or spec.rollout.strategy.value != "Canary":
+    """A canary and its stable revision together may hold `ratio.gpuBudget` (or the full
+    pools) plus `rollout.maxSurgeGpus`: that must fit one instance of each role per revision
+    (`desired.traffic.surge_limit` is the same rule at run time)."""
+    budget, surge = spec.ratio.gpu_budget, spec.rollout.max_surge_gpus
+    if spec.rollout.strategy.value != "Canary" or (budget is None and surge is None):
         return []
-    limit = (spec.ratio.gpu_budget or full_gpus) + surge
+    limit = (budget or full_gpus) + (surge or 0)
     least = 2 * (prefill_gpus + decode_gpus)
     if limit >= least:
         return []
