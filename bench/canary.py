@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                    bad_canary(handle.kubeconfig, run, gateway)]  # fmt: skip
     good, bad = results
     print(
-        f"\npromote: weights {good['weights']}, seconds per step {good['step_seconds']}, "
+        f"\npromote: weights {good['weights']}, seconds each weight held {good['step_seconds']}, "
         f"{good['seconds_to_promoted_and_retired']} s to promoted and retired; "
         f"{good['sent']} sent, {good['failed']} failed, {good['mixed_pairs']} mixed pairs"
     )

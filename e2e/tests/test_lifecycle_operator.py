@@ -373,3 +373,75 @@ async def test_a_deleted_prefill_reaches_decode_as_gone_and_a_forced_one_does_no
 
         await asyncio.to_thread(wait_for, f"a Warning naming {forced}", warned, 60)
         assert [e["uid"] for e in gone_feed(kubectl, namespace)] == [uid]
+
+
+def lws_sample(groups: int) -> dict[str, Any]:
+    """A fleet whose decode instances are LeaderWorkerSet groups of 2 pods (TP2 over nodes of
+    1 GPU), `groups` of them, and one prefill of 1 GPU."""
+    cas: dict[str, Any] = yaml.safe_load((ROOT / "config/samples/minimal.yaml").read_text())
+    cas["spec"]["prefill"] = {"replicas": 1, "tensorParallel": 1}
+    cas["spec"]["decode"] = {"replicas": groups, "tensorParallel": 2, "gpusPerNode": 1}
+    cas["spec"]["ratio"] = {"mode": "Fixed", "prefill": 1, "decode": groups}
+    return cas
+
+
+def lws_decode_pods(kubectl: Kubectl, namespace: str) -> dict[str, tuple[str, str]]:
+    """Pod name -> (LWS group index, uid) of every live decode pod (leaders and workers)."""
+    group = "leaderworkerset.sigs.k8s.io/group-index"
+    return {
+        p["metadata"]["name"]: (p["metadata"]["labels"].get(group, ""), p["metadata"]["uid"])
+        for p in role_pods(kubectl, namespace, "decode")
+    }
+
+
+async def test_an_lws_pool_scales_down_its_highest_group_and_cuts_no_request(
+    live_stack: MakeLiveStack,
+    namespace: str,
+    kubectl: Kubectl,
+    crds: None,
+) -> None:
+    """Regression (issue 15): a LeaderWorkerSet pool lowered its replicas at once, and its
+    leader StatefulSet removed the highest group whether it ran requests or not. Now that
+    group's leader leaves rotation first (status.draining: Retiring), the count goes down only
+    once it is idle, the whole group goes, and every request completes."""
+    stack = live_stack(SIM_ARGS)
+    with resource_live(stack, kubectl, lws_sample(3), log=lambda s: print(f"[live] {s}")) as r:
+        key = control_key(kubectl, namespace)
+        leaders = await asyncio.to_thread(
+            wait_for, "3 decode groups serving",
+            lambda: (u := decode_urls_serving(kubectl, namespace)) and len(u) == 3 and u, 120,
+        )  # fmt: skip
+        wait_for("the router to list every leader", lambda: http_ok(f"{r}/readiness")
+                 and set(leaders.values()) <= router_workers(r, key), 60)  # fmt: skip
+        before = lws_decode_pods(kubectl, namespace)
+        assert len(before) == 6, before  # 3 groups of a leader and a worker
+        requests = [asyncio.create_task(asyncio.to_thread(long_chat, r, TOKENS)) for _ in "abcd"]
+        await asyncio.to_thread(wait_for, "the requests decoding", lambda: sum(
+            running(u) for u in leaders.values()) >= 4, 60)  # fmt: skip
+        await asyncio.to_thread(wait_for, "the operator's metrics to show them",
+                                lambda: operator_sees_running(stack, namespace) >= 4,
+                                30)  # fmt: skip
+        kubectl("scale", "cas", NAME, "-n", namespace, "--replicas=2")
+        (chosen,) = await asyncio.to_thread(
+            wait_for, "a decode group retiring in status.draining",
+            lambda: retiring(cas_status(kubectl, namespace)), 60,
+        )  # fmt: skip
+        assert before[chosen][0] == "2", (chosen, before)  # the highest group's leader
+        await asyncio.to_thread(
+            wait_for, "group 2 removed",
+            lambda: all(g != "2" for g, _ in lws_decode_pods(kubectl, namespace).values()), 150,
+        )  # fmt: skip
+        results = await asyncio.gather(*requests)
+        after = lws_decode_pods(kubectl, namespace)
+    assert results == [(200, TOKENS)] * 4, results
+    assert after == {n: v for n, v in before.items() if v[0] != "2"}, (after, before)
+
+
+def decode_urls_serving(kubectl: Kubectl, namespace: str) -> dict[str, str]:
+    """Pod name -> URL of every decode pod in rotation (LWS leaders; workers never serve)."""
+    return {
+        p["metadata"]["name"]: f"http://{p['status']['podIP']}:30000"
+        for p in role_pods(kubectl, namespace, "decode")
+        if p.get("status", {}).get("podIP")
+        and (p["metadata"].get("labels") or {}).get("cas.dev/serving") == "true"
+    }

@@ -211,6 +211,8 @@ def test_a_fleet_wide_anomaly_pauses_and_a_canary_anomaly_aborts() -> None:
     at = replace_state(weight=10, step_started=100.0)
     paused = stepped(at, 200.0, ready_step=0, analysis=passing(), fleet_anomaly="3 of 4 pods")
     assert paused.phase == Phase.PAUSED and paused.step == 0
+    growing = stepped(replace(paused, step=1), 205.0, ready_step=0, analysis=passing())
+    assert growing.phase == Phase.PROGRESSING  # the incident cleared: no longer paused
     aborted = stepped(at, 200.0, ready_step=0, canary_anomaly="canary pods anomalous: x")
     assert aborted.phase == Phase.ABORTED and "canary pods anomalous" in aborted.reason
 

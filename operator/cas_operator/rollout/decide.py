@@ -95,7 +95,7 @@ def _act(
     if action == Action.PROMOTE:
         promoting = state.at_step(len(steps), Phase.PROMOTING, "promoted by the user")
         return RolloutDecision(promoting, [("Normal", "RolloutPromote", "every step skipped")])
-    nxt = state.step + 1
+    nxt = min(state.step + 1, len(steps))
     phase = Phase.PROMOTING if nxt >= len(steps) else Phase.PROGRESSING
     skipped = state.at_step(nxt, phase, f"step {state.step + 1} skipped by the user")
     return RolloutDecision(skipped, [("Normal", "RolloutStepSkipped", skipped.reason)])
@@ -120,15 +120,15 @@ def _step(
         return RolloutDecision(replace(state, phase=Phase.PAUSED, reason=why))
     target = target_weight(steps, state.step)
     label = "promotion" if state.step >= len(steps) else f"step {state.step + 1}/{len(steps)}"
+    moving = Phase.PROMOTING if state.step >= len(steps) else Phase.PROGRESSING
     if state.weight != target:
         if inputs.ready_step != state.step:
             why = f"{label}: waiting for the canary's pools at {target}%"
-            return RolloutDecision(replace(state, reason=why))
+            return RolloutDecision(replace(state, phase=moving, reason=why))
         moved = replace(state, weight=target, step_started=now, analysis=None)
         why = f"{label}: {target}% of requests to the canary"
-        phase = Phase.PROMOTING if state.step >= len(steps) else Phase.PROGRESSING
         return RolloutDecision(
-            replace(moved, phase=phase, reason=why), [("Normal", "CanaryWeight", why)]
+            replace(moved, phase=moving, reason=why), [("Normal", "CanaryWeight", why)]
         )
     if state.step >= len(steps):  # all traffic on the canary since the last tick
         event = ("Normal", "RolloutPromoted", f"revision {state.canary} is stable")
