@@ -21,8 +21,9 @@ stream that ended short of its tokens), retried (a connection that closed or was
 before the request went out, retried once as the OpenAI SDK does; a second such error is a
 failure), and the seconds until converged. Prints a table and
 writes ``bench/results/lifecycle.json``: a list of ``{path, sent, failed, cut, seconds}``.
-Not covered (said in docs/architecture.md): a node drain through evictions (KWOK deletes a
-pod object at once, so an evicted pod's deregistration is not real here).
+- ``node drain (evictions)``: ``kubectl drain`` of the node a decode runs on (the Eviction API,
+  the pools' PodDisruptionBudgets honoured); its pod leaves every router, finishes what it
+  runs (preStop) and is replaced on another node.
 
 Cluster: the running ``make cluster-up`` stack, or a private one (bench/anomaly.py's helper).
 """
@@ -90,10 +91,11 @@ class Load:
             try:
                 try:
                     got = await self._one(session, prompt, tokens, stream)
-                except aiohttp.ClientOSError as exc:
-                    # Not sent: a kept-alive connection the server closed as the client reused
-                    # it, or a refused connect. The OpenAI SDK retries these (max_retries=2); so
-                    # does this client, once, and counts it.
+                except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
+                    # Not answered: a kept-alive connection the server closed as the client
+                    # reused it (a reset, or a disconnect before any response), or a refused
+                    # connect. The OpenAI SDK retries these connection errors (max_retries=2);
+                    # so does this client, once, and counts it.
                     request.retried, request.error = True, f"retried: {exc!r}"[:200]
                     got = await self._one(session, prompt, tokens, stream)
                 request.cut = got != tokens
@@ -186,6 +188,29 @@ async def restart_mid_drain(kubectl: Kubectl, namespace: str, stack: LiveStack) 
     stack.operator.start()
 
 
+def drain_node(kubectl: Kubectl, namespace: str) -> None:
+    """`kubectl drain` of the node one decode pod runs on (Eviction API, PDBs honoured), as an
+    admin takes a node down for maintenance; the node is uncordoned once it is empty."""
+    pods = json.loads(
+        kubectl(
+            "get",
+            "pods",
+            "-n",
+            namespace,
+            "-l",
+            f"cas.dev/name={NAME},cas.dev/role=decode",
+            "-o",
+            "json",
+        )
+    )["items"]
+    node = sorted(p["spec"]["nodeName"] for p in pods
+                  if not p["metadata"].get("deletionTimestamp"))[0]  # fmt: skip
+    print(f"[bench] draining node {node}", flush=True)
+    kubectl("drain", node, "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=300s",
+            timeout=320)  # fmt: skip
+    kubectl("uncordon", node)
+
+
 def engine_pod_uids(kubectl: Kubectl, namespace: str) -> set[str]:
     pods = json.loads(kubectl("get", "pods", "-n", namespace, "-l",
                               f"cas.dev/name={NAME},app.kubernetes.io/name=cas-engine",
@@ -222,6 +247,7 @@ async def run_paths(kubectl: Kubectl, namespace: str, stack: LiveStack, load: Lo
                                                     {"decode": {"replicas": 2}})), (3, 2)),
         ("prefill 3 -> 1", lambda: act(lambda: patch(kubectl, namespace,
                                                      {"prefill": {"replicas": 1}})), (1, 2)),
+        ("node drain (evictions)", lambda: act(lambda: drain_node(kubectl, namespace)), (1, 2)),
         ("kubectl scale 2 -> 1", lambda: act(lambda: scale(kubectl, namespace, 1)), (1, 1)),
         ("engine change", lambda: act(lambda: patch(kubectl, namespace, {"engine": {
             "drainSeconds": 120, "env": engine_env}})), (1, 1)),
@@ -257,8 +283,8 @@ async def run_paths(kubectl: Kubectl, namespace: str, stack: LiveStack, load: Lo
 
 
 # The counts the fleet starts at when `--only` names a path (a key in the path's name).
-START = {"upgrade": (3, 4), "decode": (3, 4), "prefill": (3, 2), "kubectl": (1, 2),
-         "engine": (1, 1), "restart": (1, 1)}  # fmt: skip
+START = {"upgrade": (3, 4), "decode": (3, 4), "prefill": (3, 2), "drain": (1, 2),
+         "kubectl": (1, 2), "engine": (1, 1), "restart": (1, 1)}  # fmt: skip
 
 
 def start_counts(only: str | None) -> tuple[int, int]:

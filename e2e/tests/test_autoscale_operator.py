@@ -101,7 +101,7 @@ async def test_auto_mode_grows_a_starved_prefill_pool(
     (prefill_ip,) = ready_ips(kubectl, namespace, "prefill")
     status = get(kubectl, namespace, "cas", NAME)["status"]
     assert status["ratio"]["replicasOwner"] == "operator (Auto)"
-    assert pool_replicas(kubectl, namespace) == {"prefill": 1, "decode": 2, "router": 1}
+    assert pool_replicas(kubectl, namespace) == {"prefill": 1, "decode": 2, "router": 2}
     stop, stats = asyncio.Event(), LoadStats()
     prompt = "def handler(request):\n    return route(request)\n" * 400  # ~4.8K tokens each
     load = asyncio.create_task(steady_traffic(router, stop, stats, concurrency=12, max_tokens=20,
@@ -136,7 +136,7 @@ async def test_auto_mode_grows_a_starved_prefill_pool(
     finally:
         stop.set()
         await load
-    assert pool_replicas(kubectl, namespace) == {"prefill": 2, "decode": 2, "router": 1}
+    assert pool_replicas(kubectl, namespace) == {"prefill": 2, "decode": 2, "router": 2}
     final = get(kubectl, namespace, "cas", NAME)["status"]
     assert final["ratio"]["current"] == "2:2"
     print(f"\nAuto: prefill +1 decided {decided:.1f}s and ready {applied:.1f}s after the "
@@ -169,7 +169,7 @@ async def test_auto_mode_grows_a_kv_bound_decode_pool(
     95%, or TTFT over the SLO with that queue), the operator must add one decode, leave the
     prefill pool alone and keep P/D in bounds."""
     _, router = kv_bound_fleet
-    assert pool_replicas(kubectl, namespace) == {"prefill": 1, "decode": 1, "router": 1}
+    assert pool_replicas(kubectl, namespace) == {"prefill": 1, "decode": 1, "router": 2}
     stop, stats = asyncio.Event(), LoadStats()
     prompt = "def handler(request):\n    return route(request)\n" * 100  # ~1.2K tokens each
     load = asyncio.create_task(steady_traffic(router, stop, stats, concurrency=12, max_tokens=400,
@@ -238,7 +238,7 @@ async def test_auto_mode_at_the_budget_gives_up_a_decode_before_growing_prefill(
         pods = get(kubectl, namespace, "pods", "-l", f"cas.dev/name={NAME}")["items"]
         engines = [p for p in pods if p["metadata"]["labels"]["cas.dev/role"] != "router"]
         most_pods[0] = max(most_pods[0], len(engines))
-        return pool_replicas(kubectl, namespace) == {"prefill": 2, "decode": 1, "router": 1}
+        return pool_replicas(kubectl, namespace) == {"prefill": 2, "decode": 1, "router": 2}
 
     try:
         await set_fault(f"http://{prefill_ip}:30000", {"slow_prefill": 40})

@@ -46,7 +46,8 @@ class Served:
 
     @property
     def ok(self) -> bool:
-        return self.status == 200
+        """Answered 200 with every token asked for (`ignore_eos`: a short answer is a cut)."""
+        return self.status == 200 and not self.error
 
 
 @dataclass
@@ -120,9 +121,12 @@ class RecordedLoad:
         ended = time.monotonic()
         if resp.status != 200:
             return Served(started, ended, resp.status, error=text[:200], retried=retried)
-        pair = (json.loads(text).get("metadata") or {}).get("pd_pair") or {}
+        answer = json.loads(text)
+        pair = (answer.get("metadata") or {}).get("pd_pair") or {}
         prefill = str(pair.get("prefill", "")).rsplit(":", 1)[0] or None
-        return Served(started, ended, 200, prefill, pair.get("decode"), retried=retried)
+        got = int((answer.get("usage") or {}).get("completion_tokens", 0))
+        cut = "" if got == self.tokens else f"cut: {got} of {self.tokens} tokens"
+        return Served(started, ended, 200, prefill, pair.get("decode"), cut, retried)
 
 
 @dataclass

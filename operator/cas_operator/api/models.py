@@ -451,7 +451,13 @@ class HiCacheSpec(Spec):
 
 class RouterSpec(Spec):
     image: str | None = Field(default=None, description="Default: the engine image.")
-    replicas: int = Field(default=1, ge=0, le=64)
+    replicas: int = Field(
+        default=2,
+        ge=0,
+        le=64,
+        description="Router pods per revision, spread over nodes where they can be. With 1, "
+        "draining that pod's node refuses new connections until its replacement is Ready.",
+    )
     policy: RouterPolicy = RouterPolicy.CACHE_AWARE
     retries: int = Field(
         default=2,

@@ -101,7 +101,24 @@ def build_router_deployment(owner: Owner, plan: Plan) -> Manifest:
         container["resources"] = router.resources.model_dump(by_alias=True, exclude_none=True)
     user = plan.spec.pod_metadata
     annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(c.ROUTER_METRICS_PORT)}
-    placement: dict[str, Any] = {}
+    selector = selector_labels(plan.name, c.ROLE_ROUTER, plan.revision)
+    placement: dict[str, Any] = {
+        # one node's drain or failure takes one router, not all: its PDB lets the drain evict
+        # the next only once a replacement serves
+        "affinity": {
+            "podAntiAffinity": {
+                "preferredDuringSchedulingIgnoredDuringExecution": [
+                    {
+                        "weight": 100,
+                        "podAffinityTerm": {
+                            "labelSelector": {"matchLabels": selector},
+                            "topologyKey": "kubernetes.io/hostname",
+                        },
+                    }
+                ]
+            }
+        }
+    }
     if router.node_selector:
         placement["nodeSelector"] = dict(router.node_selector)
     if router.tolerations:
