@@ -289,6 +289,12 @@ def test_router_split_is_the_closest_ratio(weight: int, split: tuple[int, int]) 
     assert router_split(weight, 1) == split
 
 
+def test_router_split_keeps_the_stable_revisions_routers_when_it_can() -> None:
+    """Routers are 2 by default (a node drain takes one): a 50% split must not leave the
+    stable revision with a single router."""
+    assert router_split(50, 2) == (2, 2) and router_split(10, 2) == (9, 1)
+
+
 def test_without_a_gateway_the_entry_service_spans_both_routers_by_replicas() -> None:
     plan = plan_of(CANARY)
     state = replace_state(weight=10, step_started=1.0)

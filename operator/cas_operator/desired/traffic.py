@@ -108,16 +108,17 @@ def surge_limit(plan: Plan, full_gpus: int) -> int | None:
 
 def router_split(weight: int, base: int) -> tuple[int, int]:
     """(stable, canary) router replicas whose ratio is closest to `weight`% for the canary,
-    each at least one, together at most max(SPLIT_ROUTERS, 2 x base); fewest routers on ties."""
+    each at least one, together at most max(SPLIT_ROUTERS, 2 x base); on ties the stable
+    revision keeps at least `base` routers if it can, then the fewest routers."""
     total = max(SPLIT_ROUTERS, 2 * base)
-    best = (1, 1)
-    best_error = abs(0.5 - weight / 100)
-    for n in range(2, total + 1):
-        for canary in range(1, n):
-            error = abs(canary / n - weight / 100)
-            if error < best_error - 1e-9:
-                best, best_error = (n - canary, canary), error
-    return best
+    pairs = [(n - canary, canary) for n in range(2, total + 1) for canary in range(1, n)]
+
+    def rank(pair: tuple[int, int]) -> tuple[float, bool, int]:
+        stable, canary = pair
+        error = round(abs(canary / (stable + canary) - weight / 100), 9)
+        return error, stable < base, stable + canary
+
+    return min(pairs, key=rank)
 
 
 def split_for(plan: Plan, state: RolloutState, others: frozenset[str]) -> Split:
