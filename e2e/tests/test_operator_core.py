@@ -154,7 +154,7 @@ def test_minimal_sample_becomes_ready_with_every_child(
         assert children(kubectl, namespace, kind, "minimal"), kind
     pods = children(kubectl, namespace, "pods", "minimal")
     roles = sorted(p["metadata"]["labels"]["cas.dev/role"] for p in pods)
-    assert roles == ["decode", "prefill", "router"]
+    assert roles == ["decode", "prefill", "router", "router"]  # routers: 2 by default
     assert operator.running(), operator.log_tail()
 
 
@@ -608,7 +608,7 @@ def test_pod_metadata_reaches_running_pods_and_dropped_keys_are_reported(
     ]
     pods = children(kubectl, namespace, "pod", "minimal")
     roles = sorted(p["metadata"]["labels"]["cas.dev/role"] for p in pods)
-    assert roles == ["decode", "prefill", "router"], roles
+    assert roles == ["decode", "prefill", "router", "router"], roles
     assert all(p["metadata"]["labels"]["team"] == "agents" for p in pods)
     engines = [p for p in pods if p["metadata"]["labels"]["cas.dev/role"] != "router"]
     assert all(p["metadata"]["labels"]["cas.dev/serving"] == "true" for p in engines)

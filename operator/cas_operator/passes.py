@@ -64,6 +64,7 @@ OWNED_STATUS_KEYS = (
     "prefill",
     "decode",
     "ratio",
+    "admission",
     "layerSplit",
     "gpus",
     "anomaly",

@@ -129,6 +129,12 @@ class RolloutStrategy(StrEnum):
     CANARY = "Canary"
 
 
+class AdmissionMode(StrEnum):
+    AUTO = "Auto"  # the planner's capacity for the pools (a model with an instance profile)
+    FIXED = "Fixed"  # the numbers in the spec
+    OFF = "Off"
+
+
 class OperatorUpgradePolicy(StrEnum):
     """What a new operator version that renders the same spec's engine pods differently does:
     keep the pods as they run (Hold) or roll them to its rendering (Roll)."""
@@ -449,6 +455,38 @@ class HiCacheSpec(Spec):
     )
 
 
+class AdmissionSpec(Spec):
+    """What the routers admit: the fleet's sustainable request rate, beyond which a request
+    is answered 429 at once instead of queueing into a backlog that misses every TTFT."""
+
+    model_config = _config(
+        cel(
+            "self.mode != 'Fixed' || has(self.requestsPerSecond)",
+            "router.admission.requestsPerSecond is required in Fixed mode",
+            ".requestsPerSecond",
+        ),
+    )
+
+    mode: AdmissionMode = Field(
+        default=AdmissionMode.AUTO,
+        description="Auto: the rate the planner's model says the pools serve within the SLOs "
+        "(models with an instance profile: GLM-5, DeepSeek-V3; none otherwise); Fixed: "
+        "requestsPerSecond and burst; Off: no limit.",
+    )
+    requests_per_second: float | None = Field(
+        default=None, gt=0.0, le=MAX_REQUEST_RATE, description="Fixed: the fleet's admission rate."
+    )
+    burst: int | None = Field(
+        default=None,
+        ge=1,
+        le=1_000_000,
+        description="Fixed: requests admitted at once above the rate (default: 5 s of it).",
+    )
+    headroom: float = Field(
+        default=1.0, ge=0.1, le=10.0, description="Auto: a factor on the planner's capacity."
+    )
+
+
 class RouterSpec(Spec):
     image: str | None = Field(default=None, description="Default: the engine image.")
     replicas: int = Field(
@@ -469,6 +507,7 @@ class RouterSpec(Spec):
         "just failed again. 0: no retry.",
     )
     resources: Resources | None = None
+    admission: AdmissionSpec = Field(default_factory=AdmissionSpec)
     node_selector: dict[str, str] | None = Field(
         default=None, description="Where router pods run (they need no GPU)."
     )

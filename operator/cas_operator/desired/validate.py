@@ -200,6 +200,10 @@ def _rollout_errors(spec: CodingAgentServingSpec) -> list[SpecError]:
     if rollout.strategy.value == "Canary" and gateway is None and spec.router.replicas < 1:
         why = "a Canary rollout without spec.gateway splits traffic by router replicas: at least 1"
         errors.append(SpecError("router.replicas", why))
+    admission = spec.router.admission
+    if admission.mode.value == "Fixed" and admission.requests_per_second is None:
+        why = "required in Fixed mode"
+        errors.append(SpecError("router.admission.requestsPerSecond", why))
     if gateway is not None and (gateway.parent_refs is None) == (gateway.http_route is None):
         why = "names parentRefs (an HTTPRoute the operator owns) or httpRoute (yours), not both"
         errors.append(SpecError("gateway", why))

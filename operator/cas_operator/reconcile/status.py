@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cas_operator.api import constants as c
+from cas_operator.desired.admission import admission_for
 from cas_operator.desired.plan import Plan, PoolPlan
 from cas_operator.desired.recommend import ShapeAdvice, ShapePlan
 from cas_operator.desired.resources.config import plan_summary
@@ -363,6 +364,7 @@ def compute_status(
             else {}
         ),
         "ratio": ratio_status(plan),
+        "admission": admission_status(plan),
         "layerSplit": summary.get("layerSplit"),
         "gpus": summary["gpus"],
     }
@@ -380,6 +382,16 @@ def _serving_pools(
         role: pool_status(stable, pool, observed)
         for role, pool in zip(c.POOL_ROLES, stable.pools, strict=True)
     }
+
+
+def admission_status(plan: Plan) -> dict[str, Any]:
+    """`status.admission`: the limits the routers of the spec's revision enforce, or why none."""
+    mode = plan.spec.router.admission.mode.value
+    found = admission_for(plan)
+    if found is None:
+        why = "no limit" if mode == "Off" else f"no instance profile for {plan.spec.model.name}"
+        return {"mode": mode, "basis": why}
+    return {"mode": mode, **found.to_status(plan.router_replicas)}
 
 
 def held_revision(plan: Plan) -> dict[str, str] | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from cas_operator.api import constants as c
+from cas_operator.desired.admission import admission_for
 from cas_operator.desired.plan import Plan
 from cas_operator.desired.resources.meta import (
     Manifest,
@@ -61,6 +62,16 @@ def router_args(plan: Plan) -> list[str]:
         "--control-plane-api-keys",
         router_control_plane_keys(c.ENV_ROUTER_CONTROL_PLANE_KEY),
     ]
+    admission = admission_for(plan)
+    if admission is not None:  # a token bucket per router, 429 at once beyond it
+        args += [
+            "--rate-limit-tokens-per-second",
+            str(admission.router_rps),
+            "--max-concurrent-requests",
+            str(admission.router_burst),
+            "--queue-size",
+            "0",
+        ]
     if router.retries == 0:
         return [*args, "--disable-retries"]
     # the router's "max retries" counts attempts: 1 is no retry (its --disable-retries help)

@@ -1,0 +1,128 @@
+"""Admission control through the OPERATOR PROCESS and the real SGLang router (0.3.2) on the local
+stack: the operator sizes each router's limit from the plan, and a burst beyond it is answered
+429 at once through the entry Service (kube-proxy), while the admitted requests complete.
+
+Regression guarded (issue 18): a fleet offered more than it serves queued every request into a
+backlog that missed every TTFT; nothing told the router the fleet's capacity, and a replica
+change left any limit where it was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+
+from cas_engine.sim.fleet import router_available
+from e2e.fleet.anomaly_stack import wait_for
+from e2e.fleet.fleetview import NAME, Kubectl, cas_status, condition, entry_url_when_serving
+from e2e.fleet.livestack import MakeLiveStack, resource_live
+from e2e.paths import REPO_ROOT as ROOT
+
+SIM_ARGS = ["--sim-speedup", "20"]
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.slow,
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(not router_available(), reason="sglang-router not installed"),
+]
+
+
+def glm5_fleet() -> dict[str, Any]:
+    """The minimal sample as a GLM-5 fleet (the model the planner has a profile for; the sims
+    do not care), 1 prefill : 1 decode, admission Auto (the default)."""
+    cas: dict[str, Any] = yaml.safe_load((ROOT / "config/samples/minimal.yaml").read_text())
+    cas["spec"]["model"] = {"name": "zai-org/GLM-5-FP8"}
+    cas["spec"]["prefill"] = {"replicas": 1}
+    cas["spec"]["decode"] = {"replicas": 1}
+    return cas
+
+
+def router_flag(kubectl: Kubectl, namespace: str, flag: str) -> set[str]:
+    """The value of `flag` in every router Deployment's args."""
+    out = kubectl("get", "deploy", "-n", namespace, "-l", "cas.dev/role=router", "-o", "json")
+    values = set()
+    for d in json.loads(out)["items"]:
+        args = d["spec"]["template"]["spec"]["containers"][0]["args"]
+        values.add(args[args.index(flag) + 1] if flag in args else "")
+    return values
+
+
+def routers_rolled(kubectl: Kubectl, namespace: str) -> bool:
+    status = cas_status(kubectl, namespace)
+    pods = json.loads(kubectl("get", "pods", "-n", namespace, "-l", "cas.dev/role=router",
+                              "-o", "json"))["items"]  # fmt: skip
+    live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+    ready = condition(status, "Ready").get("status") == "True"
+    return (
+        ready and len(live) == 2 and not any(p["metadata"].get("deletionTimestamp") for p in pods)
+    )
+
+
+async def burst(url: str, n: int, tokens: int) -> list[tuple[int, float, int]]:
+    """`n` chat requests at once: (status, seconds to the answer, completion tokens)."""
+    body = {"model": "sim", "messages": [{"role": "user", "content": "fix the flaky test"}],
+            "max_tokens": tokens, "ignore_eos": True}  # fmt: skip
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(
+        timeout=timeout, connector=aiohttp.TCPConnector(force_close=True)
+    ) as s:
+
+        async def one() -> tuple[int, float, int]:
+            started = time.monotonic()
+            async with s.post(f"{url}/v1/chat/completions", json=body) as resp:
+                text = await resp.text()
+            got = json.loads(text)["usage"]["completion_tokens"] if resp.status == 200 else 0
+            return resp.status, time.monotonic() - started, int(got)
+
+        return list(await asyncio.gather(*(one() for _ in range(n))))
+
+
+def test_routers_shed_beyond_the_planned_rate_and_follow_replica_changes(
+    live_stack: MakeLiveStack, namespace: str, kubectl: Kubectl, crds: None
+) -> None:
+    stack = live_stack(SIM_ARGS)
+    with resource_live(stack, kubectl, glm5_fleet(), log=lambda s: print(f"[live] {s}")):
+        first = wait_for(
+            "status.admission from the planner",
+            lambda: (
+                (a := cas_status(kubectl, namespace).get("admission")) and "perRouter" in a and a
+            ),
+            120,
+        )
+        assert "within the SLOs" in first["basis"] or "stable" in first["basis"], first
+        before = router_flag(kubectl, namespace, "--rate-limit-tokens-per-second")
+        assert before == {str(first["perRouter"]["requestsPerSecond"])}, (before, first)
+
+        # a replica change moves the limit (and rolls the routers to it)
+        kubectl("patch", "cas", NAME, "-n", namespace, "--type=merge",
+                "-p", json.dumps({"spec": {"prefill": {"replicas": 3}}}))  # fmt: skip
+        grown = wait_for("a higher admission rate", lambda: (
+            a := cas_status(kubectl, namespace).get("admission")) and a["requestsPerSecond"]
+            > first["requestsPerSecond"] and a, 60)  # fmt: skip
+        assert "3P:1D" in grown["basis"], grown
+
+        # a fixed, small limit, and a burst far beyond it through the entry Service
+        fixed = {"router": {"admission": {"mode": "Fixed", "requestsPerSecond": 2, "burst": 4}}}
+        kubectl("patch", "cas", NAME, "-n", namespace, "--type=merge",
+                "-p", json.dumps({"spec": fixed}))  # fmt: skip
+        wait_for("the routers at the fixed limit", lambda: router_flag(
+            kubectl, namespace, "--max-concurrent-requests") == {"2"}, 60)  # fmt: skip
+        wait_for("the routers rolled and Ready", lambda: routers_rolled(kubectl, namespace), 120)
+        entry = wait_for("the entry Service", lambda: entry_url_when_serving(kubectl, namespace),
+                         60)  # fmt: skip
+        time.sleep(3)  # the buckets refill (1 request/s per router)
+        results = asyncio.run(burst(entry, 30, 400))
+    admitted = [r for r in results if r[0] == 200]
+    shed = [r for r in results if r[0] == 429]
+    assert len(shed) >= 20 and len(admitted) + len(shed) == 30, results
+    assert all(tokens == 400 for _, _, tokens in admitted), admitted  # nothing cut
+    shed_times = sorted(t for _, t, _ in shed)
+    print(f"admitted {len(admitted)}, shed {len(shed)}: median {shed_times[len(shed) // 2]:.3f}s, "
+          f"max {shed_times[-1]:.3f}s")  # fmt: skip
+    assert shed_times[len(shed) // 2] < 0.05, shed_times  # answered at once, not queued

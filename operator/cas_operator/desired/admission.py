@@ -1,0 +1,184 @@
+"""Admission control at the router, sized from the plan (pure).
+
+A fleet offered more than it can serve within its SLOs does not degrade to its capacity: the
+backlog waits for decode KV and every later request misses its TTFT (docs/planner.md). So each
+router admits at most the plan's sustainable request rate and answers the rest `429` at once
+(`--queue-size 0`), instead of queueing into a backlog that cannot drain.
+
+Data flow: the plan (its pools' instance counts and shapes, the spec's workload and SLO) ->
+`capacity_rps`: the highest request rate the planner's model (`autoscale.model.evaluate`, with
+the model's instance profile) says these pools serve within the SLOs (or, when no rate does,
+with stable queues) -> `Admission`: the fleet's rate and burst, and each router's share, which
+`desired.resources.router` renders as the router's own limits:
+`--rate-limit-tokens-per-second` (the refill of its token bucket, requests per second: an
+integer, at least 1), `--max-concurrent-requests` (the bucket's size: the burst admitted at
+once) and `--queue-size 0`. sglang-router 0.3.2's limiter is that token bucket (measured: with
+`--max-concurrent-requests 2`, new requests were still admitted at 1 per second while two ran),
+so the burst is `BURST_SECONDS` of the rate. The limits follow a replica change (a new router
+template: the routers roll, draining).
+
+`router.admission.mode`: Auto (the planner's capacity x `headroom`; none without an instance
+profile for the model), Fixed (`requestsPerSecond`, `burst`), Off.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from cas_operator.api.models import AdmissionMode, CodingAgentServingSpec
+from cas_operator.autoscale.model import (
+    InstanceProfile,
+    SloInputs,
+    WorkloadInputs,
+    evaluate,
+)
+from cas_operator.autoscale.profiles import load_spec
+from cas_operator.desired.plan import Plan
+from cas_operator.desired.recommend import instance_profiles, profile_for
+
+BURST_SECONDS = 5.0  # the burst admitted at once: this many seconds of the sustained rate
+SEARCH_STEPS = 14  # bisection steps over the rate (relative precision ~1e-4)
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The fleet's admission limits and each router's share of them."""
+
+    requests_per_second: float  # the fleet's sustained admission rate
+    burst: int  # requests the fleet admits at once above it
+    router_rps: int  # each router's bucket refill (>= 1)
+    router_burst: int  # each router's bucket size
+    basis: str  # where the numbers come from, as status shows it
+
+    def to_status(self, routers: int) -> dict[str, object]:
+        return {
+            "requestsPerSecond": round(self.requests_per_second, 3),
+            "burst": self.burst,
+            "perRouter": {
+                "requestsPerSecond": self.router_rps,
+                "burst": self.router_burst,
+                "routers": routers,
+            },
+            "basis": self.basis,
+        }
+
+
+def per_router(rate: float, burst: int, routers: int, basis: str) -> Admission:
+    """Split a fleet's limits over its routers (the entry Service spreads connections)."""
+    n = max(1, routers)
+    router_rps = max(1, round(rate / n))
+    router_burst = max(router_rps, math.ceil(burst / n))
+    return Admission(rate, burst, router_rps, router_burst, basis)
+
+
+def admission_for(plan: Plan) -> Admission | None:
+    """The limits the plan's routers enforce, or None (mode Off, or Auto without a profile)."""
+    spec = plan.spec.router.admission
+    routers = plan.router_replicas
+    if spec.mode == AdmissionMode.OFF or routers < 1:
+        return None
+    if spec.mode == AdmissionMode.FIXED:
+        assert spec.requests_per_second is not None
+        burst = spec.burst or max(1, math.ceil(spec.requests_per_second * BURST_SECONDS))
+        return per_router(spec.requests_per_second, burst, routers, "fixed: router.admission")
+    found = planned_capacity(plan)
+    if found is None:
+        return None
+    rate, why = found
+    rate *= spec.headroom
+    burst = max(1, math.ceil(rate * BURST_SECONDS))
+    return per_router(rate, burst, routers, f"{why}; x{spec.headroom:g} headroom")
+
+
+def planned_capacity(plan: Plan) -> tuple[float, str] | None:
+    """(requests/s, why) the plan's pools serve, from the model's instance profile; None when
+    the model has none."""
+    spec = plan.spec
+    profile = profile_for(spec.model.name)
+    if profile is None:
+        return None
+    shape = (plan.prefill.shape.tensor_parallel, plan.prefill.shape.context_parallel)
+    gpus = (plan.prefill.shape.gpus, plan.decode.shape.gpus)
+    return _capacity(
+        profile,
+        workload_of(spec),
+        SloInputs(ttft_s=spec.slo.ttft_seconds, itl_ms=spec.slo.itl_milliseconds),
+        shape,
+        plan.layer_split,
+        gpus,
+        plan.prefill.replicas,
+        plan.decode.replicas,
+    )
+
+
+def workload_of(spec: CodingAgentServingSpec) -> WorkloadInputs:
+    """The declared request shape (the rate is what the capacity search varies)."""
+    return WorkloadInputs(
+        request_rate=1.0,
+        avg_input_tokens=spec.workload.avg_input_tokens,
+        avg_output_tokens=spec.workload.avg_output_tokens,
+        prefix_cache_hit_rate=spec.workload.prefix_cache_hit_rate,
+    )
+
+
+@lru_cache(maxsize=512)
+def _capacity(
+    profile: str,
+    workload: WorkloadInputs,
+    slo: SloInputs,
+    prefill_tp_cp: tuple[int, int],
+    layer_split: bool,
+    instance_gpus: tuple[int, int],
+    n_prefill: int,
+    n_decode: int,
+) -> tuple[float, str]:
+    prefill, decode = instance_profiles(
+        load_spec(profile), prefill_tp_cp, layer_split, instance_gpus
+    )
+    pools = f"{n_prefill}P:{n_decode}D of {profile}"
+    rate = highest_rate(workload, slo, prefill, decode, n_prefill, n_decode, within_slo=True)
+    if rate > 0:
+        return rate, f"the planner: {pools} serve {rate:.3g} req/s within the SLOs"
+    rate = highest_rate(workload, slo, prefill, decode, n_prefill, n_decode, within_slo=False)
+    return rate, f"the planner: {pools} meet the SLOs at no rate; queues stay stable to {rate:.3g}"
+
+
+def highest_rate(
+    workload: WorkloadInputs,
+    slo: SloInputs,
+    prefill: InstanceProfile,
+    decode: InstanceProfile,
+    n_prefill: int,
+    n_decode: int,
+    *,
+    within_slo: bool,
+) -> float:
+    """The highest request rate the pools serve (bisection; the model is monotone in the rate):
+    within the SLOs, or only with every queue stable (utilisations below 1, decode KV fits)."""
+
+    def serves(rate: float) -> bool:
+        ev = evaluate(
+            WorkloadInputs(**{**workload.__dict__, "request_rate": rate}),
+            slo,
+            prefill,
+            decode,
+            n_prefill,
+            n_decode,
+        )
+        if within_slo:
+            return ev.feasible
+        return (
+            ev.prefill_util < 1.0 and ev.link_util < 1.0 and ev.kv_ok and math.isfinite(ev.itl_ms)
+        )
+
+    lo, hi = 0.0, 1.0
+    while serves(hi) and hi < 1e6:
+        lo, hi = hi, hi * 2
+    if lo == 0.0 and not serves(hi / 1024):
+        return 0.0
+    for _ in range(SEARCH_STEPS):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if serves(mid) else (lo, mid)
+    return lo

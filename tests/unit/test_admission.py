@@ -1,0 +1,73 @@
+"""Admission control sized from the plan (issue 18): the router's own limits, rendered.
+
+Regression guarded: a fleet offered more than it serves queued every request into a backlog
+that missed every TTFT (goodput collapsed to ~3% of a naive split in the planner benchmark);
+nothing told the router the fleet's capacity.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from cas_operator.api.models import parse_spec
+from cas_operator.desired.admission import admission_for, per_router
+from cas_operator.desired.build import build_plan
+from cas_operator.desired.plan import InvalidSpec
+from cas_operator.desired.resources.router import router_args
+from cas_operator.reconcile.status import admission_status
+from tests.paths import load_sample
+
+
+def plan_of(spec: dict[str, Any]) -> Any:
+    return build_plan("demo", "ns", parse_spec(spec))
+
+
+def flag(args: list[str], name: str) -> str | None:
+    return args[args.index(name) + 1] if name in args else None
+
+
+GLM5: dict[str, Any] = {
+    "model": {"name": "zai-org/GLM-5-FP8"},
+    "prefill": {"replicas": 2},
+    "decode": {"replicas": 2},
+}
+
+
+def test_auto_admits_the_planners_capacity_and_follows_the_pools() -> None:
+    small, large = plan_of(GLM5), plan_of({**GLM5, "prefill": {"replicas": 4}})
+    a, b = admission_for(small), admission_for(large)
+    assert a is not None and b is not None
+    assert 0 < a.requests_per_second < b.requests_per_second  # more prefill, more capacity
+    assert "within the SLOs" in a.basis
+    args = router_args(small)
+    assert flag(args, "--queue-size") == "0"  # beyond the limit: 429 at once, no backlog
+    assert flag(args, "--rate-limit-tokens-per-second") == str(a.router_rps)
+    assert flag(args, "--max-concurrent-requests") == str(a.router_burst)
+    assert router_args(large) != args  # the limit follows a replica change
+
+
+def test_a_model_without_a_profile_gets_no_limit_and_says_why() -> None:
+    plan = plan_of(load_sample("minimal.yaml")["spec"])
+    assert admission_for(plan) is None
+    assert "--rate-limit-tokens-per-second" not in router_args(plan)
+    assert "no instance profile" in admission_status(plan)["basis"]
+
+
+def test_fixed_and_off() -> None:
+    fixed = plan_of({**GLM5, "router": {"admission": {"mode": "Fixed", "requestsPerSecond": 10}}})
+    found = admission_for(fixed)
+    assert found is not None and (found.router_rps, found.router_burst) == (5, 25)
+    off = plan_of({**GLM5, "router": {"admission": {"mode": "Off"}}})
+    assert admission_for(off) is None and "--queue-size" not in router_args(off)
+    with pytest.raises(InvalidSpec, match=r"requestsPerSecond"):
+        plan_of({**GLM5, "router": {"admission": {"mode": "Fixed"}}})
+
+
+def test_each_router_gets_a_share_of_at_least_one_request_per_second() -> None:
+    """The router's bucket refill is an integer: a fleet of 0.8 req/s over 2 routers admits 1
+    per router (said in status), never 0 (which would refuse everything)."""
+    share = per_router(0.8, 4, 2, "x")
+    assert (share.router_rps, share.router_burst) == (1, 2)
+    assert per_router(9.0, 45, 2, "x").router_rps == 4  # rounded to the closest
