@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -246,6 +247,7 @@ def test_metrics_count_trips_checks_and_completion_histograms() -> None:
                 "min_generated_tokens": "128",
                 "window": "32",
                 "enabled": "true",
+                "repetition_period": "48",
             },
         )
         == 1
@@ -310,3 +312,46 @@ def test_config_rejects_invalid_values(env: dict[str, str]) -> None:
     """Regression: a typo in the resource must fail the pod start, not disable the gate."""
     with pytest.raises(ValueError):
         GuardConfig.from_env(env)
+
+
+# ---- the repetition rule: a high accept rate trips only with repeating output ----
+
+
+def _ids(text: str) -> list[int]:
+    from cas_engine.sim.textgen import _WORD, token_id
+
+    return [token_id(w) for w in _WORD.findall(text)]
+
+
+def test_short_period_finds_a_repeated_phrase_and_not_copied_code() -> None:
+    from cas_engine.guard.repetition import short_period
+
+    assert short_period(_ids("the same line again\n" * 60)) == 5
+    code = (Path(__file__).resolve().parents[2] / "engine/cas_engine/guard/monitor.py").read_text()
+    copied = _ids(code)
+    assert all(short_period(copied[i : i + 200]) is None for i in range(0, 2000, 200))
+    assert short_period(_ids("again " * 20)) is None  # too few tokens to tell
+
+
+def test_a_verbatim_copy_is_kept_and_repetition_still_trips() -> None:
+    """Regression (issue 13): "accept rate > 0.96" aborted healthy output a draft model predicts
+    nearly token for token (a copied file: 100% of such requests in bench.guard_calibration).
+    With the request's own tokens the gate asks for a short period as well; the copy is kept
+    (counted once), degenerate repetition still trips, and a caller without tokens keeps the
+    rate-alone rule."""
+    registry = CollectorRegistry()
+    cfg = GuardConfig()
+    mon = GuardMonitor(cfg, 2, metrics=GuardMetrics.create(registry, cfg))
+    code = (Path(__file__).resolve().parents[2] / "engine/cas_engine/guard/config.py").read_text()
+    a, b = mon.allocate("copy"), mon.allocate("loop")
+    outputs = {a: _ids(code), b: _ids("the same line again\n" * 100)}
+    tripped = {
+        trip.request_id
+        for step in range(1, 61)
+        for trip in mon.observe([a, b], [3, 3], 3, lambda s, n=4 * step: outputs[s][:n])
+    }
+    assert tripped == {"loop"}
+    assert registry.get_sample_value("cas_guard_high_accept_kept_total") == 1.0
+    rate_alone = GuardMonitor(cfg, 1)
+    slot = rate_alone.allocate("no tokens")
+    assert any(rate_alone.observe_one(slot, 3, 3) is not None for _ in range(60))

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from array import array
 from http import HTTPStatus
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -42,6 +44,7 @@ class StubReq:
         self.spec_verify_ct = 0
         self.spec_num_correct_drafts = 0
         self.histogram: list[int] = []
+        self.output_ids = array("q")  # SGLang's Req.output_ids (schedule_batch.py:1100)
 
     def finished(self) -> bool:
         return False
@@ -108,6 +111,31 @@ def test_real_resolve_step_trips_and_sets_a_503_abort() -> None:
         assert isinstance(bad.to_finish, FINISH_ABORT)
         assert bad.to_finish.status_code is HTTPStatus.SERVICE_UNAVAILABLE
         assert "low_accept_length" in bad.to_finish.message
+    finally:
+        handle.uninstall()
+
+
+def test_real_step_keeps_a_verbatim_copy_and_aborts_repetition() -> None:
+    """Regression (issue 13): every draft accepted is what a verbatim copy of a file looks like
+    as much as degenerate repetition; on SGLang's own step, with the requests' own
+    `output_ids`, only the repeating one is aborted (high_accept_rate)."""
+    from cas_engine.sglang.guard_patch import install_guard_patch
+    from cas_engine.sim.textgen import _WORD, token_id
+
+    code = (Path(__file__).resolve().parents[2] / "engine/cas_engine/guard/monitor.py").read_text()
+    copy_ids = [token_id(w) for w in _WORD.findall(code)]
+    loop_ids = [token_id(w) for w in _WORD.findall("the same line again\n" * 200)]
+    handle = install_guard_patch(GuardConfig(), proposed_per_step=lambda: STRIDE - 1)
+    try:
+        proc = _processor()
+        copy, loop = StubReq("copy", 1), StubReq("loop", 2)
+        batch = SimpleNamespace(reqs=[copy, loop], has_grammar=False)
+        for step in range(1, 120):
+            proc._resolve_spec_v2_tokens(_result([STRIDE, STRIDE]), batch)
+            for req, ids in ((copy, copy_ids), (loop, loop_ids)):  # the scheduler appends
+                req.output_ids = array("q", ids[: STRIDE * step])
+        assert copy.to_finish is None
+        assert loop.to_finish is not None and "high_accept_rate" in loop.to_finish.message
     finally:
         handle.uninstall()
 

@@ -28,6 +28,10 @@ class GuardConfig:
     - ``window``: number of recent speculative verify steps in the windowed statistics;
       0 disables the windowed check (cumulative statistics only).
     - ``enabled``: False keeps the statistics and metrics but never trips (observe mode).
+    - ``repetition_period``: ``high_accept_rate`` trips only when the request's own output
+      also repeats with a period of at most this many tokens (`guard.repetition`): a verbatim
+      copy of a file accepts nearly every draft too, without repeating. 0 = the rate alone
+      (also what a caller that cannot supply the tokens gets).
     """
 
     min_generated_tokens: int = 128
@@ -35,6 +39,7 @@ class GuardConfig:
     max_accept_rate: float = 0.96
     window: int = 32
     enabled: bool = True
+    repetition_period: int = 48
 
     def __post_init__(self) -> None:
         if self.min_generated_tokens < 0:
@@ -45,6 +50,8 @@ class GuardConfig:
             raise ValueError("max_accept_rate must be within [0, 1]")
         if self.window < 0:
             raise ValueError("window must be >= 0")
+        if self.repetition_period < 0:
+            raise ValueError("repetition_period must be >= 0")
 
     def as_labels(self) -> dict[str, str]:
         """String form for the ``cas_guard_config`` info metric."""
@@ -79,6 +86,7 @@ _PARSERS: dict[str, Callable[[str], object]] = {
     "max_accept_rate": float,
     "window": int,
     "enabled": _parse_bool,
+    "repetition_period": int,
 }
 
 
@@ -116,6 +124,13 @@ def add_guard_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help=f"recent verify steps in the windowed check, 0 = off (default {d.window})",
+    )
+    group.add_argument(
+        "--cas-guard-repetition-period",
+        type=int,
+        default=None,
+        help="trip on a high accept rate only when the output repeats with at most this "
+        f"period, 0 = on the rate alone (default {d.repetition_period})",
     )
     group.add_argument(
         "--cas-guard-enabled",

@@ -59,6 +59,7 @@ class GuardMetrics:
     trips: Counter
     checked: Counter
     invalid_steps: Counter
+    kept_without_repetition: Counter
     accept_length: Histogram
     accept_rate: Histogram
     config: Info
@@ -85,6 +86,12 @@ class GuardMetrics:
             invalid_steps=Counter(
                 "cas_guard_invalid_steps_total",
                 "Verify steps ignored: NaN, negative or accepted > proposed",
+                registry=registry,
+            ),
+            kept_without_repetition=Counter(
+                "cas_guard_high_accept_kept_total",
+                "Requests whose accept rate passed max_accept_rate while their output did not "
+                "repeat (a verbatim copy, boilerplate): not aborted",
                 registry=registry,
             ),
             accept_length=Histogram(

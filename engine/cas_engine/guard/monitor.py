@@ -20,14 +20,19 @@ Rules: a request is judged only once it has generated MORE than ``min_generated_
 tokens (each step adds accepted + 1) and has at least one speculative step; the windowed check
 applies only once the window is full. Trip when accept length < ``min_accept_length``
 (``low_accept_length``, checked first) or accept rate > ``max_accept_rate``
-(``high_accept_rate``), strict inequalities. Steps with NaN, negative values or accepted >
-proposed are ignored and counted; a step with zero proposed drafts adds one generated token but
-no speculative statistics. A tripped request is not judged again.
+(``high_accept_rate``), strict inequalities. When the caller passes ``tokens`` (a request's
+output token ids by slot) and ``repetition_period`` > 0, a high accept rate trips only when
+those tokens also repeat with a short period (:func:`cas_engine.guard.repetition.short_period`);
+otherwise the request is kept and counted once in ``cas_guard_high_accept_kept_total``. Steps
+with NaN, negative values or accepted > proposed are ignored and counted; a step with zero
+proposed drafts adds one generated token but no speculative statistics. A tripped request is not
+judged again.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,10 +41,13 @@ import numpy.typing as npt
 from cas_engine.guard.config import GuardConfig
 from cas_engine.guard.metrics import GuardMetrics
 from cas_engine.guard.outcome import GuardTrip, Reason, Scope
+from cas_engine.guard.repetition import DEFAULT_WINDOW as REPETITION_WINDOW
+from cas_engine.guard.repetition import short_period
 
 logger = logging.getLogger("cas_engine.guard")
 
 ArrayLike = npt.ArrayLike
+TokensOf = Callable[[int], Sequence[int]]  # slot -> the request's output token ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +91,7 @@ class GuardMonitor:
     def _alloc_init(self, n: int, window: int) -> None:
         self.active = np.zeros(n, dtype=bool)
         self.tripped = np.zeros(n, dtype=bool)
+        self.kept = np.zeros(n, dtype=bool)  # a high accept rate without repetition, counted
         self.checked = np.zeros(n, dtype=bool)
         self.generated = np.zeros(n, dtype=np.int64)
         self.steps = np.zeros(n, dtype=np.int64)  # speculative steps (proposed > 0)
@@ -129,7 +138,7 @@ class GuardMonitor:
         return stats
 
     def _reset(self, slot: int) -> None:
-        self.active[slot] = self.tripped[slot] = self.checked[slot] = False
+        self.active[slot] = self.tripped[slot] = self.checked[slot] = self.kept[slot] = False
         for arr in (
             self.generated,
             self.steps,
@@ -162,13 +171,18 @@ class GuardMonitor:
     # ---- the per-step hot path ------------------------------------------------------------
 
     def observe(
-        self, slots: ArrayLike, accepted: ArrayLike, proposed: ArrayLike
+        self,
+        slots: ArrayLike,
+        accepted: ArrayLike,
+        proposed: ArrayLike,
+        tokens: TokensOf | None = None,
     ) -> list[GuardTrip]:
         """Feed one verify step of a batch; return the requests that tripped in this step.
 
         ``slots`` must be unique within one call (numpy's indexed ``+=`` would drop repeats).
         ``proposed`` may be one number for the whole batch. Slots that are not open or already
-        tripped are ignored.
+        tripped are ignored. ``tokens(slot)``, read only for a request whose accept rate is
+        over the limit, gives its output so far (the repetition evidence).
         """
         s = np.asarray(slots, dtype=np.intp).reshape(-1)
         a = np.asarray(accepted, dtype=np.float64).reshape(-1)
@@ -187,11 +201,13 @@ class GuardMonitor:
             return []
         ai, pi = a.astype(np.int64), p.astype(np.int64)
         self._accumulate(s, ai, pi)
-        return self._judge(s)
+        return self._judge(s, tokens)
 
-    def observe_one(self, slot: int, accepted: float, proposed: float) -> GuardTrip | None:
+    def observe_one(
+        self, slot: int, accepted: float, proposed: float, tokens: TokensOf | None = None
+    ) -> GuardTrip | None:
         """Scalar convenience for callers that step one request at a time."""
-        trips = self.observe([slot], [accepted], [proposed])
+        trips = self.observe([slot], [accepted], [proposed], tokens)
         return trips[0] if trips else None
 
     def _accumulate(self, s: np.ndarray, ai: np.ndarray, pi: np.ndarray) -> None:
@@ -213,7 +229,7 @@ class GuardMonitor:
         self._ring_pos[s] = (pos + 1) % w
         self._win_fill[s] = np.minimum(self._win_fill[s] + 1, w)
 
-    def _judge(self, s: np.ndarray) -> list[GuardTrip]:
+    def _judge(self, s: np.ndarray, tokens: TokensOf | None = None) -> list[GuardTrip]:
         cfg = self.config
         steps = self.steps[s]
         eligible = (self.generated[s] > cfg.min_generated_tokens) & (steps > 0)
@@ -237,11 +253,30 @@ class GuardMonitor:
         trip = eligible & (low_req | high_req | low_win | high_win)
         if not trip.any():
             return []
-        idx = np.flatnonzero(trip)
-        return [
-            self._trip(int(s[i]), bool(low_req[i]), bool(low_win[i]), bool(high_req[i]))
-            for i in idx
-        ]
+        out = []
+        for i in np.flatnonzero(trip):
+            slot, low = int(s[i]), bool(low_req[i] or low_win[i])
+            if not low and not self._repeats(slot, tokens):
+                continue
+            out.append(self._trip(slot, bool(low_req[i]), bool(low_win[i]), bool(high_req[i])))
+        return out
+
+    def _repeats(self, slot: int, tokens: TokensOf | None) -> bool:
+        """Whether a request over the accept-rate limit also repeats (always, without the
+        tokens or with the rule off); one that does not is kept and counted once."""
+        period = self.config.repetition_period
+        if tokens is None or period <= 0:
+            return True
+        output = tokens(slot)
+        if short_period(output, max_period=period) is not None:
+            return True
+        if len(output) < REPETITION_WINDOW + period:
+            return False  # too few tokens to tell yet: not a trip, not counted as kept
+        if not self.kept[slot]:
+            self.kept[slot] = True
+            if self.metrics is not None:
+                self.metrics.kept_without_repetition.inc()
+        return False
 
     def _trip(self, slot: int, low_req: bool, low_win: bool, high_req: bool) -> GuardTrip:
         """Build, count and log one trip (rare path, plain Python)."""

@@ -180,9 +180,18 @@ class GuardAdapter:
             accepted = [accepted[i] for i in keep]
         if not slots:
             return []
-        trips = mon.observe(slots, accepted, self._proposed)
+        by_slot: dict[int, Any] = {}
+
+        def output_of(slot: int) -> Any:
+            """A request's output token ids (`Req.output_ids`), for the repetition rule: only
+            asked for a request over the accept-rate limit, so the map is built rarely."""
+            if not by_slot:
+                by_slot.update({r.kv.req_pool_idx: r for r in reqs})
+            return by_slot[slot].output_ids
+
+        trips = mon.observe(slots, accepted, self._proposed, output_of)
         if trips:
-            by_slot = {r.kv.req_pool_idx: r for r in reqs}
+            by_slot.update({r.kv.req_pool_idx: r for r in reqs})
             for trip in trips:
                 req = by_slot[trip.slot]
                 if req.to_finish is None:  # an earlier abort reason (if any) wins

@@ -8,6 +8,8 @@ admin endpoint replaces fields in place. Spec string: comma-separated ``name=val
 - ``corruption=P``        prefill: with probability P a KV write lands with flipped bytes.
 - ``repetition=P``        decode: with probability P a request degenerates into repetition
   (accept rate -> 1, repeated text).
+- ``copy=P``              decode: with probability P a request is a verbatim copy of source
+  code (healthy: accept rate near 1, text that does not repeat with a short period).
 - ``decode_corruption=P`` decode: with probability P a request reads corrupted KV (a decode
   with bad memory: garbled text, draft acceptance collapses).
 - ``slow_decode=F``       decode: every step takes F times longer (F >= 1).
@@ -31,6 +33,7 @@ class Faults:
     kv_write_stall_s: float = 0.0
     corruption_rate: float = 0.0
     repetition_rate: float = 0.0
+    copy_rate: float = 0.0
     decode_corruption: float = 0.0
     slow_decode: float = 1.0
     slow_prefill: float = 1.0
@@ -92,9 +95,12 @@ def _set(f: Faults, name: str, value: Any) -> None:
         "corruption_rate",
         "repetition",
         "repetition_rate",
+        "copy",
+        "copy_rate",
         "decode_corruption",
     ):
-        attr = {"corruption": "corruption_rate", "repetition": "repetition_rate"}.get(name, name)
+        renamed = {"corruption": "corruption_rate", "repetition": "repetition_rate"}
+        attr = {**renamed, "copy": "copy_rate"}.get(name, name)
         setattr(f, attr, _prob(value))
     elif name == "kv_write_stall_s":
         f.kv_write_stall_s = max(0.0, float(value))

@@ -7,15 +7,43 @@
   worker's ``--sim-seed``; the i-th output token depends only on that seed and i, so a replay of
   the same request yields the same text whatever the batching or timing.
 - Failure styles: ``garbled`` draws from rare characters (what corrupted KV looks like in
-  production); ``repeat`` cycles a short phrase (degenerate repetition).
+  production); ``repeat`` cycles a short phrase (degenerate repetition). ``copy`` is healthy:
+  a verbatim copy of real source code (this package's own files), which a draft model predicts
+  nearly token for token, so its accept rate is as high as repetition's while its tokens do
+  not repeat with a short period.
+- Token ids: each stream keeps the ids of its last ``KEPT_IDS`` tokens (``ids``), what the
+  quality gate's repetition rule reads (a stable hash per word).
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
+import re
+import zlib
+from collections import deque
+from functools import cache
+from pathlib import Path
 
 import numpy as np
+
+KEPT_IDS = 512
+_WORD = re.compile(r"\w+|[^\w\s]|\n")
+
+
+@cache
+def code_corpus() -> tuple[str, ...]:
+    """Words of this package's own source files, in order: the text a ``copy`` reproduces."""
+    words: list[str] = []
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        words += _WORD.findall(path.read_text(encoding="utf-8"))
+    return tuple(words)
+
+
+def token_id(piece: str) -> int:
+    """A stable id of one token piece (the same in every process)."""
+    return zlib.crc32(piece.encode("utf-8"))
+
 
 _WORDS = (
     "def",
@@ -150,15 +178,18 @@ def request_seed(tokens: np.ndarray, sampling_seed: int | None, worker_seed: int
 class TokenStream:
     """Yields a request's output tokens (as text pieces) in order; owned by one request."""
 
-    __slots__ = ("_rng", "_style", "count")
+    __slots__ = ("_copy_at", "_rng", "_style", "count", "ids")
 
     def __init__(self, seed: int) -> None:
         self._rng = random.Random(seed)
         self._style = "normal"
         self.count = 0
+        self.ids: deque[int] = deque(maxlen=KEPT_IDS)
+        self._copy_at = seed % max(1, len(code_corpus()))
 
     def set_style(self, style: str) -> None:
-        """``normal``, ``garbled`` (corrupted KV) or ``repeat`` (degenerate repetition)."""
+        """``normal``, ``garbled`` (corrupted KV), ``repeat`` (degenerate repetition) or
+        ``copy`` (a verbatim copy of source code: healthy)."""
         self._style = style
 
     def take(self, n: int) -> list[str]:
@@ -167,11 +198,16 @@ class TokenStream:
         for _ in range(n):
             r = self._rng.getrandbits(16)  # drawn in every style: a replay stays aligned
             if self._style == "garbled":
-                out.append(GARBLE[r % len(GARBLE)])
+                piece = GARBLE[r % len(GARBLE)]
             elif self._style == "repeat":
-                out.append(_REPEAT_CYCLE[self.count % len(_REPEAT_CYCLE)])
+                piece = _REPEAT_CYCLE[self.count % len(_REPEAT_CYCLE)]
+            elif self._style == "copy":
+                corpus = code_corpus()
+                piece = corpus[(self._copy_at + self.count) % len(corpus)]
             else:
-                out.append(VOCAB[r % len(VOCAB)])
+                piece = VOCAB[r % len(VOCAB)]
+            out.append(piece)
+            self.ids.append(token_id(piece))
             self.count += 1
         return out
 

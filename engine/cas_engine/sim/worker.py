@@ -24,6 +24,7 @@ import logging
 import random
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,9 @@ log = logging.getLogger("cas_engine.sim.worker")
 CORRUPTED_ACCEPT_PROB = 0.05
 PREFILL_CHUNK_TOKENS = 16384  # new tokens per prefill batch (SGLang --chunked-prefill-size)
 REPEAT_ACCEPT_PROB = 0.998
+# A verbatim copy: the draft model predicts nearly every token. An assumed figure, chosen above
+# the gate's 0.96 accept-rate limit: the case where the rate alone would abort a healthy copy.
+COPY_ACCEPT_PROB = 0.985
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,6 +284,9 @@ class SimWorker:
             run.accept_prob = REPEAT_ACCEPT_PROB
         elif self.faults.decode_corruption and self.rng.random() < self.faults.decode_corruption:
             self._corrupt(run, "read from bad KV memory")
+        elif self.faults.copy_rate and self.rng.random() < self.faults.copy_rate:
+            run.stream.set_style("copy")
+            run.accept_prob = COPY_ACCEPT_PROB
         self._spawn(self._serve(run))
         return run
 
@@ -478,12 +485,18 @@ class SimWorker:
             if run.generated >= run.req.max_new_tokens:
                 done.append(run)
         self._account_step(accepted, steps, emitted)
-        for trip in self.guard.observe(slots, accepted, [steps] * len(slots)):
+        for trip in self.guard.observe(slots, accepted, [steps] * len(slots), self._output_ids):
             self._trip(trip)
         for run in done:
             if not run.final:
                 reason = "abort" if run.cancelled else "length"
                 self._end(run, Event("finish", reason=reason))
+
+    def _output_ids(self, slot: int) -> Sequence[int]:
+        """A running request's last output token ids (the gate's repetition rule asks only
+        for a request over its accept-rate limit)."""
+        run = next(r for r in self._running if r.guard_slot == slot)
+        return list(run.stream.ids)
 
     def _emit(self, run: Run, pieces: list[str], now: float) -> None:
         if run.generated == 0:
