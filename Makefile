@@ -104,8 +104,9 @@ bench-planner: setup ## P:D planner vs 1:1, best fixed, mean-based, exhaustive; 
 	$(PY) -m bench.planner --quick --scale-tables --out bench/results/planner.json
 	$(PY) -m bench.layersplit --out bench/results/layersplit.json
 
-bench-guard: setup ## Quality-gate overhead per verify step (batch 1/64/256)
+bench-guard: setup ## Quality-gate overhead per verify step (batch 1/64/256); its false trips on copy-like output
 	$(PY) -m bench.guard_overhead
+	$(PY) -m bench.guard_calibration
 
 bench-operator: setup bins ## N = 10, 50, 200 resources at once -> Ready latency, CPU, memory
 	$(PY) -m bench.operator_scale
