@@ -6,28 +6,39 @@ with stubs only for torch/the allocator/the network:
 
 - scheduler side (``prefill.py``): ``process_disagg_prefill_inflight_queue``,
   ``handle_inflight_transfer_failure``, ``_retire_aborted_prefill_result``,
-  ``clear_pending_chunk_send``, ``maybe_release_metadata_buffer``; ``Scheduler.is_fully_idle``;
+  ``clear_pending_chunk_send``, ``maybe_release_metadata_buffer``,
+  ``release_aborted_prefill_waiting_req``, ``optimistic_release_and_requeue``,
+  ``handle_pending_bootstrap``, ``maybe_send_cached_prefix_chunk``; ``Scheduler.is_fully_idle``
+  and ``Scheduler.process_pending_chunked_abort`` (``managers/scheduler.py``);
 - the poll reduction (``utils.py``): ``poll_and_all_reduce_attn_cp_tp_group`` and what it calls,
   over a thread-backed fake gloo group so two TP ranks really MIN-reduce;
 - the mooncake sender (``mooncake/conn.py`` + ``common/conn.py``): ``transfer_worker`` running in
-  a thread (chunk counting at dequeue, the Failed skip, ``_poison_unsettled_send``),
+  a thread (chunk counting at dequeue, the Failed skip, ``_poison_unsettled_send``, the handler
+  that ends the thread on an exception),
   ``add_transfer_request``, ``_handle_deferred_abort_notification`` (decode's ABORT),
   ``update_status``/``conclude_transfer``/``_maybe_ack_drained_abort``/``poison_deferred_ack_room``
   and ``CommonKVSender.poll``/``clear``/``failure_exception``/``abort``.
 
 Only ``send_kvcache`` (the RDMA/TCP write) is a stub: it blocks on a gate, so a chunk is really
-"in flight" in the worker while the scheduler handles the failure. ``CAS_TEST_UNPATCHED=1`` runs
-the same tests on unpatched code; every test marked ``guards`` then fails (checked by hand).
+"in flight" in the worker while the scheduler handles the failure (or raises, to end the worker
+thread). ``CAS_TEST_UNPATCHED=1`` runs the same tests on unpatched code; every test marked
+``guards`` then fails (checked by hand). The two free paths shown safe (a waiting-queue abort, an
+optimistic requeue) have tests that pass either way: they run the real path, and
+``test_safe_paths_rest_on_the_installed_source`` reads the installed source for every condition
+the safety argument uses, so an SGLang change that breaks it fails there.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
 import importlib.util
 import logging
 import os
 import queue
 import threading
 import time
+from array import array
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -123,6 +134,10 @@ class Env:
 class FinishAbort:
     def __init__(self, message: str = "", status_code: Any = None) -> None:
         self.message = message
+        self.status_code = status_code
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": "abort", "message": self.message}
 
 
 class FinishLength:
@@ -203,7 +218,14 @@ def build_classes(freed: list[tuple[int, str]]) -> SimpleNamespace:
         conn_ns,
         cls="CommonKVSender",
         as_name="RealSender",
-        names=("poll", "_poll_with_status", "clear", "failure_exception", "abort"),
+        names=(
+            "poll",
+            "_poll_with_status",
+            "_check_bootstrap_timeout",
+            "clear",
+            "failure_exception",
+            "abort",
+        ),
     )
     moon_ns: dict[str, Any] = {
         "KVPoll": kvpoll,
@@ -223,6 +245,8 @@ def build_classes(freed: list[tuple[int, str]]) -> SimpleNamespace:
         cls="MooncakeKVManager",
         as_name="RealMooncakeMgr",
         names=(
+            "__init__",  # compiled for the start-up check only (Rank builds with __new__)
+            "teardown",
             "transfer_worker",
             "_poison_unsettled_send",
             "add_transfer_request",
@@ -238,6 +262,9 @@ def build_classes(freed: list[tuple[int, str]]) -> SimpleNamespace:
     def prepare_abort(req: Any, message: str, status_code: Any = None) -> None:
         req.finished_reason = FinishAbort(message, status_code)
 
+    def checkpoint_kv_cache(req: Any, tree_cache: Any) -> None:
+        req.checkpointed = True
+
     prefill_ns: dict[str, Any] = {
         "KVPoll": kvpoll,
         "logger": log,
@@ -247,7 +274,15 @@ def build_classes(freed: list[tuple[int, str]]) -> SimpleNamespace:
         "release_kv_cache": release_kv_cache,
         "prepare_abort": prepare_abort,
         "get_parallel": lambda: SimpleNamespace(tp_rank=0, pp_rank=0),
-        "get_disagg": lambda: SimpleNamespace(disaggregation_decode_allocation_policy="x"),
+        "get_disagg": lambda: SimpleNamespace(
+            disaggregation_decode_allocation_policy="x", optimistic_prefill_attempts=3
+        ),
+        "envs": SimpleNamespace(SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX=Env(True)),
+        "should_force_retry": lambda req: False,
+        "_uses_write_through_cache": lambda cache: False,
+        "checkpoint_kv_cache": checkpoint_kv_cache,
+        "array": array,
+        "is_aborted": lambda req: isinstance(req.finished_reason, FinishAbort),
         "FINISH_ABORT": FinishAbort,
         "FINISH_LENGTH": FinishLength,
         "FAKE_BOOTSTRAP_HOST": "2.2.2.2",
@@ -264,18 +299,38 @@ def build_classes(freed: list[tuple[int, str]]) -> SimpleNamespace:
             "handle_inflight_transfer_failure",
             "_retire_aborted_prefill_result",
             "clear_pending_chunk_send",
+            "release_aborted_prefill_waiting_req",
+            "optimistic_release_and_requeue",
+            "handle_pending_bootstrap",
+            "maybe_send_cached_prefix_chunk",
+            # compiled for the start-up check only
+            "process_batch_result_disagg_prefill",
+            "process_prefill_chunk",
+            "check_bootstrap",
         ),
     )
     sched_ns: dict[str, Any] = {
-        "DisaggregationMode": SimpleNamespace(PREFILL="prefill", DECODE="decode"),
+        "DisaggregationMode": SimpleNamespace(PREFILL="prefill", DECODE="decode", NULL="null"),
         "get_memory": lambda: None,
+        "release_kv_cache": release_kv_cache,
+        "prepare_abort": prepare_abort,
+        "FINISH_ABORT": FinishAbort,
+        "maybe_release_metadata_buffer": prefill_ns["maybe_release_metadata_buffer"],
+        "_make_abort_req": lambda req, finished_reason=None: SimpleNamespace(rid=req.rid),
+        "logger": log,
     }
     scheduler = compile_from(
         SRT / "managers/scheduler.py",
         sched_ns,
         cls="Scheduler",
         as_name="RealSchedulerIdle",
-        names=("is_fully_idle",),
+        names=(
+            "is_fully_idle",
+            "process_pending_chunked_abort",
+            # compiled for the start-up check only
+            "abort_request",
+            "_get_new_batch_prefill_raw",
+        ),
     )
     return SimpleNamespace(
         kvpoll=kvpoll,
@@ -285,6 +340,7 @@ def build_classes(freed: list[tuple[int, str]]) -> SimpleNamespace:
         scheduler=type("Scheduler", (mixin, scheduler), {}),
         idle_cls=scheduler,
         prefill_ns=prefill_ns,
+        sched_ns=sched_ns,
     )
 
 
@@ -296,11 +352,14 @@ class Gate:
         self.proceed = threading.Event()
         self.rc = 0
         self.sent = 0
+        self.exc: BaseException | None = None  # what the write raises instead of returning
 
     def send(self, *args: Any, **kwargs: Any) -> int:
         self.sent += 1
         self.entered.set()
         assert self.proceed.wait(WAIT_S), "test never released the in-flight chunk"
+        if self.exc is not None:
+            raise self.exc
         return self.rc
 
 
@@ -323,13 +382,17 @@ class Rank:
             target=self.mgr.transfer_worker,
             args=(self.mgr.transfer_queues[0], None),
             daemon=True,
-        )
+        )  # unnamed, like MooncakeKVManager.__init__ starts them: "Thread-N (transfer_worker)"
         self.worker.start()
+        self.mgr._worker_threads = [self.worker]
         self.sched = self._make_scheduler(tp)
 
     def _make_mgr(self) -> Any:
-        mgr = self.world.cls.mgr_cls()
+        mgr = self.world.cls.mgr_cls.__new__(self.world.cls.mgr_cls)
         mgr.__dict__.update(
+            _stopped=False,
+            _worker_threads=[],
+            defer_decode_allocation=False,
             disaggregation_mode="prefill",
             request_status={},
             _staging_outstanding=defaultdict(int),
@@ -391,6 +454,12 @@ class Rank:
                 pp_size=self.world.pp_size, kv_manager=self.mgr, queue=[]
             ),
             _release_aborted_request=lambda req: None,
+            _pending_chunked_abort_req=None,
+            send_abort_output=lambda out, req: None,
+            req_to_token_pool=SimpleNamespace(available_size=lambda: 1),
+            token_to_kv_pool_allocator=SimpleNamespace(page_size=4),
+            enable_staging=False,
+            processed_tokens_counter=0,
             # what the real is_fully_idle reads
             running_batch=SimpleNamespace(is_empty=lambda: True),
             chunked_req=None,
@@ -408,11 +477,13 @@ class Rank:
         )
         return sched
 
-    def start_room(self, room: int) -> Any:
-        """Bootstrap a room and return its prefill request (real sender, in the inflight queue)."""
+    def start_room(self, room: int, *, bootstrapped: bool = True) -> Any:
+        """Bootstrap a room and return its prefill request (real sender, in the inflight queue);
+        ``bootstrapped=False``: decode has not answered yet (an optimistic prefill, parked)."""
         mgr = self.mgr
         mgr.update_status(room, self.world.cls.kvpoll.Bootstrapping)
-        mgr.update_status(room, self.world.cls.kvpoll.WaitingForInput)
+        if bootstrapped:
+            mgr.update_status(room, self.world.cls.kvpoll.WaitingForInput)
         mgr.transfer_infos[room] = {
             "decode:7000": SimpleNamespace(
                 is_dummy=False,
@@ -434,6 +505,9 @@ class Rank:
             trace_ctx=null_trace(),
             _owns_bootstrap_room=True,
             _transfer_start_time=None,
+            _prefill_complete_time=None,
+            init_time=None,
+            curr_idx=0,
         )
         req = SimpleNamespace(
             rid=f"r{room}",
@@ -445,11 +519,27 @@ class Rank:
             finished=lambda: True,
             return_routed_experts=False,
             return_logprob=False,
-            pending_bootstrap=False,
+            pending_bootstrap=not bootstrapped,
             metadata_buffer_index=-1,
             cache_request_handle=None,
-            kv=SimpleNamespace(holds_kv=True, holds_mamba=False),
-            time_stats=SimpleNamespace(trace_ctx=null_trace(), set_completion_time=lambda: None),
+            kv=SimpleNamespace(holds_kv=True, holds_mamba=False, cache_protected_len=0),
+            discard_output_reason=None,
+            time_stats=SimpleNamespace(
+                trace_ctx=null_trace(),
+                set_completion_time=lambda: None,
+                reset_prefill_retry_time=lambda: None,
+                set_wait_queue_entry_time=lambda: None,
+            ),
+            # what optimistic_release_and_requeue touches
+            skip_radix_cache_insert=True,
+            reset_for_retract=lambda: None,
+            advance_cache_request_handle=lambda: None,
+            prefill_attempt_count=1,
+            # what maybe_send_cached_prefix_chunk reads
+            early_send_prefix_end=None,
+            prefix_len=8,
+            host_hit_length=0,
+            start_send_idx=0,
         )
         self.sched.disagg_prefill_inflight_queue.append(req)
         return req
@@ -490,6 +580,7 @@ def make_world() -> Any:
         freed: list[tuple[int, str]] = []
         world = SimpleNamespace(cls=build_classes(freed), freed=freed, pp_size=pp_size)
         world.registry = CollectorRegistry()
+        world.now = 0.0
         world.patch = None
         if not UNPATCHED:
             world.patch = prefill_pin.install_prefill_pin(
@@ -500,6 +591,8 @@ def make_world() -> Any:
                 ),
                 metrics=KvFenceMetrics(world.registry),
                 poisoned_budget_rooms=0,
+                overdue_after_s=60.0,
+                clock=lambda: world.now,
             )
         tp = SharedGroup(tp_size)
         world.tp = tp
@@ -724,3 +817,447 @@ def test_poison_on_one_rank_pins_the_room_on_every_rank(make_world: Any) -> None
     for r in world.ranks:
         pins = prefill_pin.pinned_sources(r.sched)
         assert len(pins) == 1 and pins[0].poisoned
+
+
+def sample(world: SimpleNamespace, name: str, **labels: str) -> float | None:
+    return world.registry.get_sample_value(name, labels or None)
+
+
+def test_chunked_abort_with_chunk_in_flight_pins_pages(make_world: Any) -> None:
+    """guards: a client abort of the request being chunk-prefilled is run by the real
+    Scheduler.process_pending_chunked_abort (scheduler.py:3778) at the start of the next step;
+    an earlier chunk of it may still be in the worker, so its pages wait for that chunk."""
+    world = make_world()
+    rank = world.ranks[0]
+    sched = rank.sched
+    req = rank.start_room(47)
+    sched.disagg_prefill_inflight_queue.clear()  # still chunking: not in the inflight queue
+    rank.send_chunk(47, 0)  # a middle chunk (process_prefill_chunk's send_kv_chunk)
+    assert rank.gate.entered.wait(WAIT_S)
+    rank.send_chunk(47, 4)  # the next one, queued behind it
+    sched.chunked_req = req
+    sched._pending_chunked_abort_req = req  # what abort_request records (scheduler.py:5678)
+    sched.process_pending_chunked_abort()
+    assert sched.chunked_req is None and sched._pending_chunked_abort_req is None
+    assert isinstance(req.finished_reason, FinishAbort)
+    assert world.freed == [], "pages freed while a chunk of the aborted chunked request is read"
+    assert not sched.is_fully_idle()
+    # overlap: the in-flight chunk's result comes back (prefill.py:1090-1091): already retired
+    assert sched._retire_aborted_prefill_result(req) is False
+    process_all(world)
+    assert world.freed == []
+    rank.gate.proceed.set()
+    wait_for(lambda: rank.drained(47), "the worker to drain room 47")
+    assert rank.gate.sent == 1  # sender.abort() made the worker skip the queued chunk
+    process_all(world)
+    assert world.freed == [(0, "r47")]
+    assert prefill_pin.pinned_sources(sched) == []
+    assert sched.is_fully_idle()
+
+
+def test_chunked_abort_outside_prefill_mode_is_untouched(make_world: Any) -> None:
+    """Pins are resolved by the prefill inflight pass only; another mode must free at once."""
+    world = make_world()
+    rank = world.ranks[0]
+    sched = rank.sched
+    req = rank.start_room(55)
+    sched.disagg_prefill_inflight_queue.clear()
+    sched.disaggregation_mode = "null"
+    sched.chunked_req = sched._pending_chunked_abort_req = req
+    sched.process_pending_chunked_abort()
+    assert world.freed == [(0, "r55")]
+    assert prefill_pin.pinned_sources(sched) == []
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_transfer_worker_dying_with_a_chunk_counted_pins_for_good(make_world: Any) -> None:
+    """guards: the worker's Exception handler poisons the room of the chunk it held and ends
+    the thread (mooncake/conn.py:2878-2884); the count is never decremented. The pin must not
+    wait for it forever uncounted: it is pinned for good and counted, and the budget trips."""
+    world = make_world()
+    rank = world.ranks[0]
+    rank.start_room(48)
+    rank.gate.exc = ValueError("transport bug")
+    rank.send_chunk(48, 0)
+    assert rank.gate.entered.wait(WAIT_S)
+    rank.gate.proceed.set()
+    rank.worker.join(WAIT_S)
+    assert not rank.worker.is_alive()
+    assert rank.mgr._staging_outstanding.get(48) == 1  # counted, never decremented
+    assert 48 in rank.mgr._deferred_ack_poisoned_rooms
+    rank.abort_from_decode(48)
+    for _ in range(2):
+        process_all(world)
+    assert world.freed == []
+    pins = prefill_pin.pinned_sources(rank.sched)
+    assert len(pins) == 1 and pins[0].poisoned, "a dead worker's room held uncounted"
+    assert sample(world, "cas_kv_poisoned_source_rooms") == 1
+    assert sample(world, "cas_kv_unhealthy_by_quarantine") == 1
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_transfer_worker_ending_without_poison_counts_as_poisoned(make_world: Any) -> None:
+    """guards: a worker ended by a BaseException skips upstream's handler, so nothing is
+    poisoned and the count stays. A dead transfer worker (not torn down) with a counted chunk
+    is treated as poisoned; a torn-down manager's ended workers are not evidence."""
+    world = make_world()
+    rank = world.ranks[0]
+    rank.start_room(49)
+    rank.gate.exc = SystemExit()  # threading ends the thread silently
+    rank.send_chunk(49, 0)
+    assert rank.gate.entered.wait(WAIT_S)
+    rank.gate.proceed.set()
+    rank.worker.join(WAIT_S)
+    assert not rank.worker.is_alive()
+    assert rank.worker.name.endswith(prefill_pin.WORKER_NAME_SUFFIX)
+    assert rank.mgr._staging_outstanding.get(49) == 1
+    assert 49 not in rank.mgr._deferred_ack_poisoned_rooms
+    rank.abort_from_decode(49)
+    rank.mgr._stopped = True  # as teardown() sets it (a role switch)
+    process_all(world)
+    assert world.freed == []
+    pins = prefill_pin.pinned_sources(rank.sched)
+    assert len(pins) == 1 and not pins[0].poisoned  # held, not yet judged
+    rank.mgr._stopped = False
+    process_all(world)
+    assert world.freed == []
+    assert pins[0].poisoned and pins[0].dead_worker
+    assert sample(world, "cas_kv_poisoned_source_rooms") == 1
+
+
+def test_a_long_hold_is_counted_overdue(make_world: Any) -> None:
+    """A chunk that never returns (a hung send) keeps its pages pinned; it must be visible."""
+    if UNPATCHED:
+        pytest.skip("checks the patch itself")
+    world = make_world()
+    rank = world.ranks[0]
+    rank.start_room(50)
+    rank.send_chunk(50, 0)
+    assert rank.gate.entered.wait(WAIT_S)
+    rank.abort_from_decode(50)
+    process_all(world)
+    assert sample(world, "cas_kv_overdue_source_pins") == 0
+    world.now = 61.0
+    process_all(world)
+    assert sample(world, "cas_kv_overdue_source_pins") == 1
+    assert world.freed == []
+    rank.gate.proceed.set()
+    wait_for(lambda: rank.drained(50), "the worker to drain room 50")
+    process_all(world)
+    assert world.freed == [(0, "r50")]
+    assert sample(world, "cas_kv_overdue_source_pins") == 0
+
+
+def record_sends(sched: Any) -> list[tuple[str, bool, Any]]:
+    sent: list[tuple[str, bool, Any]] = []
+
+    def send_kv_chunk(req: Any, last_chunk: bool = False, end_idx: Any = None) -> None:
+        sent.append((req.rid, last_chunk, end_idx))
+
+    sched.send_kv_chunk = send_kv_chunk
+    return sent
+
+
+def test_optimistic_requeue_frees_a_request_that_never_sent(make_world: Any) -> None:
+    """safe (module docstring (A)): a parked optimistic request (prefill done, decode not yet
+    bootstrapped) yields its slot through the real process_disagg_prefill_inflight_queue and
+    optimistic_release_and_requeue (prefill.py:1214). The real early send skips a pending
+    request and the parked branch sends only once bootstrapped, so nothing of it was ever
+    queued: upstream's immediate free stands, and the same req is requeued unpinned."""
+    world = make_world()
+    rank = world.ranks[0]
+    sched = rank.sched
+    sent = record_sends(sched)
+    bootstrapped = rank.start_room(52)
+    sched.maybe_send_cached_prefix_chunk(bootstrapped)  # the gate below is not vacuous
+    assert sent == [("r52", False, 8)]
+    sched.disagg_prefill_inflight_queue.remove(bootstrapped)
+    sent.clear()
+    req = rank.start_room(51, bootstrapped=False)
+    sched.maybe_send_cached_prefix_chunk(req)  # run_batch's early send (scheduler.py:4654)
+    assert sent == []
+    sched.req_to_token_pool = SimpleNamespace(available_size=lambda: 0)
+    sched.waiting_queue = [SimpleNamespace(rid="queued")]
+    process_all(world)  # Bootstrapping poll, no free slot, work waiting: yield
+    assert sched.waiting_queue[0] is req and req.pending_bootstrap
+    assert req.prefill_attempt_count == 2
+    assert world.freed == [(0, "r51")]
+    assert prefill_pin.pinned_sources(sched) == []
+    assert sent == [] and rank.mgr.transfer_queues[0].empty() and rank.gate.sent == 0
+    if UNPATCHED:
+        return
+    path = prefill_pin.OPTIMISTIC_REQUEUE
+    assert sample(world, "cas_kv_unpinned_source_frees_total", path=path) == 0
+    # tripwire: a request whose sender had sent something is counted (never expected)
+    other = rank.start_room(56, bootstrapped=False)
+    sched.disagg_prefill_inflight_queue.remove(other)
+    other.disagg_kv_sender.curr_idx = 4
+    sched.optimistic_release_and_requeue(other)
+    assert sample(world, "cas_kv_unpinned_source_frees_total", path=path) == 1
+
+
+def test_waiting_queue_abort_frees_a_request_that_never_sent(make_world: Any) -> None:
+    """safe (module docstring (B)): abort_request's waiting-queue branch calls the real
+    release_aborted_prefill_waiting_req (scheduler.py:5714); a waiting request never had a
+    chunk queued, so the immediate free stands. Its sender is aborted (room Failed)."""
+    world = make_world()
+    rank = world.ranks[0]
+    sched = rank.sched
+    req = rank.start_room(53)  # popped from the bootstrap queue, bootstrapped, not admitted
+    sched.disagg_prefill_inflight_queue.clear()
+    sched.release_aborted_prefill_waiting_req(req)
+    assert world.freed == [(0, "r53")]
+    assert rank.mgr.request_status[53] == world.cls.kvpoll.Failed
+    assert prefill_pin.pinned_sources(sched) == []
+    if UNPATCHED:
+        return
+    path = prefill_pin.WAITING_ABORT
+    assert sample(world, "cas_kv_unpinned_source_frees_total", path=path) == 0
+    other = rank.start_room(54)
+    sched.disagg_prefill_inflight_queue.clear()
+    rank.send_chunk(54, 0)  # never happens to a waiting request; the tripwire must see it
+    assert rank.gate.entered.wait(WAIT_S)
+    sched.release_aborted_prefill_waiting_req(other)
+    assert sample(world, "cas_kv_unpinned_source_frees_total", path=path) == 1
+    rank.gate.proceed.set()
+
+
+# ---- the source conditions that make the two unpinned paths safe -------------------------------
+
+
+@functools.cache
+def _srt_texts() -> dict[Path, str]:
+    return {path: path.read_text() for path in sorted(SRT.rglob("*.py"))}
+
+
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(_srt_texts()[path])
+
+
+def _calls(path: Path, attr: str) -> list[tuple[str, int, list[tuple[str, str]]]]:
+    """Each call ``<x>.<attr>(...)`` in ``path``: its function, line and guards (the tests of
+    the enclosing ifs with the branch taken, and earlier ``if ...: return`` in the same body)."""
+    found: list[tuple[str, int, list[tuple[str, str]]]] = []
+
+    def body(stmts: list[ast.stmt], func: str, guards: list[tuple[str, str]]) -> None:
+        guards = list(guards)
+        for stmt in stmts:
+            walk(stmt, func, guards)
+            if (
+                isinstance(stmt, ast.If)
+                and not stmt.orelse
+                and len(stmt.body) == 1
+                and isinstance(stmt.body[0], ast.Return)
+            ):
+                guards.append((ast.unparse(stmt.test), "return"))
+
+    def walk(node: ast.AST, func: str, guards: list[tuple[str, str]]) -> None:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            func, guards = node.name, []
+        if isinstance(node, ast.If):
+            test = ast.unparse(node.test)
+            walk(node.test, func, guards)
+            body(node.body, func, [*guards, (test, "if")])
+            body(node.orelse, func, [*guards, (test, "else")])
+            return
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == attr
+        ):
+            found.append((func, node.lineno, guards))
+        for _name, value in ast.iter_fields(node):
+            if isinstance(value, list) and value and isinstance(value[0], ast.stmt):
+                body(value, func, guards)
+            elif isinstance(value, list):
+                for item in value:
+                    if isinstance(item, ast.AST):
+                        walk(item, func, guards)
+            elif isinstance(value, ast.AST):
+                walk(value, func, guards)
+
+    walk(_tree(path), "<module>", [])
+    return found
+
+
+def _callers(attr: str) -> dict[tuple[str, str], list[list[tuple[str, str]]]]:
+    """Every call of ``.<attr>(`` in sglang/srt, by (file, function), in source order."""
+    out: dict[tuple[str, str], list[list[tuple[str, str]]]] = {}
+    for path, text in _srt_texts().items():
+        if f".{attr}(" not in text:
+            continue
+        for func, _line, guards in _calls(path, attr):
+            out.setdefault((str(path.relative_to(SRT)), func), []).append(guards)
+    return out
+
+
+def _assert_guarded(
+    attr: str, expected: dict[tuple[str, str], list[tuple[str, str]]], why: str
+) -> None:
+    callers = _callers(attr)
+    assert set(callers) == set(expected), f"{attr} callers changed ({why}): {sorted(callers)}"
+    for key, guard_lists in callers.items():
+        assert len(guard_lists) == len(expected[key]), f"{key} calls {attr} differently"
+        for guards, needed in zip(guard_lists, expected[key], strict=True):
+            assert needed in guards, f"{key}: {attr} no longer behind {needed} ({why})"
+
+
+PF = "disaggregation/prefill.py"
+SCHED = "managers/scheduler.py"
+
+
+def test_safe_paths_rest_on_the_installed_source() -> None:
+    """The unpinned paths are safe only while (A) and (B) of prefill_pin's docstring hold: a
+    change to any guard, call site or queue entry below must fail here (re-check the reasoning).
+    """
+    # (A) chunks reach the worker only through send_kv_chunk -> _send_kv_chunk -> sender.send ->
+    # kv_mgr.add_transfer_request, and every send_kv_chunk runs with pending_bootstrap False
+    assert set(_callers("add_transfer_request")) == {("disaggregation/common/conn.py", "send")}
+    assert set(_callers("_send_kv_chunk")) == {(PF, "send_kv_chunk")}
+    send_calls = [c for c in _calls(SRT / PF, "send") if c[0] != "<module>"]
+    assert {func for func, _, _ in send_calls} == {"_send_kv_chunk"}
+    assert not any("disagg_kv_sender.send(" in text for text in _srt_texts().values())
+    _assert_guarded(
+        "send_kv_chunk",
+        {
+            (PF, "process_batch_result_disagg_prefill"): [
+                ("not req.pending_bootstrap", "if"),
+                ("self.enable_overlap and (not req.pending_bootstrap)", "if"),
+            ],
+            (PF, "process_disagg_prefill_inflight_queue"): [
+                ("self.handle_pending_bootstrap(req, poll)", "if")
+            ],
+            (PF, "process_prefill_chunk"): [("not self.check_bootstrap(req)", "else")],
+            (PF, "maybe_send_cached_prefix_chunk"): [
+                ("req.pending_bootstrap or not allow_send", "return")
+            ],
+        },
+        "a chunk must only be queued once the request is bootstrapped",
+    )
+    # ... the helpers those guards rely on: True only once the flag is cleared
+    mixin_src = _srt_texts()[SRT / PF]
+    for line in (
+        "        if not req.pending_bootstrap:\n            return True\n",  # check_bootstrap
+        "            assert self.disagg_prefill_bootstrap_queue.finalize_bootstrap(req)\n"
+        "            self.checkpoint_disagg_prefill(req)\n            return True\n",
+        "        req.disagg_kv_sender.init(num_pages, req.metadata_buffer_index)\n"
+        "        req.pending_bootstrap = False\n        return True\n",  # finalize_bootstrap
+    ):
+        assert line in mixin_src, line
+    handle = next(
+        n
+        for n in ast.walk(_tree(SRT / PF))
+        if isinstance(n, ast.FunctionDef) and n.name == "handle_pending_bootstrap"
+    )
+    returns_true = [
+        n for n in ast.walk(handle) if isinstance(n, ast.Return) and ast.unparse(n) == "return True"
+    ]
+    assert len(returns_true) == 1  # only after finalize_bootstrap
+    # the flag is set only by create_sender and optimistic_release_and_requeue
+    set_true = set()
+    for path, text in _srt_texts().items():
+        if "pending_bootstrap = True" not in text:
+            continue
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.FunctionDef):
+                for sub in ast.walk(node):
+                    if (
+                        isinstance(sub, ast.Assign)
+                        and ast.unparse(sub.targets[0]).endswith(".pending_bootstrap")
+                        and ast.unparse(sub.value) == "True"
+                    ):
+                        set_true.add((str(path.relative_to(SRT)), node.name))
+    assert set_true == {(PF, "create_sender"), (PF, "optimistic_release_and_requeue")}
+    # (A) optimistic_release_and_requeue runs only while the flag is still set
+    _assert_guarded(
+        "optimistic_release_and_requeue",
+        {
+            (PF, "process_batch_result_disagg_prefill"): [
+                ("req.pending_bootstrap and should_force_retry(req)", "if"),
+                ("req.pending_bootstrap and (not still_chunking)", "if"),
+            ],
+            (PF, "process_disagg_prefill_inflight_queue"): [("req.pending_bootstrap", "if")],
+            (PF, "process_prefill_chunk"): [("not self.check_bootstrap(req)", "if")],
+        },
+        "a requeued request must never have sent a chunk",
+    )
+    # (B) the waiting queue: who adds to it on the prefill side, and its only abort path
+    entrants: dict[tuple[str, str], list[str]] = {}
+    for rel in (PF, SCHED):
+        for method in ("append", "extend", "insert"):
+            for func, line, guards in _calls(SRT / rel, method):
+                src = ast.get_source_segment(
+                    _srt_texts()[SRT / rel], _node_at(SRT / rel, line, method)
+                )
+                if src and src.startswith("self.waiting_queue."):
+                    entrants.setdefault((rel, func), []).append(src)
+                    if rel == SCHED:
+                        assert (
+                            "self.disaggregation_mode == DisaggregationMode.NULL",
+                            "if",
+                        ) in guards
+    assert entrants == {
+        (PF, "event_loop_normal_disagg_prefill"): [
+            "self.waiting_queue.extend(\n"
+            "                self.disagg_prefill_bootstrap_queue.pop_bootstrapped()\n"
+            "            )"
+        ],
+        (PF, "event_loop_overlap_disagg_prefill"): ["self.waiting_queue.extend(bootstrapped_reqs)"],
+        (PF, "optimistic_release_and_requeue"): ["self.waiting_queue.insert(0, req)"],
+        (SCHED, "_add_request_to_queue"): ["self.waiting_queue.append(req)"],
+    }
+    assert "bootstrapped_reqs = self.disagg_prefill_bootstrap_queue.pop_bootstrapped()" in (
+        mixin_src
+    )
+    # the bootstrap queue: new requests (a fresh sender, flag set) and exhausted requeues
+    assert set(_callers("create_sender")) == {(PF, "add")}
+    assert set(_callers("pop_bootstrapped")) == {
+        (PF, "event_loop_normal_disagg_prefill"),
+        (PF, "event_loop_overlap_disagg_prefill"),
+        # the pipeline-parallel loop (pinning is off there); it too feeds the waiting queue
+        ("managers/scheduler_pp_mixin.py", "process_bootstrapped_queue"),
+    }
+    assert set(_callers("release_aborted_prefill_waiting_req")) == {(SCHED, "abort_request")}
+    # admission takes requests out of the waiting queue; the early send is for batch requests
+    assert set(_callers("maybe_send_cached_prefix_chunk")) == {(SCHED, "run_batch")}
+    sched_src = _srt_texts()[SRT / SCHED]
+    assert (
+        "            for req in batch.reqs:\n"
+        "                self.maybe_send_cached_prefix_chunk(req, allow_send=not load_pending)\n"
+    ) in sched_src
+    assert (
+        "self.waiting_queue = [x for x in self.waiting_queue if x not in can_run_set]" in sched_src
+    )
+
+
+def _node_at(path: Path, line: int, method: str) -> ast.AST:
+    for node in ast.walk(_tree(path)):
+        if (
+            isinstance(node, ast.Call)
+            and node.lineno == line
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == method
+        ):
+            return node
+    raise AssertionError(f"no {method} call at {path}:{line}")
+
+
+def test_check_refuses_a_changed_chunked_abort_or_a_missing_scheduler_release() -> None:
+    cls = build_classes([])
+    targets = prefill_pin.PrefillTargets(cls.mixin, cls.idle_cls, cls.mgr_cls)
+    prefill_pin.check_prefill_targets(targets)
+
+    class ChangedScheduler(cls.idle_cls):  # type: ignore[misc,name-defined]
+        def process_pending_chunked_abort(self) -> None:
+            return None
+
+    for name in ("is_fully_idle", "abort_request", "_get_new_batch_prefill_raw"):
+        setattr(ChangedScheduler, name, cls.idle_cls.__dict__[name])
+    with pytest.raises(StrictReclaimError, match="process_pending_chunked_abort no longer"):
+        prefill_pin.check_prefill_targets(
+            prefill_pin.PrefillTargets(cls.mixin, ChangedScheduler, cls.mgr_cls)
+        )
+    del cls.sched_ns["release_kv_cache"]
+    with pytest.raises(StrictReclaimError, match=r"scheduler\.py.*release_kv_cache|release_kv"):
+        prefill_pin.check_prefill_targets(targets)
