@@ -360,3 +360,49 @@ def test_a_gpu_budget_alone_caps_both_revisions() -> None:
     total = split.stable_sizes.gpus(plan) + split.current_sizes.gpus(plan)
     assert total <= 96 and (split.current_sizes.prefill, split.current_sizes.decode) == (2, 4)
     assert split.stable_sizes.prefill >= 1 and split.stable_sizes.decode >= 1
+
+
+class RecordingApi:
+    def __init__(self) -> None:
+        self.patches: list[tuple[str, str, Any]] = []
+
+    def list(self, kind: str, namespace: str, selector: dict[str, str]) -> list[Any]:
+        return []
+
+    def patch(self, kind: str, namespace: str, name: str, patch: Any) -> Any:
+        self.patches.append((kind, name, patch))
+        return {}
+
+
+def test_an_action_is_consumed_once_and_refused_on_a_rolling_fleet() -> None:
+    """A user's action annotation is removed after the tick that read it (a consumed action
+    must not act again); on a fleet that is not Canary it is removed with a Warning, not left
+    behind forever."""
+    from cas_operator.observe.types import Observation
+    from cas_operator.rollout.act import Findings, rollout_tick
+
+    class NoMetrics:
+        def observe(self, targets: Any, window: float) -> Observation:
+            return Observation()
+
+    annotated = {
+        "name": "demo",
+        "namespace": "ns",
+        "annotations": {"cas.dev/rollout-action": "abort"},
+    }
+    status = {"revision": "r2", "rollout": {"phase": "Progressing", "stableRevision": "r1",
+                                            "canaryRevision": "r2"}}  # fmt: skip
+    steps = {"strategy": "Canary", "steps": [{"weight": 10}]}
+    canary = parse_spec({"model": {"name": "glm-5"}, "rollout": steps})
+    api = RecordingApi()
+    result = rollout_tick(api, NoMetrics(), {"metadata": annotated, "status": status}, canary,
+                          None, Findings(), 100.0)  # fmt: skip
+    assert result.state is not None and result.state.phase == Phase.ABORTED
+    removed = {"metadata": {"annotations": {"cas.dev/rollout-action": None}}}
+    assert api.patches == [("CodingAgentServing", "demo", removed)]
+    rolling = parse_spec({"model": {"name": "glm-5"}})
+    api = RecordingApi()
+    refused = rollout_tick(api, NoMetrics(), {"metadata": annotated, "status": status}, rolling,
+                           None, Findings(), 100.0)  # fmt: skip
+    assert refused.state is None and refused.events[0][1] == "RolloutActionRefused"
+    assert len(api.patches) == 1

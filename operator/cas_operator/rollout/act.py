@@ -127,15 +127,19 @@ def rollout_tick(
     now: float,
 ) -> RolloutResult:
     """One tick (see the module docstring)."""
+    meta = resource["metadata"]
+    asked = (meta.get("annotations") or {}).get(c.ANNOTATION_ROLLOUT_ACTION)
     if spec.rollout.strategy != RolloutStrategy.CANARY:
-        return RolloutResult()
+        if asked is None:
+            return RolloutResult()
+        consume(api, meta)
+        why = f"{c.ANNOTATION_ROLLOUT_ACTION}={asked!r}: rollout.strategy is not Canary"
+        return RolloutResult(events=[("Warning", "RolloutActionRefused", why)])
     status: Status = dict(resource.get("status") or {})
     revision = status.get("revision")
     if not revision:
         return RolloutResult()
     state = previous or RolloutState.recorded(status)
-    meta = resource["metadata"]
-    asked = (meta.get("annotations") or {}).get(c.ANNOTATION_ROLLOUT_ACTION)
     action, refused = parse_action(asked)
     adopted = state.adopt(str(revision))
     analysis: Analysis | None = None
@@ -160,14 +164,19 @@ def rollout_tick(
     decision = decide(state, spec.rollout, inputs, now)
     events = list(decision.events)
     if asked is not None:
-        gone = {"metadata": {"annotations": {c.ANNOTATION_ROLLOUT_ACTION: None}}}
-        api.patch(c.KIND, str(meta["namespace"]), str(meta["name"]), gone)
+        consume(api, meta)
         events.append(
             ("Warning", "RolloutActionRefused", refused)
             if refused
             else ("Normal", "RolloutAction", f"{action} taken: {decision.state.reason}")
         )
     return RolloutResult(decision.state, events)
+
+
+def consume(api: ResourceApi, meta: Manifest) -> None:
+    """Remove the action annotation once acted on (or refused): it is asked once."""
+    gone = {"metadata": {"annotations": {c.ANNOTATION_ROLLOUT_ACTION: None}}}
+    api.patch(c.KIND, str(meta["namespace"]), str(meta["name"]), gone)
 
 
 def canary_of(
