@@ -181,12 +181,20 @@ def _reap_pods(kubectl: Kubectl, namespace: str, seconds: float = 90.0) -> None:
     """The kubelet's last step for a namespace being deleted after its test: the pods the pod
     runner ran stay Terminating until their grace deadline (minutes) once that runner has
     stopped, holding their nodes' GPUs from later tests; so they are removed at once
-    (grace 0) until the namespace is gone."""
+    (grace 0) until the namespace is gone.
+
+    A spawn of kubectl from this thread failed twice in CI runs with `OSError: [Errno 14] Bad
+    address` while the main thread spawned processes too; the thread then died and the
+    namespace's pods kept their nodes' GPUs. A failed spawn is now tried again on the next
+    round instead of ending the reaper."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        if not kubectl("get", "namespace", namespace, "-o", "name", "--ignore-not-found",
-                       check=False).strip():  # fmt: skip
-            return
-        kubectl("delete", "pods", "--all", "-n", namespace, "--force", "--grace-period=0",
-                "--wait=false", "--ignore-not-found", check=False)  # fmt: skip
+        try:
+            if not kubectl("get", "namespace", namespace, "-o", "name", "--ignore-not-found",
+                           check=False).strip():  # fmt: skip
+                return
+            kubectl("delete", "pods", "--all", "-n", namespace, "--force", "--grace-period=0",
+                    "--wait=false", "--ignore-not-found", check=False)  # fmt: skip
+        except OSError:
+            pass  # the next round tries again
         time.sleep(2.0)
