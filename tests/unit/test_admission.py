@@ -71,3 +71,20 @@ def test_each_router_gets_a_share_of_at_least_one_request_per_second() -> None:
     share = per_router(0.8, 4, 2, "x")
     assert (share.router_rps, share.router_burst) == (1, 2)
     assert per_router(9.0, 45, 2, "x").router_rps == 4  # rounded to the closest
+
+
+def test_admission_sizes_for_the_measured_request_shape() -> None:
+    """Regression (issue 18, the planner benchmark's output shift): a limit sized for the
+    declared shape kept admitting after outputs grew 4x (0.96 req/s within SLO); sized for the
+    measured shape the fleet kept 4.42. Longer measured outputs give a lower limit; the shape
+    comes on a geometric grid, so a little noise moves nothing."""
+    from cas_operator.autoscale.model import ObservedSignals
+    from cas_operator.autoscale.signals import on_grid, quantized
+
+    spec = parse_spec({**GLM5, "workload": {"avgInputTokens": 70000, "avgOutputTokens": 600}})
+    declared = admission_for(build_plan("demo", "ns", spec))
+    shifted = admission_for(build_plan("demo", "ns", spec, quantized(ObservedSignals(
+        avg_input_tokens=70000.0, avg_output_tokens=2400.0))))  # fmt: skip
+    assert declared is not None and shifted is not None
+    assert shifted.requests_per_second < declared.requests_per_second
+    assert "out" in shifted.basis and on_grid(2400.0) == on_grid(2300.0)

@@ -299,3 +299,15 @@ def test_autoscaler_counts_beyond_the_budget_fall_back_to_the_spec() -> None:
     )
     total = sum(pool_replicas(kube).values())
     assert total * 8 <= 64
+
+
+def test_the_request_shape_is_measured_per_finished_request() -> None:
+    """Prompt tokens per prefill request and generated tokens per decode request: the shape
+    admission control sizes for (absent series: unknown, never zero)."""
+    prefill = PodView("p0", "prefill", True, True,
+                      signals=PodSignals(requests=10.0, prompt_tokens=700_000.0))  # fmt: skip
+    decode = PodView("d0", "decode", True, True,
+                     signals=PodSignals(requests=10.0, generation_tokens=24_000.0))  # fmt: skip
+    seen = observed_signals([prefill, decode], 60.0)
+    assert (seen.avg_input_tokens, seen.avg_output_tokens) == (70_000.0, 2_400.0)
+    assert observed_signals([prefill], 60.0).avg_output_tokens is None

@@ -273,7 +273,9 @@ def test_fixed_mode_writes_no_autoscaler_status() -> None:
     g.tick([resource("a")], now=T0)
     assert "autoscaler" not in sections(g, "a")
     kept = g.measured["uid-a"]
-    assert kept.observed is None and kept.auto_replicas is None and kept.anomaly is not None
+    assert kept.auto_replicas is None and kept.anomaly is not None
+    # only the request shape is kept (admission control sizes for it), nothing else of the load
+    assert kept.observed is not None and kept.observed.arrival_rate is None
 
 
 def test_pods_are_listed_in_pages_and_slimmed_as_they_arrive() -> None:

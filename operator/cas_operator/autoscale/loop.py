@@ -88,11 +88,11 @@ class Autoscaler:
             bounds = ScaleBounds(spec.ratio.min, spec.ratio.max, spec.ratio.gpu_budget)
             scale = suggest_scale(views, counts, bounds, self.pressure.get(uid, PressureState()))
             self.pressure[uid] = scale.state
-        if spec.ratio.mode == RatioMode.FIXED:
-            self.auto.pop(uid, None)
-            return AutoscaleResult(scale, None, None, None)
         window = float(spec.anomaly_guard.window_seconds)
         observed = signals.quantized(signals.observed_signals(views, window))
+        if spec.ratio.mode == RatioMode.FIXED:  # only admission reads the load: its shape
+            self.auto.pop(uid, None)
+            return AutoscaleResult(scale, None, signals.shape_only(observed), None)
         entry: Status = {"observed": observed_status(observed)}
         before = AutoState.from_status(status.get(STATUS_KEY))
         auto = self.auto.get(uid) or before

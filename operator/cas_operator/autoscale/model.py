@@ -170,6 +170,8 @@ class ObservedSignals:
     ttft_p90_s: float | None = None
     itl_ms: float | None = None
     aborts_per_s: float | None = None  # reported only: a PD abort is mostly a prefill timeout
+    avg_input_tokens: float | None = None  # per finished request (prefill pods)
+    avg_output_tokens: float | None = None  # per finished request (decode pods)
 
 
 # ---------------------------------------------------------------- outputs

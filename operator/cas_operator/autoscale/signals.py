@@ -9,6 +9,7 @@ controller (`autoscale.controller`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from cas_operator.api import constants as c
@@ -43,7 +44,9 @@ def observed_signals(pods: Sequence[PodView], window_s: float) -> ObservedSignal
     rate from the prefill pods' cached/prompt tokens, mean prefill and decode queues, decode KV
     use, aborts on either side, TTFT p90 from the decode pods' TTFT histograms (the decode
     streams the answer, so its TTFT includes prefill, transfer and admission; prefill pods'
-    when decodes have none), and the median ITL from the decode pods' inter-token histograms."""
+    when decodes have none), the median ITL from the decode pods' inter-token histograms, and
+    the request shape: prompt tokens per request on the prefill pods, generated tokens per
+    request on the decode pods (what admission control sizes for)."""
     prefill, decode = _measured(pods, c.ROLE_PREFILL), _measured(pods, c.ROLE_DECODE)
     ttft = histogram_quantile(0.9, merged_buckets(decode))
     if ttft is None:
@@ -57,6 +60,8 @@ def observed_signals(pods: Sequence[PodView], window_s: float) -> ObservedSignal
     prompt = _total([s.prompt_tokens for s in prefill])
     cached = _total([s.cached_tokens for s in prefill])
     aborted = _total([s.aborted for s in prefill + decode])
+    prefilled = _total([s.requests for s in prefill])
+    generated = _total([s.generation_tokens for s in decode])
     return ObservedSignals(
         arrival_rate=None if finished is None else finished / window,
         hit_rate=cached / prompt if prompt and cached is not None else None,
@@ -68,6 +73,29 @@ def observed_signals(pods: Sequence[PodView], window_s: float) -> ObservedSignal
         aborts_per_s=None if aborted is None else aborted / window,
         ttft_p90_s=ttft,
         itl_ms=None if itl_s is None else itl_s * 1000.0,
+        avg_input_tokens=prompt / prefilled if prompt and prefilled else None,
+        avg_output_tokens=generated / finished if generated and finished else None,
+    )
+
+
+SHAPE_STEP = 1.25  # request lengths are kept on a geometric grid of this ratio
+
+
+def on_grid(tokens: float | None) -> float | None:
+    """Request lengths rounded up to a power of SHAPE_STEP (a longer request: a lower limit, the
+    safe side): the limits sized from them (the
+    routers' admission) move only when the shape really changed, not with every window."""
+    if tokens is None:
+        return None
+    if tokens <= 1.0:
+        return 1.0
+    return round(SHAPE_STEP ** math.ceil(math.log(tokens, SHAPE_STEP)), 1)
+
+
+def shape_only(o: ObservedSignals) -> ObservedSignals:
+    """The measured request shape alone (Fixed mode: nothing else is planned from the load)."""
+    return ObservedSignals(
+        avg_input_tokens=o.avg_input_tokens, avg_output_tokens=o.avg_output_tokens
     )
 
 
@@ -96,4 +124,6 @@ def quantized(o: ObservedSignals) -> ObservedSignals:
         ttft_p90_s=_two_digits(o.ttft_p90_s),
         itl_ms=_two_digits(o.itl_ms),
         aborts_per_s=_two_digits(o.aborts_per_s),
+        avg_input_tokens=on_grid(o.avg_input_tokens),
+        avg_output_tokens=on_grid(o.avg_output_tokens),
     )

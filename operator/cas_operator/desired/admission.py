@@ -17,6 +17,14 @@ once) and `--queue-size 0`. sglang-router 0.3.2's limiter is that token bucket (
 so the burst is `BURST_SECONDS` of the rate. The limits follow a replica change (a new router
 template: the routers roll, draining).
 
+The request shape is the measured one when the fleet tick has it (prompt and generated tokens
+per finished request), else the declared `workload`: a fleet whose outputs grow 4x serves far
+fewer requests, and a limit sized for the declared shape would admit the backlog it is meant to
+refuse (the planner benchmark's output shift, quick run: 0.96 req/s within SLO with the declared
+shape, 4.42 with the measured one). Measured lengths come on a geometric grid
+(`autoscale.signals.on_grid`), so the limit, and the routers' template with it, moves only when
+the shape really changed.
+
 `router.admission.mode`: Auto (the planner's capacity x `headroom`; none without an instance
 profile for the model), Fixed (`requestsPerSecond`, `burst`), Off.
 """
@@ -103,7 +111,7 @@ def planned_capacity(plan: Plan) -> tuple[float, str] | None:
     gpus = (plan.prefill.shape.gpus, plan.decode.shape.gpus)
     return _capacity(
         profile,
-        workload_of(spec),
+        workload_of(spec, plan.measured_shape),
         SloInputs(ttft_s=spec.slo.ttft_seconds, itl_ms=spec.slo.itl_milliseconds),
         shape,
         plan.layer_split,
@@ -113,12 +121,18 @@ def planned_capacity(plan: Plan) -> tuple[float, str] | None:
     )
 
 
-def workload_of(spec: CodingAgentServingSpec) -> WorkloadInputs:
-    """The declared request shape (the rate is what the capacity search varies)."""
+def workload_of(
+    spec: CodingAgentServingSpec, measured: tuple[float, float] | None = None
+) -> WorkloadInputs:
+    """The request shape the capacity is searched for (the rate is what the search varies):
+    the measured lengths on the grid, else the declared ones."""
+    inp, out = float(spec.workload.avg_input_tokens), float(spec.workload.avg_output_tokens)
+    if measured is not None:  # on the grid already (`autoscale.signals.quantized`)
+        inp, out = measured
     return WorkloadInputs(
         request_rate=1.0,
-        avg_input_tokens=spec.workload.avg_input_tokens,
-        avg_output_tokens=spec.workload.avg_output_tokens,
+        avg_input_tokens=inp,
+        avg_output_tokens=out,
         prefix_cache_hit_rate=spec.workload.prefix_cache_hit_rate,
     )
 
@@ -137,7 +151,8 @@ def _capacity(
     prefill, decode = instance_profiles(
         load_spec(profile), prefill_tp_cp, layer_split, instance_gpus
     )
-    pools = f"{n_prefill}P:{n_decode}D of {profile}"
+    shape = f"{workload.avg_input_tokens:.0f} in/{workload.avg_output_tokens:.0f} out"
+    pools = f"{n_prefill}P:{n_decode}D of {profile} at {shape}"
     rate = highest_rate(workload, slo, prefill, decode, n_prefill, n_decode, within_slo=True)
     if rate > 0:
         return rate, f"the planner: {pools} serve {rate:.3g} req/s within the SLOs"

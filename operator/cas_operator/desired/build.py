@@ -124,6 +124,7 @@ def build_plan(
         cp_strategy=resolved.cp_strategy,
         recommendation=recommendation,
         operator_namespace=limits.operator_namespace,
+        measured_shape=measured_shape(observed),
     )
     rendered, user_input = engine_revision(draft), engine_input(spec)
     runs = choose(
@@ -134,6 +135,13 @@ def build_plan(
         policy=spec.rollout.on_operator_upgrade,
     )
     return replace(draft, rendered_revision=rendered, engine_input=user_input).at_revision(runs)
+
+
+def measured_shape(observed: ObservedSignals | None) -> tuple[float, float] | None:
+    """(input, output) tokens per request the fleet measures, when it measures both."""
+    if observed is None or not observed.avg_input_tokens or not observed.avg_output_tokens:
+        return None
+    return observed.avg_input_tokens, observed.avg_output_tokens
 
 
 def spec_warnings(spec: CodingAgentServingSpec) -> tuple[str, ...]:

@@ -65,6 +65,8 @@ class Plan:
     warnings: tuple[str, ...] = ()  # what the operator did not take from the spec, and why
     operator_namespace: str | None = None  # where the operator pod runs (api.limits)
     routers: int | None = None  # router replicas, when a rollout sets them (else the spec's)
+    # the measured request shape (input, output tokens per request), when the fleet tick has it
+    measured_shape: tuple[float, float] | None = None
 
     @property
     def held(self) -> bool:

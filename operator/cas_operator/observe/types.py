@@ -20,7 +20,9 @@ TOKEN_USAGE: Final = "sglang:token_usage"
 REQUESTS: Final = "sglang:num_requests_total"
 PROMPT_TOKENS: Final = "sglang:prompt_tokens_total"
 CACHED_TOKENS: Final = "sglang:cached_tokens_total"
-LOAD_COUNTERS: Final = (REQUESTS, PROMPT_TOKENS, CACHED_TOKENS)  # feed the ratio autoscaler
+GENERATION_TOKENS: Final = "sglang:generation_tokens_total"  # metrics_collector.py:1860
+# feed the ratio autoscaler and the request shape admission is sized for
+LOAD_COUNTERS: Final = (REQUESTS, PROMPT_TOKENS, CACHED_TOKENS, GENERATION_TOKENS)
 TTFT_BUCKET: Final = "sglang:time_to_first_token_seconds_bucket"  # cumulative, label `le`
 # SGLang 0.5.23 srt/observability/metrics_collector.py:2051; decode pods observe it per token.
 ITL_BUCKET: Final = "sglang:inter_token_latency_seconds_bucket"
@@ -69,6 +71,7 @@ class PodSignals:
     requests: float | None = None  # finished requests in the window (load, for the autoscaler)
     prompt_tokens: float | None = None
     cached_tokens: float | None = None
+    generation_tokens: float | None = None
     # TTFT histogram over the window: (bucket upper bound s, cumulative count), by bound
     ttft_buckets: tuple[tuple[float, float], ...] | None = None
     itl_buckets: tuple[tuple[float, float], ...] | None = None  # inter-token latency, the same way
@@ -171,6 +174,7 @@ def signals_from(
         requests=counters.get(REQUESTS),
         prompt_tokens=counters.get(PROMPT_TOKENS),
         cached_tokens=counters.get(CACHED_TOKENS),
+        generation_tokens=counters.get(GENERATION_TOKENS),
         ttft_buckets=_buckets(counters),
         itl_buckets=_buckets(counters, ITL_BUCKET),
         kv_failures=counters.get(KV_FAILURES),
