@@ -17,6 +17,7 @@ Usage: python bench/planner.py [--quick] [--scale-tables] [--out bench/results/p
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -27,7 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from bench.fleetsim import FleetConfig, Modifier, SessionMix, SessionWorkload
-from bench.fleetsim.engine import Simulator
+from bench.fleetsim.engine import FleetView, Metrics, Simulator
 from bench.fleetsim.policies import (
     MeanBasedPolicy,
     RatioPlannerPolicy,
@@ -35,6 +36,8 @@ from bench.fleetsim.policies import (
 from cas_operator.autoscale import profiles as pf
 from cas_operator.autoscale.model import Bounds, InstanceProfile, SloInputs, WorkloadInputs
 from cas_operator.autoscale.search import recommend
+from cas_operator.autoscale.signals import on_grid
+from cas_operator.desired.admission import highest_rate
 
 SLO = SloInputs(ttft_s=3.0, itl_ms=50.0)
 SPEC = pf.load_spec("glm5-fp8-h200")
@@ -159,13 +162,14 @@ def _run(sc: Scenario, method: str, split: tuple[int, int] | None, seed: int) ->
     p, d = sc.profiles()
     bounds = _bounds(sc)
     policy: Any = None
+    admission: Any = None
     if method in ("fixed", "exhaustive-point"):
         assert split is not None
         n_p, n_d = split
     elif method == "ours":
         rec = recommend(_declared(sc), SLO, p, d, bounds)
         n_p, n_d = rec.n_prefill, rec.n_decode
-        policy = RatioPlannerPolicy(p, d, SLO, bounds)
+        policy, admission = with_admission(RatioPlannerPolicy(p, d, SLO, bounds), _declared(sc))
     elif method == "mean-based":
         policy = MeanBasedPolicy(p, d, SLO, bounds)
         wl = _declared(sc)
@@ -186,6 +190,7 @@ def _run(sc: Scenario, method: str, split: tuple[int, int] | None, seed: int) ->
         duration_s=sc.duration_s,
         warmup_s=sc.warmup_s,
         seed=seed,
+        admission=admission if method == "ours" else None,
     )
     wl = SessionWorkload(sc.mix, sc.modifiers, seed=seed)
     t0 = time.perf_counter()
@@ -200,8 +205,38 @@ def _run(sc: Scenario, method: str, split: tuple[int, int] | None, seed: int) ->
         if res.series
         else f"{n_p}P:{n_d}D",
         retractions=float(res.retractions),
+        shed=float(res.shed),
     )
     return g
+
+
+def with_admission(policy: Any, declared: WorkloadInputs) -> tuple[Any, Any]:
+    """The product's `router.admission: Auto` next to `policy`: the rate the planner's model
+    says the ready pools serve within the SLO (`desired.admission`), for the request shape the
+    fleet measures (prompt and output tokens per request, on `autoscale.signals.on_grid`),
+    the declared one until it measures; the policy is wrapped to hand its metrics over."""
+    p, d = policy.prefill, policy.decode
+    seen: dict[str, float] = {}
+
+    def observing(now: float, m: Metrics, view: FleetView) -> tuple[int, int]:
+        if m.arrival_rate > 0 and m.avg_input_tokens > 0 and m.avg_output_tokens > 0:
+            seen["in"], seen["out"] = m.avg_input_tokens, m.avg_output_tokens
+        return policy(now, m, view)  # type: ignore[no-any-return]
+
+    @functools.cache
+    def rate(n_p: int, n_d: int, inp: float, out: float) -> float | None:
+        wl = replace(declared, avg_input_tokens=inp, avg_output_tokens=out)
+        found = highest_rate(wl, SLO, p, d, n_p, n_d, within_slo=True)
+        return found or highest_rate(wl, SLO, p, d, n_p, n_d, within_slo=False) or None
+
+    def admission(n_p: int, n_d: int) -> float | None:
+        if n_p < 1 or n_d < 1:
+            return None
+        inp = on_grid(seen.get("in")) or declared.avg_input_tokens
+        out = on_grid(seen.get("out")) or declared.avg_output_tokens
+        return rate(n_p, n_d, inp, out)
+
+    return observing, admission
 
 
 def _exhaustive(pool: ProcessPoolExecutor, sc: Scenario, seed: int, stride: int):

@@ -23,6 +23,10 @@ with numpy, and event times inside a step are kept exact where they are determin
 - Control: every ``tick_s`` a policy sees metrics from ``metric_lag_s`` ago and returns target
   replicas; new pods hold GPUs but serve nothing until ``pod_start_s``; removed pods stop taking
   work at once and leave after ``drain_s`` (their cache is lost).
+- Admission (``FleetConfig.admission``, the operator's `router.admission`): every tick the rate
+  for the ready pools is set; arrivals take a token from a bucket refilled at that rate (holding
+  ``ADMISSION_BURST_S`` of it, as the routers do); an arrival without a token is answered 429
+  at once and its session sends the turn again ``RETRY_AFTER_S`` later (counted in ``shed``).
 
 Pure computation (no I/O, no clock). Outputs per-request records and a per-tick time series.
 """
@@ -41,6 +45,10 @@ from cas_operator.autoscale.model import InstanceProfile
 from .workload import SessionWorkload, Trace, lognormal
 
 OFF, STARTING, READY, DRAINING = 0, 1, 2, 3
+ADMISSION_BURST_S = 5.0  # desired.admission.BURST_SECONDS
+RETRY_AFTER_S = 2.0  # a client's wait after a 429 (smg's Retry-After; an SDK's backoff)
+# The admitted rate for (ready prefill, ready decode) instances; None: no limit.
+Admission = Callable[[int, int], float | None]
 
 
 @dataclass(frozen=True)
@@ -64,6 +72,7 @@ class FleetConfig:
     prepopulate: bool = True  # start with steady-state sessions (cold caches)
     route_balance_s: float = 30.0  # slack before a cache hit is sent elsewhere cold
     seed: int = 0
+    admission: Admission | None = None
 
 
 @dataclass(frozen=True)
@@ -112,6 +121,7 @@ class SimResult:
     gpu_seconds: float = 0.0
     peak_gpus: int = 0
     retractions: int = 0
+    shed: int = 0  # arrivals answered 429 by admission (each retried by its session)
     steps: int = 0
     duration_s: float = 0.0
     warmup_s: float = 0.0
@@ -389,6 +399,9 @@ class Simulator:
         self.trace_pos = 0
         self.conv_sid: dict[int, int] = {}
         self.shared = workload.mix.shared_prefix_tokens if workload else 0.0
+        self.admit_rate: float | None = None
+        self.tokens = 0.0
+        self.shed = 0
 
     # ------------------------------------------------------------ arrivals
 
@@ -485,6 +498,10 @@ class Simulator:
             )
         if sid.size == 0:
             return
+        if self.admit_rate is not None and self.trace is None:
+            sid, ta, out = self._admission(sid, ta, out, t0, t1)
+            if sid.size == 0:
+                return
         ready_p = P.state == READY
         if not ready_p.any():
             S.next[sid] = t1  # nothing can take it: retry next step
@@ -537,6 +554,22 @@ class Simulator:
                 "tried": np.zeros(n, dtype=bool),
             }
         )
+
+    def _admission(
+        self, sid: np.ndarray, ta: np.ndarray, out: np.ndarray, t0: float, t1: float
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The arrivals the bucket admits, in time order; the rest retry after a 429."""
+        assert self.admit_rate is not None
+        burst = max(1.0, self.admit_rate * ADMISSION_BURST_S)
+        self.tokens = min(burst, self.tokens + self.admit_rate * (t1 - t0))
+        k = min(sid.size, int(self.tokens))
+        order = np.argsort(ta, kind="stable")
+        keep, shed = order[:k], order[k:]
+        self.tokens -= k
+        if shed.size:
+            self.S.next[sid[shed]] = ta[shed] + RETRY_AFTER_S
+            self.shed += int(shed.size)
+        return sid[keep], ta[keep], out[keep]
 
     # ------------------------------------------------------------ decode
 
@@ -767,6 +800,10 @@ class Simulator:
             pp, pd = cfg.prefill, cfg.decode
             self.actions += self.P.scale(want_p, now, pp.pod_start_s, pp.drain_s) > 0
             self.actions += self.D.scale(want_d, now, pd.pod_start_s, pd.drain_s) > 0
+        if cfg.admission is not None:
+            ready_p = int((self.P.state == READY).sum())
+            ready_d = int((self.D.state == READY).sum())
+            self.admit_rate = cfg.admission(ready_p, ready_d)
         self.series.append(
             {
                 "t": now,
@@ -789,6 +826,9 @@ class Simulator:
         gp, gd = cfg.prefill.gpus, cfg.decode.gpus
         if self.wl is not None and cfg.prepopulate:
             self._prepopulate()
+        if cfg.admission is not None:
+            self.admit_rate = cfg.admission(cfg.n_prefill, cfg.n_decode)
+            self.tokens = (self.admit_rate or 0.0) * ADMISSION_BURST_S
         for step in range(self.n_steps):
             t0 = step * cfg.dt
             t1 = t0 + cfg.dt
@@ -816,6 +856,7 @@ class Simulator:
             peak_gpus=self.peak,
             gpu_seconds=self.gpu_s,
             retractions=self.retractions,
+            shed=self.shed,
             steps=self.n_steps,
             duration_s=cfg.duration_s,
             warmup_s=cfg.warmup_s,

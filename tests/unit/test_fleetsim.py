@@ -374,3 +374,24 @@ def test_planner_policy_rushes_capacity_to_decode_only_when_decode_is_saturated(
     assert first_prefill((13, 13), (15, 13), saturated) == 15
     cold = _metrics(ttft_p90_s=23.6, prefill_backlog_s=1.2, decode_kv_usage=0.85, decode_waiting=1)
     assert first_prefill((23, 9), (25, 7), cold) == 25
+
+
+def test_admission_admits_at_the_rate_and_sends_the_rest_back() -> None:
+    """Guards the simulator's model of `router.admission` (issue 18): arrivals beyond the
+    token bucket's rate are refused (counted in ``shed``) and their sessions send the turn
+    again; what enters the pools is the rate plus one burst, for the ready pools the
+    admission callback was asked about."""
+    asked: list[tuple[int, int]] = []
+
+    def one_per_second(n_p: int, n_d: int) -> float:
+        asked.append((n_p, n_d))
+        return 1.0
+
+    res = simulate(_cfg(5, 2, warmup_s=0.0, admission=one_per_second), WL)
+    free = simulate(_cfg(5, 2, warmup_s=0.0), WL)
+    assert free.shed == 0
+    assert free.arrival.size > 2.0 * 300.0  # ~3 req/s offered
+    assert res.shed > 0
+    assert res.arrival.size <= 1.0 * 300.0 + 5.0 + 1.0  # rate x time + ADMISSION_BURST_S
+    assert res.arrival.size >= 0.8 * 300.0
+    assert (5, 2) in asked
