@@ -5,9 +5,10 @@ Data flow:
 1. :func:`plan_launch` (pure) splits argv into our ``--cas-*`` flags and SGLang's arguments
    and resolves our configuration (flags > ``CAS_*`` environment > defaults).
 2. :func:`preflight` checks before anything starts and raises :class:`LaunchRefused` with a
-   message naming what is needed: the pinned SGLang version, the guard patch targets, the
-   strict-reclaim patch, and, when ``--enable-hierarchical-cache`` is on, the HiCache
-   load-use ordering of the installed SGLang (see :mod:`cas_engine.hicache.source_check`).
+   message naming what is needed: the pinned SGLang version, the guard patch targets and the
+   pickle IPC its stream errors ride on, the strict-reclaim patch, and, when
+   ``--enable-hierarchical-cache`` is on, the HiCache load-use ordering of the installed
+   SGLang (see :mod:`cas_engine.hicache.source_check`).
 3. :func:`export_env` writes the resolved configuration into the environment: SGLang starts
    its scheduler and detokenizer with ``spawn``, so a monkeypatch made in this process would be
    lost; instead SGLang's plugin loader (entry point group ``sglang.srt.plugins``, called early
@@ -221,6 +222,34 @@ def check_guard_targets(plan: LaunchPlan) -> str:
     return f"guard hooks present on {gp.TARGET_CLASS}"
 
 
+PICKLE_IPC_ENV = "SGLANG_USE_PICKLE_IPC"
+
+
+def check_guard_ipc(plan: LaunchPlan) -> str:
+    """The gate's streaming error needs SGLang's pickle IPC between its processes.
+
+    A trip sets ``FINISH_ABORT(..., HTTPStatus.SERVICE_UNAVAILABLE)``; the scheduler sends its
+    ``to_json()`` dict to the detokenizer and on to the tokenizer (``io_struct.py:2732-2763``,
+    ``sock_send``/``sock_recv``). Pickle keeps the ``HTTPStatus``; msgpack IPC
+    (``SGLANG_USE_PICKLE_IPC=false``, ``environ.py:366``) decodes it as a plain ``int``, and
+    ``serving_chat.py:2568`` emits the error event only for an ``HTTPStatus``: the stream would
+    end with ``finish_reason: "abort"`` and ``[DONE]``, a truncated answer that looks complete
+    (tests/engine/test_guard_sglang_real.py). Non-streaming 503s survive either way.
+    """
+    if not plan.guard.enabled:
+        return "guard ipc: observe mode (never trips)"
+    from sglang.srt.environ import envs
+
+    if not envs.SGLANG_USE_PICKLE_IPC.get():
+        raise LaunchRefused(
+            f"the quality gate needs SGLang's pickle IPC ({PICKLE_IPC_ENV} is false): msgpack "
+            "IPC turns a trip's HTTP status into an int and SGLang then ends a stream as if "
+            f"complete instead of sending the error; unset {PICKLE_IPC_ENV} or run the gate in "
+            "observe mode (--cas-guard-enabled false)"
+        )
+    return "guard ipc: pickle (a trip's stream error reaches the client)"
+
+
 def check_reclaim(plan: LaunchPlan) -> str:
     """Strict mode: the reclaim owner's target check (:mod:`cas_engine.sglang.reclaim`)."""
     if plan.kv_reclaim != "strict":
@@ -251,6 +280,7 @@ PREFLIGHT: tuple[Check, ...] = (
     check_version,
     check_plugin_entry_point,
     check_guard_targets,
+    check_guard_ipc,
     check_reclaim,
     check_hicache,
 )

@@ -190,3 +190,104 @@ def test_sglang_plugin_loader_installs_our_patches_in_a_fresh_process(tmp_path) 
     )
     assert "GUARD True" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "RECLAIM True" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def _batch_output(cls: Any, finish_reason: dict[str, Any]) -> Any:
+    """A real SGLang batch output struct carrying one finished request's reason (the other
+    required fields empty: lists empty, optional ones None)."""
+    import typing
+
+    import msgspec
+
+    fields: dict[str, Any] = {}
+    for f in msgspec.structs.fields(cls):
+        if f.required:
+            fields[f.name] = None if type(None) in typing.get_args(f.type) else []
+    fields["finished_reasons"] = [finish_reason]
+    return cls(**fields)
+
+
+def _stream(finish_reason: dict[str, Any]) -> list[str]:
+    """SGLang's own OpenAI chat streaming (``OpenAIServingChat._generate_chat_stream``) over
+    one generated chunk that ends with ``finish_reason``; collaborators it does not reach for
+    this chunk (parsers, templates, the server config) are absent."""
+    from sglang.srt.entrypoints.openai import serving_chat
+    from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
+
+    class Absent:
+        def __getattr__(self, name: str) -> None:
+            return None
+
+    class BareServingChat(serving_chat.OpenAIServingChat):
+        def __getattr__(self, name: str) -> None:
+            return None
+
+    async def generate_request(adapted: Any, raw: Any) -> Any:
+        meta = {"id": "r1", "prompt_tokens": 3, "completion_tokens": 1, "cached_tokens": 0}
+        yield {"index": 0, "text": "x", "meta_info": {**meta, "finish_reason": finish_reason}}
+
+    chat = BareServingChat.__new__(BareServingChat)
+    chat.tokenizer_manager = SimpleNamespace(generate_request=generate_request)
+    request = ChatCompletionRequest(
+        model="m", messages=[{"role": "user", "content": "hi"}], stream=True
+    )
+
+    async def collect() -> list[str]:
+        return [line async for line in chat._generate_chat_stream(None, request, None)]
+
+    real_get_serving = serving_chat.get_serving
+    serving_chat.get_serving = Absent  # type: ignore[assignment]
+    try:
+        return asyncio.run(collect())
+    finally:
+        serving_chat.get_serving = real_get_serving
+
+
+def test_streaming_trip_survives_sglangs_pickle_ipc_and_is_lost_over_msgpack() -> None:
+    """Regression (issue 13): a trip in a started stream reaches the client as an error event
+    only because SGLang's IPC is pickle. The abort crosses two process hops inside SGLang's
+    batch output structs; pickle (``sock_send``, the default) keeps its ``HTTPStatus``, and
+    serving_chat ends the stream with the 503 error event. SGLang's msgpack IPC decodes the
+    status as an int, and the same serving code ends the stream like a completed answer
+    (``finish_reason: "abort"``, ``[DONE]``), which is why the launcher refuses it."""
+    import pickle
+
+    from sglang.srt.managers import io_struct
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    trip = FINISH_ABORT(
+        "cas_guard_tripped: reason=low_accept_length", HTTPStatus.SERVICE_UNAVAILABLE
+    ).to_json()
+    for cls in (io_struct.BatchTokenIDOutput, io_struct.BatchStrOutput):  # both hops
+        sent = _batch_output(cls, trip)
+        by_pickle = pickle.loads(pickle.dumps(sent, protocol=pickle.HIGHEST_PROTOCOL))
+        by_msgpack = io_struct.msgpack_decode(io_struct.msgpack_encode(sent))
+        assert isinstance(by_pickle.finished_reasons[0]["status_code"], HTTPStatus)
+        assert type(by_msgpack.finished_reasons[0]["status_code"]) is int
+    over_pickle = _stream(by_pickle.finished_reasons[0])
+    assert '"code": 503' in over_pickle[0] and "low_accept_length" in over_pickle[0]
+    assert over_pickle[-1] == "data: [DONE]\n\n"
+    over_msgpack = _stream(by_msgpack.finished_reasons[0])
+    assert not any('"error"' in line for line in over_msgpack)
+    assert any('"finish_reason":"abort"' in line for line in over_msgpack)
+
+
+def test_launcher_refuses_the_gate_over_msgpack_ipc(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (issue 13): with ``SGLANG_USE_PICKLE_IPC=false`` a tripped stream would end
+    as if complete; the launcher refuses, read with SGLang's own parsing of the variable."""
+    from cas_engine.launch import LaunchPlan, LaunchRefused, check_guard_ipc
+
+    plan = LaunchPlan(
+        guard=GuardConfig(),
+        kv_reclaim="strict",
+        kv_quarantine_rooms=64,
+        hicache_detector=False,
+        hicache_check="enforce",
+    )
+    monkeypatch.delenv("SGLANG_USE_PICKLE_IPC", raising=False)
+    assert "pickle" in check_guard_ipc(plan)  # SGLang's default
+    monkeypatch.setenv("SGLANG_USE_PICKLE_IPC", "0")
+    with pytest.raises(LaunchRefused, match="SGLANG_USE_PICKLE_IPC"):
+        check_guard_ipc(plan)
+    observe = dataclasses.replace(plan, guard=GuardConfig(enabled=False))
+    assert "observe" in check_guard_ipc(observe)
