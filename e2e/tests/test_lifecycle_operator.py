@@ -317,6 +317,18 @@ async def test_a_deleted_router_pod_loses_no_request_at_the_entry_service(
     assert long_result == (200, TOKENS // 3), long_result
 
 
+def gone_entries_read(metrics_url: str) -> float:
+    """`cas_kv_prefill_gone_entries` of one decode pod: entries its feed reader has read."""
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=5) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return 0.0
+    values = [float(line.split()[-1]) for line in text.splitlines()
+              if line.startswith("cas_kv_prefill_gone_entries")]  # fmt: skip
+    return max(values, default=0.0)
+
+
 def gone_feed(kubectl: Kubectl, namespace: str) -> list[dict[str, Any]]:
     """The entries of the resource's prefill-gone ConfigMap ([] while it does not exist)."""
     out = kubectl("get", "configmap", f"{NAME}-prefill-gone", "-n", namespace, "-o", "json",
@@ -357,6 +369,10 @@ async def test_a_deleted_prefill_reaches_decode_as_gone_and_a_forced_one_does_no
         raw = kubectl("get", "configmap", f"{NAME}-prefill-gone", "-n", namespace, "-o",
                       "jsonpath={.data.prefills\\.json}")  # fmt: skip
         assert [g.uid for g in parse_feed(raw)] == [uid]  # decode's own parser reads it
+        url = f"http://{decode['status']['podIP']}:30000/metrics"
+        read = await asyncio.to_thread(wait_for, "decode to read the entry from its mount",
+                                       lambda: gone_entries_read(url) >= 1 or None, 30)  # fmt: skip
+        assert read, url  # the ConfigMap projected into the pod (kubelet's hop) and polled
 
         def replacement() -> dict[str, Any] | None:
             return next((p for p in role_pods(kubectl, namespace, "prefill")
@@ -374,6 +390,47 @@ async def test_a_deleted_prefill_reaches_decode_as_gone_and_a_forced_one_does_no
 
         await asyncio.to_thread(wait_for, f"a Warning naming {forced}", warned, 60)
         assert [e["uid"] for e in gone_feed(kubectl, namespace)] == [uid]
+
+
+async def test_a_deleted_prefill_group_reaches_decode_as_gone_once_all_its_pods_ended(
+    live_stack: MakeLiveStack,
+    namespace: str,
+    kubectl: Kubectl,
+    crds: None,
+) -> None:
+    """Regression (issue 13): a LeaderWorkerSet prefill group was never recorded (its workers
+    write KV too, and one pod's end proves nothing), so a rollout or scale-down of multi-node
+    prefill left decode's rooms held. Now, with the real LWS controller and its webhook
+    labelling the pods, a gracefully deleted leader (LWS removes its worker with it) is
+    recorded once at the leader's bootstrap address when both pods' ends are confirmed, and
+    nothing of the group is left pending."""
+    cas: dict[str, Any] = yaml.safe_load((ROOT / "config/samples/minimal.yaml").read_text())
+    cas["spec"]["prefill"] = {"replicas": 1, "tensorParallel": 2, "gpusPerNode": 1}
+    cas["spec"]["decode"] = {"replicas": 1, "tensorParallel": 1}
+    cas["spec"]["ratio"] = {"mode": "Fixed", "prefill": 1, "decode": 1}
+    stack = live_stack(SIM_ARGS)
+    index = "leaderworkerset.sigs.k8s.io/worker-index"
+    with resource_live(stack, kubectl, cas, log=lambda s: print(f"[live] {s}")):
+
+        def group() -> dict[str, dict[str, Any]] | None:
+            pods = {p["metadata"]["labels"].get(index): p
+                    for p in role_pods(kubectl, namespace, "prefill")
+                    if p.get("status", {}).get("podIP")}  # fmt: skip
+            return pods if set(pods) == {"0", "1"} else None
+
+        pods = await asyncio.to_thread(wait_for, "a prefill group of 2 pods with IPs", group, 120)
+        leader = pods["0"]
+        name, uid = leader["metadata"]["name"], leader["metadata"]["uid"]
+        kubectl("delete", "pod", name, "-n", namespace, "--wait=false")
+        entries = await asyncio.to_thread(wait_for, f"group {name} in the prefill-gone feed",
+                                          lambda: [e for e in gone_feed(kubectl, namespace)
+                                                   if e["uid"] == uid], 90)  # fmt: skip
+        assert entries[0]["bootstrap"] == f"{leader['status']['podIP']}:8998", entries
+        worker = pods["1"]["metadata"]["uid"]
+        assert worker not in {e["uid"] for e in gone_feed(kubectl, namespace)}
+        raw = kubectl("get", "configmap", f"{NAME}-prefill-gone", "-n", namespace, "-o", "json")
+        pending = json.loads(raw)["data"].get("pending-groups.json")
+        assert pending is None or (uid not in pending and worker not in pending), pending
 
 
 def lws_sample(groups: int) -> dict[str, Any]:

@@ -12,11 +12,13 @@ from cas_operator.prefillgone import act
 from cas_operator.prefillgone.decide import (
     FEED_CAP,
     GoneEntry,
+    GroupMember,
     Unconfirmed,
     confirmed_end,
     feed_text,
     merge_entries,
     parse_feed_text,
+    parse_pending_text,
 )
 from cas_operator.types import parse_time
 
@@ -52,9 +54,9 @@ def test_only_a_kubelet_reported_end_is_confirmed() -> None:
     never = prefill_pod()
     never["status"] = {}
     assert isinstance(confirmed_end(never), Unconfirmed)
-    group = prefill_pod()
-    group["metadata"]["labels"]["leaderworkerset.sigs.k8s.io/name"] = "glm5-prefill"
-    assert "LeaderWorkerSet" in confirmed_end(group).reason  # type: ignore[union-attr]
+    keyless = prefill_pod()
+    keyless["metadata"]["labels"]["leaderworkerset.sigs.k8s.io/name"] = "glm5-prefill"
+    assert "LeaderWorkerSet" in confirmed_end(keyless).reason  # type: ignore[union-attr]
 
 
 def test_feed_keeps_one_entry_per_pod_an_hour_and_at_most_the_cap() -> None:
@@ -156,3 +158,61 @@ def test_an_unconfirmed_end_is_a_warning_event_and_not_recorded() -> None:
     pending["status"] = {}  # deleted before it ever ran (a scale-down of a pending pod)
     assert act.record_prefill_end(kube, pending, 0.0).outcome == "unconfirmed"  # type: ignore[arg-type]
     assert len(kube.events) == 1  # no Warning for it
+
+
+def group_pod(
+    worker: int,
+    *,
+    uid: str,
+    created: str = "2026-12-03T13:00:00Z",
+    finished: str = T0,
+    ip: str = "10.20.1.1",
+    terminated: bool = True,
+) -> Any:
+    """A pod of a 3-pod LeaderWorkerSet prefill group (worker 0 is the leader)."""
+    pod = prefill_pod(uid=uid, ip=ip, terminated=terminated)
+    meta = pod["metadata"]
+    meta["name"] = "glm5-prefill-0" if worker == 0 else f"glm5-prefill-0-{worker}"
+    meta["creationTimestamp"] = created
+    meta["labels"].update(
+        {
+            "leaderworkerset.sigs.k8s.io/name": "glm5-prefill",
+            "leaderworkerset.sigs.k8s.io/group-key": "k0",
+            "leaderworkerset.sigs.k8s.io/worker-index": str(worker),
+        }
+    )
+    meta["annotations"]["leaderworkerset.sigs.k8s.io/size"] = "3"
+    if terminated:
+        pod["status"]["containerStatuses"][0]["state"]["terminated"]["finishedAt"] = finished
+    return pod
+
+
+def test_a_group_ends_only_when_its_leader_and_every_worker_of_it_ended() -> None:
+    """Regression (issue 13): a LeaderWorkerSet prefill group's workers hold CP ranks that
+    write KV too, so its leader's end alone must not free decode rooms; before, groups were
+    never recorded and their rooms stayed held. The group is recorded once, when its last
+    member ended, at the leader's bootstrap address and finish; a worker of the next
+    incarnation (same names, created after the leader ended) does not stand in for one of
+    this group; the pending members live in the ConfigMap (an operator restart loses none)."""
+    kube = FakeKube()
+    now = parse_time(T0) or 0.0
+    leader = group_pod(0, uid="L")
+    assert isinstance(confirmed_end(leader), GroupMember)
+    assert act.record_prefill_end(kube, leader, now + 5).outcome == "pending"  # type: ignore[arg-type]
+    w1 = group_pod(1, uid="W1", ip="10.20.1.2", finished="2026-12-03T14:00:03Z")
+    assert act.record_prefill_end(kube, w1, now + 5).outcome == "pending"  # type: ignore[arg-type]
+    reborn = group_pod(2, uid="N2", created="2026-12-03T14:00:30Z", finished="2026-12-03T14:01:00Z")
+    assert act.record_prefill_end(kube, reborn, now + 90).outcome == "pending"  # type: ignore[arg-type]
+    data = kube.objects[("ConfigMap", "glm5-prefill-gone")]["data"]
+    assert parse_feed_text(data[c.PREFILL_GONE_KEY]) == []
+    assert len(parse_pending_text(data[c.PREFILL_GONE_PENDING_KEY])) == 3
+    forced = group_pod(2, uid="W2", terminated=False)
+    assert act.record_prefill_end(kube, forced, now + 90).outcome == "unconfirmed"  # type: ignore[arg-type]
+    w2 = group_pod(2, uid="W2", ip="10.20.1.3", finished="2026-12-03T14:00:07Z")
+    record = act.record_prefill_end(kube, w2, now + 90)  # type: ignore[arg-type]
+    assert record.outcome == "recorded" and record.detail == "10.20.1.1:8998"
+    data = kube.objects[("ConfigMap", "glm5-prefill-gone")]["data"]
+    feed = parse_feed(data[c.PREFILL_GONE_KEY])
+    assert [(g.host, g.port) for g in feed] == [("10.20.1.1", 8998)]  # decode's own parser
+    assert feed[0].finished_at == parse_time(T0)  # the leader's: rooms handshaken before it
+    assert [m.uid for m in parse_pending_text(data[c.PREFILL_GONE_PENDING_KEY])] == ["N2"]

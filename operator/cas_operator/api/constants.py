@@ -32,6 +32,7 @@ ANNOTATION_RETIRING_SINCE: Final = "cas.dev/retiring-since"
 # (cas_operator/prefillgone writes it; cas_engine.kvfence.gone_feed reads the key).
 PREFILL_GONE_SUFFIX: Final = "-prefill-gone"
 PREFILL_GONE_KEY: Final = "prefills.json"
+PREFILL_GONE_PENDING_KEY: Final = "pending-groups.json"  # operator only; decode ignores it
 PREFILL_GONE_MOUNT: Final = "/etc/cas/prefill-gone"
 APP_PREFILL_GONE: Final = "cas-prefill-gone"
 

@@ -2,11 +2,12 @@
 
 Entry point: `record_prefill_end(kube, pod, now)`, called by handlers.py (in a thread) with the
 last copy of every deleted prefill pod. It decides (`decide.confirmed_end`), then reads the
-resource's `<name>-prefill-gone` ConfigMap, merges (`decide.merge_entries`) and writes it back
-with its resourceVersion as a precondition (two prefill pods ending at once both land: a
-conflict re-reads). An unconfirmed end of a pod that may still write (a force delete) is a
-Warning Event on the resource: the decode KV it may still write stays held, counting against
-the quarantine budget; one that never served is only logged.
+resource's `<name>-prefill-gone` ConfigMap, merges (`decide.merge_entries`; a LeaderWorkerSet
+group's pod joins the pending members, and a group whose pods have all ended becomes one entry,
+`decide.complete_groups`) and writes it back with its resourceVersion as a precondition (two
+prefill pods ending at once both land: a conflict re-reads). An unconfirmed end of a pod that
+may still write (a force delete) is a Warning Event on the resource: the decode KV it may still
+write stays held, counting against the quarantine budget; one that never served is only logged.
 Ownership: the ConfigMap's data is this module's alone; it is owned by (and deleted with) the
 resource.
 """
@@ -21,12 +22,16 @@ from cas_operator.desired.resources.meta import Owner, base_labels, owner_refere
 from cas_operator.desired.resources.pools import prefill_gone_name
 from cas_operator.kube import Kube
 from cas_operator.prefillgone.decide import (
+    FeedUpdate,
     GoneEntry,
+    GroupMember,
     Unconfirmed,
     confirmed_end,
     feed_text,
-    merge_entries,
     parse_feed_text,
+    parse_pending_text,
+    pending_text,
+    updated_feed,
 )
 from cas_operator.types import Manifest
 
@@ -37,14 +42,20 @@ REASON_UNCONFIRMED = "PrefillEndUnconfirmed"
 
 @dataclass(frozen=True)
 class EndRecord:
-    """What `record_prefill_end` did: `recorded` (the entry is in the feed), `unconfirmed`
-    (not recorded, why in `detail`), `no_owner` (its resource is gone) or `conflict`."""
+    """What `record_prefill_end` did: `recorded` (the entry is in the feed), `pending` (a
+    group's pod, waiting for the rest of its group), `unconfirmed` (not recorded, why in
+    `detail`), `no_owner` (its resource is gone) or `conflict`."""
 
     outcome: str
     detail: str = ""
 
 
-def _configmap(owner: Owner, entries: list[GoneEntry], resource_version: str | None) -> Manifest:
+def _configmap(
+    owner: Owner,
+    entries: list[GoneEntry],
+    pending: list[GroupMember],
+    resource_version: str | None,
+) -> Manifest:
     meta: Manifest = {
         "name": prefill_gone_name(owner.name),
         "namespace": owner.namespace,
@@ -53,12 +64,18 @@ def _configmap(owner: Owner, entries: list[GoneEntry], resource_version: str | N
     }
     if resource_version:
         meta["resourceVersion"] = resource_version
-    return {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": meta,
-        "data": {c.PREFILL_GONE_KEY: feed_text(entries)},
-    }
+    data = {c.PREFILL_GONE_KEY: feed_text(entries)}
+    if pending:
+        data[c.PREFILL_GONE_PENDING_KEY] = pending_text(pending)
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data}
+
+
+def _record(update: FeedUpdate, end: GoneEntry | GroupMember) -> EndRecord:
+    if update.ended:
+        return EndRecord("recorded", ", ".join(e.bootstrap for e in update.ended))
+    assert isinstance(end, GroupMember)
+    waiting = sum(1 for m in update.pending if m.group == end.group)
+    return EndRecord("pending", f"{waiting} of {end.size} pods of its group ended")
 
 
 def record_prefill_end(kube: Kube, pod: Manifest, now: float) -> EndRecord:
@@ -80,14 +97,22 @@ def record_prefill_end(kube: Kube, pod: Manifest, now: float) -> EndRecord:
     name = prefill_gone_name(cas_name)
     for _ in range(WRITE_ATTEMPTS):
         current = kube.get("ConfigMap", namespace, name)
+        data = (current or {}).get("data") or {}
+        update = updated_feed(
+            parse_feed_text(data.get(c.PREFILL_GONE_KEY)),
+            parse_pending_text(data.get(c.PREFILL_GONE_PENDING_KEY)),
+            decision,
+            now,
+        )
         if current is None:
-            made = kube.create("ConfigMap", namespace, _configmap(owner, [decision], None))
+            made = kube.create(
+                "ConfigMap", namespace, _configmap(owner, update.entries, update.pending, None)
+            )
             if made is not None:
-                return EndRecord("recorded", decision.bootstrap)
+                return _record(update, decision)
             continue  # created by a concurrent end: merge into it
-        old = parse_feed_text((current.get("data") or {}).get(c.PREFILL_GONE_KEY))
-        entries = merge_entries(old, decision, now)
         version = str(current["metadata"].get("resourceVersion", ""))
-        if kube.replace("ConfigMap", namespace, name, _configmap(owner, entries, version)):
-            return EndRecord("recorded", decision.bootstrap)
+        manifest = _configmap(owner, update.entries, update.pending, version)
+        if kube.replace("ConfigMap", namespace, name, manifest):
+            return _record(update, decision)
     return EndRecord("conflict", f"{WRITE_ATTEMPTS} writes of {namespace}/{name} lost a race")
