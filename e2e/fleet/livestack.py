@@ -49,6 +49,7 @@ from e2e.runtime.podrunner import (
     ROUTER_SHIM,
     PodRunner,
     http_probe,
+    kube_configmap_reader,
     kube_pod_deleter,
     kube_pod_lister,
     kube_secret_reader,
@@ -120,6 +121,8 @@ class LiveStack:
             delete_pod=kube_pod_deleter(self.kubeconfig),
             network=load_for_kubeconfig(self.kubeconfig),
             secrets=kube_secret_reader(self.kubeconfig),
+            configmaps=kube_configmap_reader(self.kubeconfig),
+            volume_root=self.run_dir / "volumes",
         )  # fmt: skip
         self._thread = threading.Thread(target=self._run_pods, name="podrunner", daemon=True)
         self._thread.start()

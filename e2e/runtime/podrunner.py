@@ -13,11 +13,14 @@ KWOK only pretends to run containers; this runner makes engine pods real process
    starts the process, so a running pod is never stopped because a Secret read failed; a pod
    whose Secret or key is missing is not started, as a kubelet leaves it in
    CreateContainerConfigError), bound to the pod IP and its
-   ``http`` container port; with ``kubeconfig`` set, router pods (a container running
-   ``sglang_router.launch_router``) run too, as the real SGLang router with the container's
-   args (``--host`` and ``--prometheus-host`` set to the pod IP) and Kubernetes discovery
-   against this API server (``KUBECONFIG``), so ``http://<router pod IP>:8000`` is a router
-   replica as in a real cluster (the operator deregisters draining workers there);
+   ``http`` container port (a configMap volume the container mounts is projected, with
+   ``configmaps`` and ``volume_root`` set, into ``volume_root/<pod uid>/<volume>`` and every arg
+   under its mountPath points there: the files are rewritten from the ConfigMap each pass, as a
+   kubelet refreshes a projected ConfigMap, sooner); with ``kubeconfig`` set, router pods (a
+   container running ``sglang_router.launch_router``) run too, as the real SGLang router with
+   the container's args (``--host`` and ``--prometheus-host`` set to the pod IP) and Kubernetes
+   discovery against this API server (``KUBECONFIG``), so ``http://<router pod IP>:8000`` is a
+   router replica as in a real cluster (the operator deregisters draining workers there);
    a process that exited is restarted after ``restart_backoff_s``;
 3. stops (SIGTERM, by recorded pid) the processes of pods that went away or were replaced
    (a new pod UID under the same name); as a kubelet does, it first runs the container's
@@ -76,6 +79,8 @@ PRESTOP_MODULE = ("python3", "-m", "cas_engine.prestop")
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 # (namespace, Secret name) -> its decoded keys, or None when it does not exist
 SecretReader = Callable[[str, str], dict[str, str] | None]
+# (namespace, ConfigMap name) -> its data, or None when it does not exist
+ConfigMapReader = Callable[[str, str], dict[str, str] | None]
 
 
 class _Unresolvable(Exception):
@@ -105,6 +110,63 @@ def _env_of(
 
 
 @dataclass(frozen=True)
+class Projection:
+    """A configMap volume a container mounts, projected to a directory of this machine."""
+
+    mount_path: str
+    config_map: str
+    directory: str
+
+
+def projections_for(
+    pod: Pod, container: dict[str, Any], root: Path | None
+) -> tuple[Projection, ...]:
+    """The container's configMap volume mounts, each at `root/<pod uid>/<volume name>`."""
+    if root is None:
+        return ()
+    spec = pod.get("spec") or {}
+    maps = {
+        v["name"]: v["configMap"]["name"] for v in spec.get("volumes") or [] if "configMap" in v
+    }
+    uid = str((pod.get("metadata") or {}).get("uid", ""))
+    return tuple(
+        Projection(m["mountPath"].rstrip("/"), maps[m["name"]], str(root / uid / m["name"]))
+        for m in container.get("volumeMounts") or []
+        if m.get("name") in maps
+    )
+
+
+def _projected(arg: str, projections: tuple[Projection, ...]) -> str:
+    """`arg` with a path under a projected mountPath (alone or after `=`) pointing at its copy."""
+    flag, eq, value = arg.rpartition("=") if arg.startswith("--") and "=" in arg else ("", "", arg)
+    for p in projections:
+        if value == p.mount_path or value.startswith(p.mount_path + "/"):
+            return flag + eq + p.directory + value[len(p.mount_path) :]
+    return arg
+
+
+def project(projections: tuple[Projection, ...], namespace: str, read: ConfigMapReader) -> None:
+    """Write each projected ConfigMap's keys as files (a key whose value changed is replaced
+    atomically; a ConfigMap that does not exist leaves the directory as it is, as an optional
+    volume before its ConfigMap exists)."""
+    import os
+
+    for p in projections:
+        data = read(namespace, p.config_map)
+        if data is None:
+            continue
+        directory = Path(p.directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        for key, value in data.items():
+            target = directory / key
+            if target.exists() and target.read_text() == value:
+                continue
+            tmp = directory / f".{key}.tmp"
+            tmp.write_text(value)
+            os.replace(tmp, target)
+
+
+@dataclass(frozen=True)
 class Launch:
     """What to run for one pod; equal Launches mean the running process is still right."""
 
@@ -118,6 +180,7 @@ class Launch:
     prestop: tuple[str, ...] = ()  # the preStop hook's argv (empty: none this runner runs)
     grace_s: float = DEFAULT_GRACE_S  # the pod's terminationGracePeriodSeconds
     prestop_sleep_s: float = 0.0  # a preStop `sleep` action: SIGTERM comes this much later
+    projections: tuple[Projection, ...] = ()  # configMap volumes, refreshed every pass
 
 
 def _container_running(pod: Pod, launchers: tuple[str, ...]) -> dict[str, Any] | None:
@@ -176,10 +239,11 @@ def launch_for(
     extra_args: list[str],
     networks: tuple[ipaddress.IPv4Network, ...] = (LOOPBACK,),
     secrets: SecretReader | None = None,
+    volume_root: Path | None = None,
 ) -> Launch | None:
     """The sim command for a runnable pod, or None when the pod is not ours to run (pure but
     for `secrets`): only pods whose IP lies in `networks` (addresses this machine can bind)
-    and whose env resolves are run."""
+    and whose env resolves are run. With `volume_root`, configMap mounts are projected there."""
     meta = pod.get("metadata", {})
     ip = _runnable_ip(pod, networks)
     container = _engine_container(pod) if ip else None
@@ -190,7 +254,8 @@ def launch_for(
     except _Unresolvable:
         return None
     env.update({"POD_NAME": meta.get("name", ""), "POD_IP": ip})
-    args = [_expand(a, env) for a in container.get("args", [])]
+    projections = projections_for(pod, container, volume_root)
+    args = [_projected(_expand(a, env), projections) for a in container.get("args", [])]
     port = _http_port(container)
     argv = (python, "-m", "cas_engine.sim", *args, *extra_args,
             "--host", ip, "--port", str(port))  # fmt: skip
@@ -205,6 +270,7 @@ def launch_for(
         prestop=prestop_for(container, python, ip),
         grace_s=_grace_of(pod),
         prestop_sleep_s=prestop_sleep_for(container),
+        projections=projections,
     )
 
 
@@ -394,6 +460,9 @@ class PodRunner:
     # set: env from secretKeyRef resolves through it (read once per Secret and pass)
     secrets: SecretReader | None = None
     stopping: set[str] = field(default_factory=set)  # uids whose process is being stopped
+    # set (both): configMap volumes of engine pods are projected under volume_root
+    configmaps: ConfigMapReader | None = None
+    volume_root: Path | None = None
 
     def __post_init__(self) -> None:
         if self.network is not None and self.network.enabled:
@@ -418,6 +487,11 @@ class PodRunner:
                 wanted[(launch.namespace, launch.name)] = launch
         for key in [k for k, r in self.running.items() if wanted.get(k) != r.launch]:
             actions.append(self._stop(key, replaced=key in wanted))
+        if self.configmaps is not None:
+            read = _once_per_pass(self.configmaps)
+            assert read is not None
+            for launch in wanted.values():
+                project(launch.projections, launch.namespace, read)
         for key, launch in wanted.items():
             actions += self._ensure(key, launch)
         if self.patch_status is not None:
@@ -430,7 +504,8 @@ class PodRunner:
 
     def _launch(self, pod: Pod, secrets: SecretReader | None) -> Launch | None:
         """What to run for `pod` (an engine's sim, else a router when routers run)."""
-        launch = launch_for(pod, self.python, self.extra_args, self.networks, secrets)
+        root = self.volume_root if self.configmaps is not None else None
+        launch = launch_for(pod, self.python, self.extra_args, self.networks, secrets, root)
         if launch is None and self.kubeconfig is not None:
             launch = router_launch_for(pod, self.python, self.kubeconfig, self.networks, secrets)
         return launch
@@ -673,6 +748,26 @@ def kube_secret_reader(kubeconfig: Path) -> SecretReader:
     return read
 
 
+def kube_configmap_reader(kubeconfig: Path) -> ConfigMapReader:
+    """A function that reads one ConfigMap's data (None when it does not exist)."""
+    from kubernetes import client, config
+    from kubernetes.client.exceptions import ApiException
+
+    load = config.new_client_from_config
+    core = client.CoreV1Api(load(config_file=str(kubeconfig)))  # type: ignore[no-untyped-call]
+
+    def read(namespace: str, name: str) -> dict[str, str] | None:
+        try:
+            found = core.read_namespaced_config_map(name, namespace, _request_timeout=10)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return dict(found.data or {})
+
+    return read
+
+
 def http_probe(url: str, timeout: float = 1.0) -> bool:
     """True when GET `url` answers 2xx/3xx within `timeout` (a kubelet's HTTP probe)."""
     try:
@@ -698,7 +793,9 @@ def main(argv: list[str] | None = None) -> int:
                        network=load_for_kubeconfig(args.kubeconfig),
                        patch_status=kube_status_patcher(args.kubeconfig),
                        delete_pod=kube_pod_deleter(args.kubeconfig),
-                       secrets=kube_secret_reader(args.kubeconfig))  # fmt: skip
+                       secrets=kube_secret_reader(args.kubeconfig),
+                       configmaps=kube_configmap_reader(args.kubeconfig),
+                       volume_root=args.log_dir / "volumes")  # fmt: skip
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # stop the sims before exiting
     try:

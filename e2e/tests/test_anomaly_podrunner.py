@@ -27,6 +27,7 @@ from e2e.runtime.podrunner import (
     PodRunner,
     launch_for,
     leaves_readiness_to_runner,
+    project,
     readiness_patch,
     readiness_url,
 )
@@ -126,6 +127,39 @@ def test_secret_keys_reach_the_args_as_a_kubelet_resolves_them() -> None:
     container["env"][-1]["valueFrom"]["secretKeyRef"]["optional"] = True
     optional = launch_for(pod, "py", [], secrets=secrets)
     assert optional is not None and "KEY" not in dict(optional.env)
+
+
+def test_a_configmap_volume_reaches_the_sim_as_a_kubelet_projects_it(tmp_path: Path) -> None:
+    """Regression guard (issue 13): strict decode pods read the operator's prefill-gone feed
+    from a mounted ConfigMap (`--cas-prefill-gone-file /etc/cas/prefill-gone/prefills.json`);
+    a runner that passed that path through started the sim on a file that never exists here,
+    so the channel's last hop was never played on the local stack. The path now points at a
+    per-pod copy that follows the ConfigMap; a ConfigMap not yet created leaves it absent, as
+    an optional volume does."""
+    pod = engine_pod("d", "u7", IP, 31000)
+    pod["spec"]["volumes"] = [
+        {"name": "prefill-gone", "configMap": {"name": "demo-prefill-gone", "optional": True}}
+    ]
+    container = pod["spec"]["containers"][0]
+    container["volumeMounts"] = [{"name": "prefill-gone", "mountPath": "/etc/cas/prefill-gone"}]
+    container["args"] += ["--cas-prefill-gone-file", "/etc/cas/prefill-gone/prefills.json",
+                          "--other=/etc/cas/prefill-gone/x"]  # fmt: skip
+    launch = launch_for(pod, "py", [], volume_root=tmp_path)
+    assert launch is not None
+    copy = tmp_path / "u7" / "prefill-gone"
+    flag = launch.argv.index("--cas-prefill-gone-file")
+    assert launch.argv[flag + 1] == str(copy / "prefills.json")
+    assert f"--other={copy}/x" in launch.argv
+    data: dict[str, dict[str, str]] = {}
+    project(launch.projections, "ns", lambda ns, name: data.get(f"{ns}/{name}"))
+    assert not (copy / "prefills.json").exists()
+    data["ns/demo-prefill-gone"] = {"prefills.json": '{"version": 1, "prefills": []}'}
+    project(launch.projections, "ns", lambda ns, name: data.get(f"{ns}/{name}"))
+    assert json.loads((copy / "prefills.json").read_text()) == {"version": 1, "prefills": []}
+    data["ns/demo-prefill-gone"]["prefills.json"] = "changed"
+    project(launch.projections, "ns", lambda ns, name: data.get(f"{ns}/{name}"))
+    assert (copy / "prefills.json").read_text() == "changed"
+    assert launch_for(pod, "py", []).argv[flag + 1].startswith("/etc/cas")  # type: ignore[union-attr]
 
 
 def test_runner_follows_pods(runner: tuple[PodRunner, list[dict[str, Any]]]) -> None:
