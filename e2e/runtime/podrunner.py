@@ -726,46 +726,46 @@ def kube_pod_deleter(kubeconfig: Path) -> Callable[[str, str, str], None]:
     return delete
 
 
+def _object_reader(
+    kubeconfig: Path, method: str, data_of: Callable[[Any], dict[str, str]]
+) -> Callable[[str, str], dict[str, str] | None]:
+    """A function that reads one namespaced object's data with CoreV1Api `method` (None when
+    it does not exist)."""
+    from kubernetes import client, config
+    from kubernetes.client.exceptions import ApiException
+
+    load = config.new_client_from_config
+    core = client.CoreV1Api(load(config_file=str(kubeconfig)))  # type: ignore[no-untyped-call]
+    get = getattr(core, method)
+
+    def read(namespace: str, name: str) -> dict[str, str] | None:
+        try:
+            found = get(name, namespace, _request_timeout=10)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return data_of(found)
+
+    return read
+
+
 def kube_secret_reader(kubeconfig: Path) -> SecretReader:
     """A function that reads one Secret's decoded keys (None when it does not exist)."""
     import base64
 
-    from kubernetes import client, config
-    from kubernetes.client.exceptions import ApiException
-
-    load = config.new_client_from_config
-    core = client.CoreV1Api(load(config_file=str(kubeconfig)))  # type: ignore[no-untyped-call]
-
-    def read(namespace: str, name: str) -> dict[str, str] | None:
-        try:
-            found = core.read_namespaced_secret(name, namespace, _request_timeout=10)
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
-        return {k: base64.b64decode(v).decode() for k, v in (found.data or {}).items()}
-
-    return read
+    return _object_reader(
+        kubeconfig,
+        "read_namespaced_secret",
+        lambda found: {k: base64.b64decode(v).decode() for k, v in (found.data or {}).items()},
+    )
 
 
 def kube_configmap_reader(kubeconfig: Path) -> ConfigMapReader:
     """A function that reads one ConfigMap's data (None when it does not exist)."""
-    from kubernetes import client, config
-    from kubernetes.client.exceptions import ApiException
-
-    load = config.new_client_from_config
-    core = client.CoreV1Api(load(config_file=str(kubeconfig)))  # type: ignore[no-untyped-call]
-
-    def read(namespace: str, name: str) -> dict[str, str] | None:
-        try:
-            found = core.read_namespaced_config_map(name, namespace, _request_timeout=10)
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
-        return dict(found.data or {})
-
-    return read
+    return _object_reader(
+        kubeconfig, "read_namespaced_config_map", lambda found: dict(found.data or {})
+    )
 
 
 def http_probe(url: str, timeout: float = 1.0) -> bool:
