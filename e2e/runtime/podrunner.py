@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import os
 import re
 import signal
 import sys
@@ -149,8 +150,6 @@ def project(projections: tuple[Projection, ...], namespace: str, read: ConfigMap
     """Write each projected ConfigMap's keys as files (a key whose value changed is replaced
     atomically; a ConfigMap that does not exist leaves the directory as it is, as an optional
     volume before its ConfigMap exists)."""
-    import os
-
     for p in projections:
         data = read(namespace, p.config_map)
         if data is None:

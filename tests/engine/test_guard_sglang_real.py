@@ -275,15 +275,10 @@ def test_streaming_trip_survives_sglangs_pickle_ipc_and_is_lost_over_msgpack() -
 def test_launcher_refuses_the_gate_over_msgpack_ipc(monkeypatch: pytest.MonkeyPatch) -> None:
     """Regression (issue 13): with ``SGLANG_USE_PICKLE_IPC=false`` a tripped stream would end
     as if complete; the launcher refuses, read with SGLang's own parsing of the variable."""
-    from cas_engine.launch import LaunchPlan, LaunchRefused, check_guard_ipc
+    from cas_engine.launch import LaunchRefused, check_guard_ipc
+    from tests.engine.test_launch import _plan
 
-    plan = LaunchPlan(
-        guard=GuardConfig(),
-        kv_reclaim="strict",
-        kv_quarantine_rooms=64,
-        hicache_detector=False,
-        hicache_check="enforce",
-    )
+    plan = _plan()
     monkeypatch.delenv("SGLANG_USE_PICKLE_IPC", raising=False)
     assert "pickle" in check_guard_ipc(plan)  # SGLang's default
     monkeypatch.setenv("SGLANG_USE_PICKLE_IPC", "0")
