@@ -276,8 +276,9 @@ def rush_to_decode(
     or ``prefill_pressed``: another signal such as the operator's starvation hint; both
     failing is overload, not a misallocation), and the slow loop's plan itself asks for more
     decode (the fast loop's one-instance nudge keeps the stability wait)."""
-    prefill_failing = failing_sides(observed, slo)[0] or prefill_pressed
-    return decode_saturated(observed) and not prefill_failing and planned_decode > current_decode
+    if not decode_saturated(observed) or planned_decode <= current_decode:
+        return False
+    return not prefill_pressed
 
 
 def fast_adjust(
@@ -349,6 +350,7 @@ class ControlConfig:
     deadband_fraction: float = 0.1
     down_stable_s: float = 900.0
     rebalance_stable_s: float = 300.0
+    plan_step_s: float = 120.0  # growth toward the slow loop's plan during a cooldown: this apart
 
     def cooldown(self) -> float:
         return max(self.cooldown_s, self.pod_start_s)
@@ -356,12 +358,17 @@ class ControlConfig:
 
 @dataclass(frozen=True)
 class ControlState:
-    """What the controller remembers between ticks (the operator keeps it in status)."""
+    """What the controller remembers between ticks (the operator keeps it in status).
+
+    A pool's last change (either way) holds its next scale-down for the cooldown; only its last
+    growth holds its next growth (a pool cut a moment ago that is short now grows at once)."""
 
     last_prefill_change: float = -math.inf
     last_decode_change: float = -math.inf
     down_since_prefill: float | None = None
     down_since_decode: float | None = None
+    last_prefill_growth: float = -math.inf
+    last_decode_growth: float = -math.inf
 
 
 @dataclass(frozen=True)
@@ -390,14 +397,23 @@ def _side_target(
     want: int,
     lo: int,
     hi: int,
-    last_change: float,
+    last_change: tuple[float, float],
     down_since: float | None,
     now: float,
     cfg: ControlConfig,
     fleet_units: float = 0.0,
+    planned: int | None = None,
 ) -> SideStep:
     """One pool's next replicas ignoring the budget: bounded step, cooldown, deadband, and a
     scale-down only after the lower target has held for ``down_stable_s``.
+
+    ``last_change`` is (the last change either way, the last growth): the cooldown after the
+    first holds a scale-down, after the second a growth beyond ``planned`` (the slow loop's
+    count for this pool): a growth the fast signals ask for waits until the pods started last
+    are measured, while a growth toward the model's plan (which does not read those pods'
+    signals, so cannot run away on them) goes on in bounded steps. The lower target's hold
+    clock runs through a cooldown, so a shrink the plan asked for during one is not delayed by
+    it a second time.
 
     A step up is bounded by ``max_step_fraction`` of the larger of this pool and the whole
     fleet counted in this pool's instances (``fleet_units``), so a small pool can take over
@@ -406,9 +422,13 @@ def _side_target(
     cur = min(max(current, lo), hi)
     if cur != current:  # out of bounds: fix immediately, bounds beat cooldown
         return SideStep(cur, None, "bounds")
-    if now - last_change < cfg.cooldown():
-        keep_since = down_since if want < current else None
-        return SideStep(current, keep_since, "cooldown")
+    changed, grew = last_change
+    if want > current and now - grew < cfg.cooldown():
+        if planned is None or planned <= current or now - grew < cfg.plan_step_s:
+            return SideStep(current, None, "cooldown")
+        want = min(want, planned)
+    if want < current and now - changed < cfg.cooldown():
+        return SideStep(current, now if down_since is None else down_since, "cooldown")
     step = _step_limit(current, cfg.max_step_fraction)
     if want > current:
         up = _step_limit(max(current, math.floor(fleet_units)), cfg.max_step_fraction)
@@ -429,8 +449,12 @@ def next_replicas(
     now: float,
     config: ControlConfig,
     decode_failing: bool = False,
+    planned: tuple[int, int] | None = None,
 ) -> ControlDecision:
     """Bounded, hysteretic step from ``current`` toward ``recommendation``.
+
+    ``planned`` (the slow loop's counts, before the fast loop raised them): growth toward these
+    is not held by the cooldown after a growth (see :func:`_side_target`).
 
     Safety: replicas stay within bounds; GPUs of existing pods (including ones still
     terminating) plus any growth never exceed the budget; a pool grows at the budget cap only
@@ -454,22 +478,24 @@ def next_replicas(
         recommendation.n_prefill,
         b.min_prefill,
         b.max_prefill,
-        state.last_prefill_change,
+        (state.last_prefill_change, state.last_prefill_growth),
         state.down_since_prefill,
         now,
         config,
         held / config.prefill_gpus,
+        None if planned is None else planned[0],
     )
     ds = _side_target(
         current.decode,
         recommendation.n_decode,
         b.min_decode,
         b.max_decode,
-        state.last_decode_change,
+        (state.last_decode_change, state.last_decode_growth),
         state.down_since_decode,
         now,
         config,
         held / config.decode_gpus,
+        None if planned is None else planned[1],
     )
     p, d, why = _fit_budget(current, ps.replicas, ds.replicas, config)
     ps, ds = replace(ps, replicas=p), replace(ds, replicas=d)
@@ -480,7 +506,10 @@ def next_replicas(
     settled = now - config.rebalance_stable_s
     if ps.replicas < min(recommendation.n_prefill, b.max_prefill) and _held(ds, settled):
         ds = _rebalance_down(current.decode, recommendation.n_decode, b.min_decode, config)
-    p_ready = _held(ps, settled) or (decode_failing and ps.why == "waiting")
+    # the rush also cuts through a cooldown (a prefill pool grown minutes ago must not keep a
+    # saturated decode waiting for its pod start time), one step per `plan_step_s`
+    rushed = now - state.last_prefill_change >= config.plan_step_s
+    p_ready = _held(ps, settled) or (decode_failing and ps.down_since is not None and rushed)
     if ds.replicas < min(recommendation.n_decode, b.max_decode) and p_ready:
         ps = _rebalance_down(current.prefill, recommendation.n_prefill, b.min_prefill, config)
     p, d = ps.replicas, ds.replicas
@@ -489,6 +518,8 @@ def next_replicas(
         last_decode_change=now if d != current.decode else state.last_decode_change,
         down_since_prefill=ps.down_since,
         down_since_decode=ds.down_since,
+        last_prefill_growth=now if p > current.prefill else state.last_prefill_growth,
+        last_decode_growth=now if d > current.decode else state.last_decode_growth,
     )
     return ControlDecision(p, d, new_state, f"prefill {ps.why}, decode {ds.why}{why}")
 
@@ -557,6 +588,8 @@ class AutoState:
             "lastDecodeChange": _finite(cs.last_decode_change),
             "downSincePrefill": cs.down_since_prefill,
             "downSinceDecode": cs.down_since_decode,
+            "lastPrefillGrowth": _finite(cs.last_prefill_growth),
+            "lastDecodeGrowth": _finite(cs.last_decode_growth),
         }
 
     @classmethod
@@ -565,11 +598,18 @@ class AutoState:
         if not isinstance(raw, dict):
             return None
         try:
+            changed_p = _epoch(raw.get("lastPrefillChange"))
+            changed_d = _epoch(raw.get("lastDecodeChange"))
             control = ControlState(
-                last_prefill_change=_epoch(raw.get("lastPrefillChange")),
-                last_decode_change=_epoch(raw.get("lastDecodeChange")),
+                last_prefill_change=changed_p,
+                last_decode_change=changed_d,
                 down_since_prefill=_optional(raw.get("downSincePrefill")),
                 down_since_decode=_optional(raw.get("downSinceDecode")),
+                # a status written before growth was kept apart: any change counts as growth
+                last_prefill_growth=_epoch(
+                    raw.get("lastPrefillGrowth", raw.get("lastPrefillChange"))
+                ),
+                last_decode_growth=_epoch(raw.get("lastDecodeGrowth", raw.get("lastDecodeChange"))),
             )
             return cls(int(raw["prefill"]), int(raw["decode"]), control, str(raw.get("reason", "")))
         except (KeyError, TypeError, ValueError):
@@ -693,22 +733,20 @@ def auto_step(
     existing = CurrentReplicas(cur.prefill, cur.decode, inputs.prefill_pods, inputs.decode_pods)
     starving = pressure is not None and pressure.prefill > cur.prefill
     urgent = rush_to_decode(observed, inputs.slo, planned[1], cur.decode, starving)
-    decision = next_replicas(existing, _target(want), cur.control, now, config, urgent)
+    decision = next_replicas(existing, _target(want), cur.control, now, config, urgent, planned)
     p, d = _within_ratio(cur.replicas, (decision.prefill, decision.decode), inputs.bounds)
     control = decision.state
-    if p == cur.prefill:
-        control = ControlState(
-            cur.control.last_prefill_change,
-            control.last_decode_change,
-            control.down_since_prefill,
-            control.down_since_decode,
+    if p == cur.prefill:  # the ratio bounds held back the change the decision recorded
+        control = replace(
+            control,
+            last_prefill_change=cur.control.last_prefill_change,
+            last_prefill_growth=cur.control.last_prefill_growth,
         )
     if d == cur.decode:
-        control = ControlState(
-            control.last_prefill_change,
-            cur.control.last_decode_change,
-            control.down_since_prefill,
-            control.down_since_decode,
+        control = replace(
+            control,
+            last_decode_change=cur.control.last_decode_change,
+            last_decode_growth=cur.control.last_decode_growth,
         )
     why = f"target {want[0]}:{want[1]} (planner {planned[0]}:{planned[1]}); {decision.reason}"
     if (p, d) != (decision.prefill, decision.decode):
