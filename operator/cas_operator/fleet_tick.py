@@ -3,12 +3,13 @@
 Data flow (every `interval` seconds, started by handlers.py at operator start-up):
 the latest copy of every CodingAgentServing (kopf's watch-fed `serving_index`)
 -> one LIST of the pods of any CodingAgentServing, per namespace (`PodSnapshot`)
--> one metrics observation of every resource's engine pods per window (`prefetch`)
+-> one metrics observation of every resource's engine and router pods per window (`prefetch`)
 -> per resource, `workers` at a time:
    1. the anomaly loop: `anomaly.act.anomaly_tick` over its share of that observation (decide,
       act: drain label/annotations, router deregistration, deletes go straight to the API);
-   2. the autoscale loop: `autoscale.loop.Autoscaler.step` over the pods it left (the pressure
-      hint; in Recommend/Auto the measured load; in Auto one damped replica step);
+   2. the autoscale loop: `autoscale.loop.Autoscaler.step` over the pods it left and the
+      routers (the pressure hint; the routers' refusals, which status.admission shows; in
+      Recommend/Auto the measured load; in Auto one damped replica step);
    3. the scale-down loop: `scaledown.act.scale_down_tick` over the same pods, against the
       counts the last pass wrote (retire marks, releases; how far each workload may shrink);
    4. the rollout loop (Canary fleets): `rollout.act.rollout_tick` analyses the canary against
@@ -39,7 +40,7 @@ from pydantic import ValidationError
 
 from cas_operator.anomaly.act import LoopState, TickResult, anomaly_tick, engine_pods
 from cas_operator.anomaly.detect import GuardState
-from cas_operator.anomaly.drain import target_of
+from cas_operator.anomaly.drain import target_of, view_of
 from cas_operator.api import constants as c
 from cas_operator.api.models import CodingAgentServingSpec, parse_spec
 from cas_operator.autoscale.controller import STATUS_KEY, ScaleOutcome
@@ -49,7 +50,7 @@ from cas_operator.desired.build import build_plan
 from cas_operator.desired.plan import InvalidSpec
 from cas_operator.desired.resources.security import keys_secret_name
 from cas_operator.kube import Kube
-from cas_operator.observe.types import MetricsSource, Observation, PodSignals, PodTarget
+from cas_operator.observe.types import MetricsSource, Observation, PodSignals, PodTarget, PodView
 from cas_operator.reconcile.core import Measured
 from cas_operator.rollout.act import Findings, canary_of, rollout_tick, stable_pools
 from cas_operator.routers import HttpRouters, control_plane_key, router_pod_urls
@@ -118,13 +119,18 @@ def prefetch(
     snapshot: PodSnapshot,
     specs: list[tuple[Manifest, CodingAgentServingSpec]],
 ) -> Prefetched:
-    """Observe every resource's engine pods in one call per window (see `Prefetched`)."""
+    """Observe every resource's engine and router pods in one call per window (see
+    `Prefetched`)."""
     by_window: dict[float, dict[tuple[str, str], PodTarget]] = {}
     for resource, spec in specs:
         meta = resource["metadata"]
-        pods = engine_pods(snapshot, str(meta["namespace"]), str(meta["name"]))
+        namespace, name = str(meta["namespace"]), str(meta["name"])
+        pods = engine_pods(snapshot, namespace, name)
         window = by_window.setdefault(float(spec.anomaly_guard.window_seconds), {})
-        for target in map(target_of, pods):
+        for target in [
+            *map(target_of, pods),
+            *map(PodTarget.of, router_pods(snapshot, namespace, name)),
+        ]:
             window[(target.namespace, target.name)] = target
     return Prefetched({w: source.observe(list(t.values()), w) for w, t in by_window.items()})
 
@@ -140,6 +146,25 @@ POD_METADATA_KEPT = (
 )
 
 POD_STATUS_KEPT = ("podIP", "phase", "conditions")
+
+
+def router_pods(pods: PodSnapshot, namespace: str, name: str) -> list[Manifest]:
+    """The resource's router pods (every revision's), not already being deleted."""
+    selector = {c.LABEL_NAME: name, c.LABEL_ROLE: c.ROLE_ROUTER}
+    return [
+        p
+        for p in pods.list("Pod", namespace, selector)
+        if not p["metadata"].get("deletionTimestamp")
+    ]
+
+
+def router_views(
+    source: MetricsSource, pods: PodSnapshot, namespace: str, name: str, window: float
+) -> list[PodView]:
+    """The resource's router pods with their signals (their answers and 429s)."""
+    found = router_pods(pods, namespace, name)
+    observed = source.observe([PodTarget.of(p) for p in found], window)
+    return [view_of(p, observed.signals.get(p["metadata"]["name"])) for p in found]
 
 
 def fleet_routers(
@@ -271,10 +296,12 @@ class FleetTick:
                 canary=canary,
             )
             engine = {c.LABEL_NAME: name, c.LABEL_APP_NAME: c.APP_ENGINE}
+            window = float(spec.anomaly_guard.window_seconds)
+            routers = router_views(source, snapshot, namespace, name, window)
             scaled = self.autoscaler.step(
                 uid,
                 spec,
-                result.views,
+                result.views + routers,
                 lambda: snapshot.list("Pod", namespace, engine),
                 current,
                 plan_numbers(name, namespace, spec, before),

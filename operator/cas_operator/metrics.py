@@ -83,7 +83,20 @@ RECENT_DRAINS = Gauge(
     "Drains the anomaly loop started in the last hour (status.anomaly.recentDrains)",
     ["namespace", "name"],
 )
+ADMISSION_RATE = Gauge(
+    "cas_operator_admission_requests_per_second",
+    "The request rate a fleet's routers admit in all (status.admission.requestsPerSecond)",
+    ["namespace", "name"],
+)
+ADMISSION_REFUSED = Gauge(
+    "cas_operator_admission_refused_per_second",
+    "429s a fleet's routers answered per second over the fleet tick's window, retries included "
+    "(status.admission.refusedPerSecond)",
+    ["namespace", "name"],
+)
 _FLEET_GAUGES = (
+    ADMISSION_RATE,
+    ADMISSION_REFUSED,
     POOL_INSTANCES,
     POOL_DRAINING,
     POOL_ANOMALY_RATE,
@@ -107,6 +120,13 @@ def fleet_values(status: dict[str, Any]) -> list[tuple[Gauge, tuple[str, ...], f
     anomaly = status.get("anomaly") or {}
     for pool, rate in (anomaly.get("pools") or {}).items():
         values.append((POOL_ANOMALY_RATE, (pool,), float(rate)))
+    admission = status.get("admission") or {}
+    for gauge, key in (
+        (ADMISSION_RATE, "requestsPerSecond"),
+        (ADMISSION_REFUSED, "refusedPerSecond"),
+    ):
+        if admission.get(key) is not None:
+            values.append((gauge, (), float(admission[key])))
     if "recentDrains" in anomaly:
         values.append((RECENT_DRAINS, (), float(len(anomaly["recentDrains"] or []))))
     for cond in status.get("conditions") or []:

@@ -242,10 +242,25 @@ def test_decode_kv_exhaustion_adds_decode() -> None:
 
 
 def test_state_round_trips_through_status() -> None:
-    state = AutoState(3, 5, ControlState(T0, -math.inf, None, T0 + 5), "why")
+    state = AutoState(3, 5, ControlState(T0, -math.inf, None, T0 + 5, T0 - 60, -math.inf), "why")
     assert AutoState.from_status(state.to_status()) == state
     assert AutoState.from_status({"prefill": "x"}) is None
     assert AutoState.from_status(None) is None
+    # a status written before growth was kept apart: its last change holds growth as well
+    older = {"prefill": 3, "decode": 5, "lastPrefillChange": T0, "lastDecodeChange": None}
+    restored = AutoState.from_status(older)
+    assert restored is not None and restored.control.last_prefill_growth == T0
+    assert math.isinf(restored.control.last_decode_growth)
+
+
+def test_the_routers_refusals_are_summed_over_the_routers_that_answered() -> None:
+    routers = [
+        view("r0", c.ROLE_ROUTER, responses=100.0, refused=30.0),
+        view("r1", c.ROLE_ROUTER, responses=50.0),  # refused nothing: no 429 series
+        PodView("r2", c.ROLE_ROUTER, True, True, None, PodSignals(error="scrape failed")),
+    ]
+    assert observed_signals(routers, 60.0).refused_rate == 0.5
+    assert observed_signals(routers[2:], 60.0).refused_rate is None
 
 
 # --------------------------------------------------------------- the reconcile applies it

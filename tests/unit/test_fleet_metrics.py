@@ -17,6 +17,7 @@ STATUS: dict[str, Any] = {
     "draining": [{"pod": "d-1", "role": "decode"}],
     "anomaly": {"pools": {"decode": 0.002}, "recentDrains": ["t1", "t2"]},
     "conditions": [{"type": "Ready", "status": "False"}, {"type": "Degraded", "status": "True"}],
+    "admission": {"mode": "Auto", "requestsPerSecond": 12.5, "refusedPerSecond": 3.0},
 }
 
 
@@ -32,6 +33,8 @@ def test_the_gauges_follow_the_status_and_go_with_the_fleet() -> None:
     assert value("cas_operator_pool_draining", pool="prefill") == 0
     assert value("cas_operator_pool_anomaly_rate", pool="decode") == 0.002
     assert value("cas_operator_recent_drains") == 2
+    assert value("cas_operator_admission_requests_per_second") == 12.5
+    assert value("cas_operator_admission_refused_per_second") == 3.0
     assert value("cas_operator_fleet_condition", type="Degraded") == 1
     assert value("cas_operator_fleet_condition", type="Ready") == 0
     assert value("cas_operator_fleet_revision", revision="r1", serving="false") == 1

@@ -338,3 +338,34 @@ def test_a_canary_is_judged_apart_never_drained_and_its_anomaly_aborts_the_rollo
     assert "canary anomaly" in measured.rollout.reason and "a-cd" in measured.rollout.reason
     assert ("patch", "a-cd") not in store.calls  # never drained
     assert any(event[1] == "RolloutAborted" for _, event in posted)
+
+
+def test_the_routers_refusals_reach_status() -> None:
+    """Regression (issue 18): the routers' 429s were invisible to the operator (under admission
+    the engines' finished requests are only what was let in). The tick reads every router
+    pod's 429s with the engines' signals in the same batch and hands them on: Auto's observed
+    load shows them, and status.admission (from the plan the passes build on it)."""
+    store, source = pd_fleet()
+    router = pod("a", "ns", "a-router-x", c.ROLE_ROUTER)
+    router["metadata"]["labels"][c.LABEL_APP_NAME] = c.APP_ROUTER
+    store.pods[("ns", "a-router-x")] = router
+    source.by_name["a-router-x"] = PodSignals(responses=400.0, refused=300.0)
+    g, _ = guard(store, source)
+    res = resource("a")
+    res["spec"] = AUTO
+    g.tick([res], now=T0)
+    assert "a-router-x" in source.calls[0][1]  # one batch: engines and routers
+    entry = sections(g, "a")["autoscaler"]
+    assert entry["observed"]["refusedPerSecond"] == 1.0  # 300 over the 300 s window
+    kept = g.measured["uid-a"].observed
+    assert kept is not None and kept.refused_rate == 1.0
+    # a router that answered but refused nothing: zero
+    source.by_name["a-router-x"] = PodSignals(responses=400.0)
+    g.tick([res], now=T0 + 30)
+    assert sections(g, "a")["autoscaler"]["observed"]["refusedPerSecond"] == 0.0
+    # Fixed mode keeps the refusals too (status.admission shows them in every mode)
+    res["spec"] = {"model": {"name": "glm-5"}}
+    source.by_name["a-router-x"] = PodSignals(responses=400.0, refused=60.0)
+    g.tick([res], now=T0 + 60)
+    fixed = g.measured["uid-a"].observed
+    assert fixed is not None and fixed.refused_rate == 0.2

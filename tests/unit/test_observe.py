@@ -313,6 +313,35 @@ def test_counter_reset_counts_from_zero() -> None:
     assert windowed_increase(samples[:1], "c", 60) is None
 
 
+def test_a_counter_series_born_in_the_window_counts_from_zero() -> None:
+    """Regression (issue 18): labelled counters are created by their first event. The router's
+    first burst of 429s made its `status_code="429"` series appear with 26 in one scrape, and
+    the increase (two samples carrying the key) read nothing, so status showed no refusals.
+    A scrape of the same process that lacked the series read zero."""
+    samples = [
+        Scrape(0, {"responses": 4.0}, {}),
+        Scrape(5, {"responses": 30.0, "responses_429": 26.0}, {}),
+        Scrape(10, {"responses": 31.0, "responses_429": 26.0}, {}),
+    ]
+    assert windowed_increase(samples, "responses_429", 60) == 26.0
+    assert windowed_increase(samples[:1], "responses", 60) is None
+    assert windowed_increase(samples[:1] + samples[:1], "responses_429", 60) is None
+
+
+def test_the_routers_refusals_are_their_429_answers() -> None:
+    """sglang-router 0.3.2 counts its rate limiter's 429s in `smg_http_responses_total`
+    (measured); they are refusals, not errors."""
+    text = (
+        'smg_http_responses_total{status_code="200",error_code=""} 3\n'
+        'smg_http_responses_total{status_code="429",error_code=""} 8\n'
+        'smg_http_responses_total{status_code="503",error_code=""} 1\n'
+    )
+    scrape = parse_exposition(text, 0.0)
+    assert (scrape.counters["responses"], scrape.counters["responses_429"]) == (12.0, 8.0)
+    assert scrape.counters["responses_5xx"] == 1.0
+    assert signals_from(scrape.counters, {}, has_guard=False).refused == 8.0
+
+
 def test_scrape_failures_are_explicit(serve: Callable[[Server], Server]) -> None:
     """Regression: a refused, slow, garbled or IP-less pod gets an error, never stale numbers."""
     good = metrics_server(serve, [exposition(1, 0, 0)])

@@ -2,9 +2,10 @@
 
 Data flow, once per fleet tick for one resource (called by `fleet_tick.py` after the anomaly
 tick, with the pods it left and their signals):
-`PodView`s -> `suggest_scale` (the pressure hint, every mode) and, for `ratio.mode`
-Recommend/Auto, `signals.observed_signals` (the measured load); in Auto, the caller's plan for
-that load (`PlanNumbers`: the planner's counts and the instance sizes, from `desired`) ->
+`PodView`s (engines, and routers for their refusals) -> `suggest_scale` (the pressure hint,
+every mode) and, for `ratio.mode` Recommend/Auto, `signals.observed_signals` (the measured
+load, with the routers' refusals); in Auto, the caller's plan for that load (`PlanNumbers`:
+the planner's counts and the instance sizes, from `desired`) ->
 `controller.auto_step` -> `AutoscaleResult`: the `status.autoscaler` entry, the measured load
 and Auto's counts, which the reconcile reads (`reconcile.core.Measured`).
 Ownership: `Autoscaler.pressure` and `Autoscaler.auto` (per uid, memory only;
@@ -198,5 +199,6 @@ def observed_status(o: ObservedSignals) -> Status:
         "ttftP90Seconds": o.ttft_p90_s,
         "itlMilliseconds": o.itl_ms,
         "abortsPerSecond": o.aborts_per_s,
+        "refusedPerSecond": o.refused_rate,
     }
     return {k: v for k, v in fields.items() if v is not None}

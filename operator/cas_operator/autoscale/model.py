@@ -172,6 +172,7 @@ class ObservedSignals:
     aborts_per_s: float | None = None  # reported only: a PD abort is mostly a prefill timeout
     avg_input_tokens: float | None = None  # per finished request (prefill pods)
     avg_output_tokens: float | None = None  # per finished request (decode pods)
+    refused_rate: float | None = None  # the routers' 429s per second (admission), retries too
 
 
 # ---------------------------------------------------------------- outputs

@@ -1,10 +1,10 @@
 """Autoscale signals (pure): the load the fleet shows, from the pods' windowed metrics.
 
-Data flow: per engine pod `PodSignals` over the anomaly window (the observe layer), joined with
-the pod as `PodView` by the fleet tick -> `observed_signals` (arrival rate, hit rate, prefill
-queue, decode KV use, TTFT p90 from the engines' histograms, aborts) -> `quantized` (so the
-planner's cache hits in steady state) -> the planner (`desired.recommend`) and the replica
-controller (`autoscale.controller`).
+Data flow: per engine and router pod `PodSignals` over the anomaly window (the observe layer),
+joined with the pod as `PodView` by the fleet tick -> `observed_signals` (arrival rate, hit
+rate, prefill queue, decode KV use, TTFT p90 from the engines' histograms, aborts, the routers'
+refusals, which status.admission shows) -> `quantized` (so the planner's cache hits in steady
+state) -> the planner (`desired.recommend`) and the replica controller (`autoscale.controller`).
 """
 
 from __future__ import annotations
@@ -46,8 +46,10 @@ def observed_signals(pods: Sequence[PodView], window_s: float) -> ObservedSignal
     streams the answer, so its TTFT includes prefill, transfer and admission; prefill pods'
     when decodes have none), the median ITL from the decode pods' inter-token histograms, and
     the request shape: prompt tokens per request on the prefill pods, generated tokens per
-    request on the decode pods (what admission control sizes for)."""
+    request on the decode pods (what admission control sizes for), and the routers' 429s (a
+    router that answered but never refused has no 429 series: zero)."""
     prefill, decode = _measured(pods, c.ROLE_PREFILL), _measured(pods, c.ROLE_DECODE)
+    routers = [s for s in _measured(pods, c.ROLE_ROUTER) if s.responses is not None]
     ttft = histogram_quantile(0.9, merged_buckets(decode))
     if ttft is None:
         ttft = histogram_quantile(0.9, merged_buckets(prefill))
@@ -75,6 +77,7 @@ def observed_signals(pods: Sequence[PodView], window_s: float) -> ObservedSignal
         itl_ms=None if itl_s is None else itl_s * 1000.0,
         avg_input_tokens=prompt / prefilled if prompt and prefilled else None,
         avg_output_tokens=generated / finished if generated and finished else None,
+        refused_rate=sum(s.refused or 0.0 for s in routers) / window if routers else None,
     )
 
 
@@ -93,9 +96,12 @@ def on_grid(tokens: float | None) -> float | None:
 
 
 def shape_only(o: ObservedSignals) -> ObservedSignals:
-    """The measured request shape alone (Fixed mode: nothing else is planned from the load)."""
+    """The measured request shape and the routers' refusals alone (Fixed mode: nothing else is
+    planned from the load; admission sizes for the shape and shows the refusals)."""
     return ObservedSignals(
-        avg_input_tokens=o.avg_input_tokens, avg_output_tokens=o.avg_output_tokens
+        avg_input_tokens=o.avg_input_tokens,
+        avg_output_tokens=o.avg_output_tokens,
+        refused_rate=o.refused_rate,
     )
 
 
@@ -126,4 +132,5 @@ def quantized(o: ObservedSignals) -> ObservedSignals:
         aborts_per_s=_two_digits(o.aborts_per_s),
         avg_input_tokens=on_grid(o.avg_input_tokens),
         avg_output_tokens=on_grid(o.avg_output_tokens),
+        refused_rate=_two_digits(o.refused_rate),
     )

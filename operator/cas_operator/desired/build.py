@@ -125,6 +125,7 @@ def build_plan(
         recommendation=recommendation,
         operator_namespace=limits.operator_namespace,
         measured_shape=measured_shape(observed),
+        refused_rate=None if observed is None else observed.refused_rate,
     )
     rendered, user_input = engine_revision(draft), engine_input(spec)
     runs = choose(

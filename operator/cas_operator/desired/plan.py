@@ -67,6 +67,8 @@ class Plan:
     routers: int | None = None  # router replicas, when a rollout sets them (else the spec's)
     # the measured request shape (input, output tokens per request), when the fleet tick has it
     measured_shape: tuple[float, float] | None = None
+    # the routers' 429s per second over the fleet tick's window (status.admission shows it)
+    refused_rate: float | None = None
 
     @property
     def held(self) -> bool:

@@ -80,6 +80,10 @@ class PrometheusSource:
                 "router 5xx",
                 f'sum {by} (increase({m.ROUTER_RESPONSES}{{status_code=~"5..",{sel[1:]}{w}))',
             ),
+            m.REFUSED: self._query(
+                "router 429",
+                f'sum {by} (increase({m.ROUTER_RESPONSES}{{status_code="429",{sel[1:]}{w}))',
+            ),
         }
         failures = "|".join(m.KV_FAILURE_COUNTERS)
         counters[m.KV_FAILURES] = self._query(

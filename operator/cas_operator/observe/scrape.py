@@ -36,6 +36,7 @@ COUNTER_KEYS = (
     m.KV_FAILURES,
     m.RESPONSES,
     m.ERRORS_5XX,
+    m.REFUSED,
 )
 
 
@@ -69,8 +70,11 @@ def parse_exposition(text: str, at: float) -> Scrape:
                 counters[m.KV_FAILURES] = counters.get(m.KV_FAILURES, 0.0) + value
             elif sample.name == m.ROUTER_RESPONSES:
                 counters[m.RESPONSES] = counters.get(m.RESPONSES, 0.0) + value
-                if str(sample.labels.get("status_code", "")).startswith("5"):
+                code = str(sample.labels.get("status_code", ""))
+                if code.startswith("5"):
                     counters[m.ERRORS_5XX] = counters.get(m.ERRORS_5XX, 0.0) + value
+                elif code == "429":
+                    counters[m.REFUSED] = counters.get(m.REFUSED, 0.0) + value
             elif sample.name in m.HISTOGRAMS:
                 key = m.bucket_key(sample.labels.get("le", ""), sample.name)
                 counters[key] = counters.get(key, 0.0) + value
@@ -90,17 +94,22 @@ def parse_exposition(text: str, at: float) -> Scrape:
 
 
 def windowed_increase(samples: Sequence[Scrape], key: str, window: float) -> float | None:
-    """Increase of counter `key` over the samples within `window` of the newest; None when
-    fewer than two samples carry it. Resets count from zero (Prometheus' `increase` rule)."""
+    """Increase of counter `key` over the samples within `window` of the newest; None when no
+    sample carries it or there is only one sample. Resets count from zero (Prometheus'
+    `increase` rule), and so does a series that first appears in the window: labelled counters
+    are created by their first event (a router's first 429, a gate's first trip), so a scrape of
+    the same process without it read zero."""
     if not samples:
         return None
     start = samples[-1].at - window
-    inside = [s for s in samples if s.at >= start and key in s.counters]
-    if len(inside) < 2:
+    inside = [s for s in samples if s.at >= start]
+    if len(inside) < 2 or not any(key in s.counters for s in inside):
         return None
     total = 0.0
     for a, b in itertools.pairwise(inside):
-        va, vb = a.counters[key], b.counters[key]
+        if key not in b.counters:
+            continue
+        va, vb = a.counters.get(key, 0.0), b.counters[key]
         total += vb - va if vb >= va else vb
     return total
 

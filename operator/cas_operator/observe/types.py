@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Final, Protocol
+from typing import Any, Final, Protocol
+
+from cas_operator.api import constants as c
 
 # Engine metric names (cas_engine.guard / kvfence / sim; SGLang's scheduler names).
 CHECKED: Final = "cas_guard_requests_checked_total"
@@ -37,6 +39,9 @@ KV_FAILURES: Final = "kv_failures"  # the counters' key of their sum (one pod's)
 ROUTER_RESPONSES: Final = "smg_http_responses_total"
 RESPONSES: Final = "responses"  # the counters' key of all of a router pod's answers
 ERRORS_5XX: Final = "responses_5xx"  # ... and of those with a 5xx status
+# ... and of those refused by the router's admission limit (measured on 0.3.2: its rate limiter's
+# 429s are counted here, `status_code="429"`)
+REFUSED: Final = "responses_429"
 REASON_LOW: Final = "low_accept_length"
 REASON_HIGH: Final = "high_accept_rate"
 # PD queues of requests whose KV is not handed over yet (SGLang 0.5.23
@@ -78,6 +83,7 @@ class PodSignals:
     kv_failures: float | None = None  # failed KV transfers and bootstraps in the window
     responses: float | None = None  # a router pod's answers in the window
     errors_5xx: float | None = None  # ... of which 5xx
+    refused: float | None = None  # ... of which 429 (admission)
     error: str | None = None
 
     @property
@@ -105,13 +111,22 @@ class PodView:
 
 @dataclass(frozen=True)
 class PodTarget:
-    """One engine pod to measure; `ip`/`port` are used by direct scraping only."""
+    """One engine or router pod to measure; `ip`/`port` are used by direct scraping only."""
 
     name: str
     role: str
     namespace: str = "default"
     ip: str | None = None
     port: int = 30000
+
+    @classmethod
+    def of(cls, pod: dict[str, Any]) -> PodTarget:
+        """A pod of a fleet, by its role label: routers export metrics on their own port."""
+        meta = pod["metadata"]
+        role = meta.get("labels", {}).get(c.LABEL_ROLE, "")
+        port = c.ROUTER_METRICS_PORT if role == c.ROLE_ROUTER else c.ENGINE_PORT
+        ip = pod.get("status", {}).get("podIP")
+        return cls(meta["name"], role, meta.get("namespace", "default"), ip, port)
 
 
 @dataclass
@@ -154,7 +169,7 @@ def signals_from(
     """Assemble PodSignals from windowed increases and latest gauges of one pod.
 
     `counters` keys: CHECKED, REASON_LOW, REASON_HIGH, ABORTED, LOAD_COUNTERS, KV_FAILURES,
-    RESPONSES, ERRORS_5XX and `bucket_key(le, histogram)` per TTFT and ITL bucket (absent =
+    RESPONSES, ERRORS_5XX, REFUSED and `bucket_key(le, histogram)` per TTFT and ITL bucket (absent =
     series missing); `gauges`
     keys: GAUGES and KV_TRANSFERS (the sum of the pod's KV_TRANSFER_QUEUES; absent outside PD).
     A pod without guard series (a prefill, or an engine without the guard) gets None trip fields,
@@ -180,4 +195,5 @@ def signals_from(
         kv_failures=counters.get(KV_FAILURES),
         responses=counters.get(RESPONSES),
         errors_5xx=counters.get(ERRORS_5XX),
+        refused=counters.get(REFUSED),
     )

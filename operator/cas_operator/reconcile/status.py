@@ -387,11 +387,12 @@ def _serving_pools(
 def admission_status(plan: Plan) -> dict[str, Any]:
     """`status.admission`: the limits the routers of the spec's revision enforce, or why none."""
     mode = plan.spec.router.admission.mode.value
+    refused = {} if plan.refused_rate is None else {"refusedPerSecond": plan.refused_rate}
     found = admission_for(plan)
     if found is None:
         why = "no limit" if mode == "Off" else f"no instance profile for {plan.spec.model.name}"
-        return {"mode": mode, "basis": why}
-    return {"mode": mode, **found.to_status(plan.router_replicas)}
+        return {"mode": mode, "basis": why, **refused}
+    return {"mode": mode, **found.to_status(plan.router_replicas), **refused}
 
 
 def held_revision(plan: Plan) -> dict[str, str] | None:

@@ -74,14 +74,6 @@ def analysis_window(state: RolloutState, spec: CodingAgentServingSpec, now: floa
     return float(min(spec.rollout.analysis.window_seconds, whole))
 
 
-def _target(pod: Manifest) -> PodTarget:
-    meta, labels = pod["metadata"], pod["metadata"].get("labels", {})
-    role = labels.get(c.LABEL_ROLE, "")
-    port = c.ROUTER_METRICS_PORT if role == c.ROLE_ROUTER else c.ENGINE_PORT
-    ip = pod.get("status", {}).get("podIP")
-    return PodTarget(meta["name"], role, meta.get("namespace", "default"), ip, port)
-
-
 def measure(
     api: ResourceApi,
     source: MetricsSource,
@@ -98,7 +90,7 @@ def measure(
         if p["metadata"].get("labels", {}).get(c.LABEL_REVISION) in revisions
         and not p["metadata"].get("deletionTimestamp")
     ]
-    targets = [_target(p) for p in pods]
+    targets = [PodTarget.of(p) for p in pods]
     observation = source.observe(targets, window)
     by_revision: dict[str, list[MeasuredPod]] = {r: [] for r in revisions}
     for pod, target in zip(pods, targets, strict=True):
