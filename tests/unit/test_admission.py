@@ -12,9 +12,12 @@ from typing import Any
 import pytest
 
 from cas_operator.api.models import parse_spec
-from cas_operator.desired.admission import admission_for, per_router
+from cas_operator.autoscale.model import SloInputs
+from cas_operator.autoscale.profiles import load_spec
+from cas_operator.desired.admission import admission_for, highest_rate, per_router, workload_of
 from cas_operator.desired.build import build_plan
 from cas_operator.desired.plan import InvalidSpec
+from cas_operator.desired.recommend import instance_profiles
 from cas_operator.desired.resources.router import router_args
 from cas_operator.reconcile.status import admission_status
 from tests.paths import load_sample
@@ -88,3 +91,27 @@ def test_admission_sizes_for_the_measured_request_shape() -> None:
     assert declared is not None and shifted is not None
     assert shifted.requests_per_second < declared.requests_per_second
     assert "out" in shifted.basis and on_grid(2400.0) == on_grid(2300.0)
+
+
+def test_auto_admits_up_to_the_rate_that_keeps_every_queue_stable() -> None:
+    """Regression (issue 18, planner benchmark): a limit at the rate the model serves within
+    the SLOs refused load the fleet drains (the model is conservative near capacity): steady,
+    long tool pauses, burst and transfer-bound lost 8-17% of their goodput to it. The limit is
+    the highest rate at which every queue stays stable; the within-SLO rate is shown beside."""
+    plan = plan_of(GLM5)
+    found = admission_for(plan)
+    prefill, decode = instance_profiles(load_spec("glm5-fp8-h200"), (8, 1), False, (8, 8))
+    wl, slo = workload_of(plan.spec), SloInputs(ttft_s=4.0, itl_ms=50.0)
+    stable = highest_rate(wl, slo, prefill, decode, 2, 2, within_slo=False)
+    within = highest_rate(wl, slo, prefill, decode, 2, 2, within_slo=True)
+    assert found is not None and found.requests_per_second == pytest.approx(stable)
+    assert stable > within and f"within the SLOs to {within:.3g}" in found.basis
+
+
+def test_status_shows_what_the_routers_refused() -> None:
+    from cas_operator.autoscale.model import ObservedSignals
+
+    spec = parse_spec(GLM5)
+    measured = build_plan("demo", "ns", spec, ObservedSignals(refused_rate=3.5))
+    assert admission_status(measured)["refusedPerSecond"] == 3.5
+    assert "refusedPerSecond" not in admission_status(build_plan("demo", "ns", spec))
