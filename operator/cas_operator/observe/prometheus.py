@@ -64,6 +64,7 @@ class PrometheusSource:
         sel = self._selector(namespace, [t.name for t in group])
         w = f"[{int(max(window, 1))}s]"
         by = f"by ({self.namespace_label}, {self.pod_label})"
+        refused = f'{m.ROUTER_RESPONSES}{{status_code="429",{sel[1:]}'
         up = self._query("up", f"max {by} (up{sel})")
         age = self._query("age", f"max {by} (time() - timestamp(up{sel}))")
         counters = {
@@ -80,10 +81,7 @@ class PrometheusSource:
                 "router 5xx",
                 f'sum {by} (increase({m.ROUTER_RESPONSES}{{status_code=~"5..",{sel[1:]}{w}))',
             ),
-            m.REFUSED: self._query(
-                "router 429",
-                f'sum {by} (increase({m.ROUTER_RESPONSES}{{status_code="429",{sel[1:]}{w}))',
-            ),
+            m.REFUSED: self._query("router 429", f"sum {by} ({born_counted(refused, window)})"),
         }
         failures = "|".join(m.KV_FAILURE_COUNTERS)
         counters[m.KV_FAILURES] = self._query(
@@ -175,3 +173,14 @@ class PrometheusSource:
                 continue
             out.setdefault(key, {})[labels.get(extra, "") if extra else ""] = value
         return out
+
+
+def born_counted(series: str, window: float) -> str:
+    """`increase(series[window])`, where a series born inside the window counts from zero.
+
+    A labelled counter is created by its first event (a router's first 429), and `increase`
+    starts from a series' first sample, so a burst that created the series read as nothing.
+    A series with no sample a window ago is new: its whole value is the increase."""
+    w = f"{int(max(window, 1))}s"
+    counted = f"increase({series}[{w}]) and {series} offset {w}"
+    return f"({counted}) or ({series} unless {series} offset {w})"
