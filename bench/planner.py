@@ -6,7 +6,20 @@ For each scenario, run side by side on one workload seed:
 - ``mean-based``: a Dynamo-style throughput planner (mean lengths, fixed 90% hit rate);
 - ``ours``: ``ratio.recommend`` + ``next_replicas`` (slow and fast loop);
 - ``exhaustive``: the best static split of the budget for this scenario, found by simulating
-  every split (coarse stride, then the neighbourhood of the best).
+  every split (coarse stride, then the neighbourhood of the best);
+- ``online-bound`` (scenarios with a shift): hindsight is not reachable online there (the best
+  static split of the post-shift window is a bad one before it, and a pod start lies between),
+  so the bench also runs a clairvoyant switch: the best split of the pre-shift load until the
+  shift, the best of a few post-shift splits (around the exhaustive one) from the instant of
+  the shift, with and without the product's admission, the best of these (a reference, not a
+  bound: its move is naive). Beside it the pod-start bound: at the shift the fleet holds the
+  pre-shift load's best split, and no pod it starts then serves before the pod start time, so
+  no online policy beats: the pre-shift best until the shift, then for one pod start time that
+  split's goodput at the shifted load (with admission, simulated), then the exhaustive split's
+  (each phase at its best static goodput). For the output shift
+  it also reports the goodput after the shift against the capacity of the fleet's ready pools
+  at the new request shape (the planner's model), and the end pools' goodput in the simulator
+  with the shifted load from the start.
 
 Reports goodput (requests meeting both SLOs per second), goodput per GPU, SLO attainment,
 average and peak GPUs and scale actions; prints one table and writes JSON.
@@ -28,16 +41,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from bench.fleetsim import FleetConfig, Modifier, SessionMix, SessionWorkload
-from bench.fleetsim.engine import FleetView, Metrics, Simulator
-from bench.fleetsim.policies import (
-    MeanBasedPolicy,
-    RatioPlannerPolicy,
-)
+from bench.fleetsim.engine import FleetView, Metrics, SimResult, Simulator
+from bench.fleetsim.policies import MeanBasedPolicy, RatioPlannerPolicy, SwitchPolicy
 from cas_operator.autoscale import profiles as pf
 from cas_operator.autoscale.model import Bounds, InstanceProfile, SloInputs, WorkloadInputs
 from cas_operator.autoscale.search import recommend
 from cas_operator.autoscale.signals import on_grid
-from cas_operator.desired.admission import highest_rate
+from cas_operator.desired.admission import highest_rate, sustainable_rate
 
 SLO = SloInputs(ttft_s=3.0, itl_ms=50.0)
 SPEC = pf.load_spec("glm5-fp8-h200")
@@ -54,6 +64,7 @@ class Scenario:
     duration_s: float = 3600.0
     warmup_s: float = 900.0
     breaks_mean_model: str = ""
+    shift_s: float | None = None  # when the load shifts for good (its modifiers start there)
 
     def profiles(self) -> tuple[InstanceProfile, InstanceProfile]:
         p = pf.prefill_profile(SPEC)
@@ -100,6 +111,7 @@ def scenarios(quick: bool) -> list[Scenario]:
             (Modifier("output_tokens", 4.0, 900.0),),
             duration_s=dur,
             breaks_mean_model="decode KV on long-context tails",
+            shift_s=900.0,
         ),
         # The NICs at 0.3 of the profile's: one transfer (75K tokens, 4.6 GB) leaves from one
         # prefill rank at 9 GB/s (0.5 s of the 3 s TTFT) and the senders queue under load, so
@@ -131,6 +143,7 @@ def scenarios(quick: bool) -> list[Scenario]:
             duration_s=dur,
             warmup_s=600.0,
             breaks_mean_model="budget cap: shrink prefill, wait for the drain, grow decode",
+            shift_s=900.0,
         ),
         Scenario(
             "burst-shorter-than-pod-start",
@@ -168,9 +181,22 @@ def _run(sc: Scenario, method: str, split: tuple[int, int] | None, seed: int) ->
     bounds = _bounds(sc)
     policy: Any = None
     admission: Any = None
+    n = sc.budget // 8
     if method in ("fixed", "exhaustive-point"):
         assert split is not None
         n_p, n_d = split
+    elif method == "fixed-admitted":  # a static split behind the product's admission
+        assert split is not None
+        n_p, n_d = split
+        static = SwitchPolicy(split, split, math.inf, n, p, d)
+        policy, admission = with_admission(static, _declared(sc))
+    elif method in ("switch", "switch-admitted"):
+        assert split is not None and sc.shift_s is not None
+        (n_p, post) = split
+        n_d = n - n_p
+        policy = SwitchPolicy((n_p, n_d), (post, n - post), sc.shift_s, n, p, d)
+        if method == "switch-admitted":
+            policy, admission = with_admission(policy, _declared(sc))
     elif method == "ours":
         rec = recommend(_declared(sc), SLO, p, d, bounds)
         n_p, n_d = rec.n_prefill, rec.n_decode
@@ -184,7 +210,6 @@ def _run(sc: Scenario, method: str, split: tuple[int, int] | None, seed: int) ->
         n_p, n_d = policy._clamp(n_p, n_d)
     else:
         raise ValueError(method)
-    n = sc.budget // 8
     cfg = FleetConfig(
         prefill=p,
         decode=d,
@@ -195,7 +220,7 @@ def _run(sc: Scenario, method: str, split: tuple[int, int] | None, seed: int) ->
         duration_s=sc.duration_s,
         warmup_s=sc.warmup_s,
         seed=seed,
-        admission=admission if method == "ours" else None,
+        admission=admission,
     )
     wl = SessionWorkload(sc.mix, sc.modifiers, seed=seed)
     t0 = time.perf_counter()
@@ -212,7 +237,53 @@ def _run(sc: Scenario, method: str, split: tuple[int, int] | None, seed: int) ->
         retractions=float(res.retractions),
         shed=float(res.shed),
     )
+    if method == "ours" and sc.shift_s is not None:
+        g["after_shift"] = after_shift(sc, res, seed)
     return g
+
+
+def after_shift(sc: Scenario, res: SimResult, seed: int) -> dict[str, Any]:
+    """Goodput after the shift against the ready pools' capacity at the new request shape
+    (within the SLOs, the planner's model, averaged over the ticks after the shift); and, once
+    the fleet settled (its last 600 s), against the end pools' goodput in the simulator with
+    the shifted load from the start and the product's admission."""
+    assert sc.shift_s is not None
+    p, d = sc.profiles()
+    after = res.arrival >= sc.shift_s
+    shape = replace(
+        _declared(sc),
+        avg_input_tokens=float(res.input_tokens[after].mean()),
+        avg_output_tokens=float(res.output_tokens[after].mean()),
+    )
+    ticks = [r for r in res.series if r["t"] >= sc.shift_s]
+    capacity = sum(
+        highest_rate(
+            shape, SLO, p, d, int(r["ready_prefill"]), int(r["ready_decode"]), within_slo=True
+        )
+        for r in ticks
+    ) / max(len(ticks), 1)
+    good = _good(res, sc.shift_s, sc.duration_s)
+    end = (int(ticks[-1]["prefill"]), int(ticks[-1]["decode"]))
+    settled = _good(res, sc.duration_s - 600.0, sc.duration_s)
+    shifted = tuple(replace(m, start_s=0.0) for m in sc.modifiers)
+    static = replace(sc, modifiers=shifted, shift_s=None)
+    check = _run(static, "fixed-admitted", end, seed)["goodput_rps"]
+    return {
+        "goodput_rps": good,
+        "model_capacity_rps": capacity,
+        "share_of_model_capacity": good / capacity if capacity else 0.0,
+        "end_split": f"{end[0]}P:{end[1]}D",
+        "settled_goodput_rps": settled,
+        "end_split_simulated_rps": check,
+        "settled_share_of_simulated": settled / check if check else 0.0,
+    }
+
+
+def _good(res: SimResult, t0: float, t1: float) -> float:
+    """Requests that arrived in [t0, t1) and met both SLOs, per second."""
+    m = (res.arrival >= t0) & (res.arrival < t1)
+    ok = (res.ttft[m] <= SLO.ttft_s) & (res.itl[m] * 1000.0 <= SLO.itl_ms)
+    return float(ok.sum()) / max(t1 - t0, 1e-9)
 
 
 def with_admission(policy: Any, declared: WorkloadInputs) -> tuple[Any, Any]:
@@ -231,8 +302,7 @@ def with_admission(policy: Any, declared: WorkloadInputs) -> tuple[Any, Any]:
     @functools.cache
     def rate(n_p: int, n_d: int, inp: float, out: float) -> float | None:
         wl = replace(declared, avg_input_tokens=inp, avg_output_tokens=out)
-        found = highest_rate(wl, SLO, p, d, n_p, n_d, within_slo=True)
-        return found or highest_rate(wl, SLO, p, d, n_p, n_d, within_slo=False) or None
+        return sustainable_rate(wl, SLO, p, d, n_p, n_d) or None
 
     def admission(n_p: int, n_d: int) -> float | None:
         if n_p < 1 or n_d < 1:
@@ -261,6 +331,40 @@ def _exhaustive(pool: ProcessPoolExecutor, sc: Scenario, seed: int, stride: int)
     return best, scores
 
 
+def _online_bound(
+    pool: ProcessPoolExecutor, sc: Scenario, seed: int, stride: int, post: dict[str, Any]
+) -> dict[str, Any]:
+    """The clairvoyant switch (see the module docstring): the pre-shift load's best split,
+    then each of the post-shift splits within 2 of the exhaustive one, with and without
+    admission; the best of these, with `pod_start_bound` beside it."""
+    assert sc.shift_s is not None
+    pre, pre_scores = _exhaustive(pool, replace(sc, modifiers=(), shift_s=None), seed, stride)
+    n = sc.budget // 8
+    best = post["split"]
+    posts = range(max(1, best - 2), min(n - 1, best + 2) + 1)
+    futs = {
+        (k, method): pool.submit(_run, sc, method, (pre, k), seed)
+        for k in posts
+        for method in ("switch", "switch-admitted")
+    }
+    (k, method), f = max(futs.items(), key=lambda kv: kv[1].result()["goodput_rps"])
+    shifted = replace(sc, modifiers=tuple(replace(m, start_s=0.0) for m in sc.modifiers))
+    held = _run(replace(shifted, shift_s=None), "fixed-admitted", (pre, n - pre), seed)
+    warm, end, start = sc.warmup_s, sc.duration_s, sc.profiles()[1].pod_start_s
+    bound = (
+        (sc.shift_s - warm) * pre_scores[pre]["goodput_rps"]
+        + start * held["goodput_rps"]
+        + (end - sc.shift_s - start) * post["goodput_rps"]
+    ) / (end - warm)
+    return {
+        **f.result(),
+        "switch": f"{pre}P:{n - pre}D -> {k}P:{n - k}D",
+        "via": method,
+        "pod_start_bound_rps": bound,
+        "held_split_after_shift_rps": held["goodput_rps"],
+    }
+
+
 def run_bench(quick: bool, seed: int, workers: int, only: tuple[str, ...] = ()) -> dict[str, Any]:
     scs = scenarios(quick)
     out: dict[str, Any] = {
@@ -287,6 +391,9 @@ def run_bench(quick: bool, seed: int, workers: int, only: tuple[str, ...] = ()) 
             }
             rows = {k: f.result() for k, f in jobs.items()}
             rows["exhaustive"] = scores[best]
+            if sc.shift_s is not None:
+                post = {**scores[best], "split": best}
+                rows["online-bound"] = _online_bound(pool, sc, seed, stride, post)
             out["scenarios"][sc.name] = {
                 "budget": sc.budget,
                 "breaks_mean_model": sc.breaks_mean_model,
@@ -314,9 +421,46 @@ def table(result: dict[str, Any]) -> str:
                 f"| {name} | {method} | {r['goodput_rps']:.2f}{rel} | "
                 f"{1000 * r['goodput_per_gpu']:.1f} | {r['attainment']:.1%} | "
                 f"{r['avg_gpus']:.0f} | {r['peak_gpus']:.0f} | {r['scale_actions']:.0f} | "
-                f"{r['start']} -> {r['end']} |"
+                f"{r.get('switch') or r['start'] + ' -> ' + r['end']} |"
             )
     return "\n".join(lines)
+
+
+def criteria(result: dict[str, Any]) -> list[str]:
+    """Ours against the issue's bars, per scenario: >= 95% of the better static split (fixed
+    1:1, best fixed) and >= 90% of exhaustive, or, where the load shifts, of the online bound;
+    and the output shift's goodput after the shift against the fleet's capacity."""
+    lines = []
+    for name, sc in result["scenarios"].items():
+        m = sc["methods"]
+        ours = m["ours"]["goodput_rps"]
+        static = max(m["fixed-1:1"]["goodput_rps"], m["best-fixed"]["goodput_rps"])
+        ex = m["exhaustive"]["goodput_rps"]
+        line = f"{name}: ours {ours:.2f} = {_share(ours, static)} of the better static split, "
+        line += f"{_share(ours, ex)} of exhaustive"
+        if "online-bound" in m:
+            switch = m["online-bound"]["goodput_rps"]
+            bound = m["online-bound"]["pod_start_bound_rps"]
+            line += (
+                f"; {_share(ours, switch)} of the clairvoyant switch ({switch:.2f}), "
+                f"{_share(ours, bound)} of the pod-start bound ({bound:.2f})"
+            )
+        lines.append(line)
+        shift = m["ours"].get("after_shift")
+        if shift and name == "output-shift":
+            lines.append(
+                f"  after the shift {shift['goodput_rps']:.2f} req/s = "
+                f"{shift['share_of_model_capacity']:.0%} of the ready pools' capacity at the new "
+                f"shape ({shift['model_capacity_rps']:.2f}, the model); settled at "
+                f"{shift['end_split']}: {shift['settled_goodput_rps']:.2f} = "
+                f"{shift['settled_share_of_simulated']:.0%} of what those pools serve in the "
+                f"simulator with the shifted load ({shift['end_split_simulated_rps']:.2f})"
+            )
+    return lines
+
+
+def _share(value: float, of: float) -> str:
+    return f"{value / of:.0%}" if of > 0 else "n/a"
 
 
 def scale_tables(seed: int) -> dict[str, Any]:
@@ -411,6 +555,8 @@ def main() -> None:
     t0 = time.perf_counter()
     result = run_bench(args.quick, args.seed, args.workers, tuple(args.only))
     print(table(result))
+    result["criteria"] = criteria(result)
+    print("\n".join(result["criteria"]))
     if args.scale_tables:
         result["scale"] = scale_tables(args.seed)
         for budget, s in result["scale"].items():

@@ -814,6 +814,9 @@ class Simulator:
                 "ttft_p90_s": m.ttft_p90_s,
                 "itl_ms": m.itl_ms,
                 "decode_kv_usage": m.decode_kv_usage,
+                "ready_prefill": float((self.P.state == READY).sum()),
+                "ready_decode": float((self.D.state == READY).sum()),
+                "admit_rate": self.admit_rate if self.admit_rate is not None else math.inf,
             }
         )
 

@@ -4,6 +4,9 @@ A policy is called every simulator tick with lagged :class:`Metrics` and the :cl
 and returns target (prefill, decode) replicas. State lives in the policy object.
 
 - :class:`FixedPolicy`: constant replicas (today's ``Fixed`` mode).
+- :class:`SwitchPolicy`: clairvoyant, for the online bound of a shift scenario only: one split
+  until the shift, another from the instant it happens (shrinking first, growing into the GPUs
+  freed, as the budget allows); no online policy knows either the instant or the new split.
 - :class:`RatioPlannerPolicy`: ours. Slow loop: every ``slow_s`` the model in ``ratio.py`` is
   run on a forecast (max of the recent and smoothed arrival rate, times a headroom) built from
   the observed lengths, first-turn share and tool pauses; its recommendation passes through
@@ -54,6 +57,28 @@ class FixedPolicy:
 
     def __call__(self, now: float, m: Metrics, fleet: FleetView) -> tuple[int, int]:
         return self.prefill, self.decode
+
+
+@dataclass
+class SwitchPolicy:
+    """``before`` until ``at``, then ``after`` within ``budget`` instances (see the module)."""
+
+    before: tuple[int, int]
+    after: tuple[int, int]
+    at: float
+    budget: int  # instances (the GPU budget / GPUs per instance)
+    prefill: InstanceProfile  # the profiles `with_admission` sizes the limit from
+    decode: InstanceProfile
+
+    def __call__(self, now: float, m: Metrics, fleet: FleetView) -> tuple[int, int]:
+        if now < self.at:
+            return self.before
+        p, d = self.after
+        if p > fleet.prefill:  # grow into what the other pool's pods left
+            p = max(fleet.prefill, min(p, self.budget - fleet.decode_pods))
+        if d > fleet.decode:
+            d = max(fleet.decode, min(d, self.budget - max(fleet.prefill_pods, p)))
+        return p, d
 
 
 @dataclass
@@ -194,7 +219,9 @@ class RatioPlannerPolicy:
         )
         cur = CurrentReplicas(fleet.prefill, fleet.decode, fleet.prefill_pods, fleet.decode_pods)
         urgent = rush_to_decode(observed, self.slo, self.target[1], fleet.decode)
-        dec = next_replicas(cur, rec, self.state, now, cfg, decode_failing=urgent)
+        dec = next_replicas(
+            cur, rec, self.state, now, cfg, decode_failing=urgent, planned=self.target
+        )
         self.state = dec.state
         return dec.prefill, dec.decode
 

@@ -30,6 +30,7 @@ from bench.fleetsim.policies import (
     FixedPolicy,
     MeanBasedPolicy,
     RatioPlannerPolicy,
+    SwitchPolicy,
 )
 from bench.fleetsim.workload import synth_trace_lines
 from cas_operator.autoscale import profiles as pf
@@ -395,3 +396,15 @@ def test_admission_admits_at_the_rate_and_sends_the_rest_back() -> None:
     assert res.arrival.size <= 1.0 * 300.0 + 5.0 + 1.0  # rate x time + ADMISSION_BURST_S
     assert res.arrival.size >= 0.8 * 300.0
     assert (5, 2) in asked
+
+
+def test_the_clairvoyant_switch_moves_at_the_shift_within_the_budget() -> None:
+    """Guards the benchmark's online-bound reference (issue 18): the pre-shift split until the
+    shift; from it, the shrinking pool at once and the growing one only into GPUs whose pods
+    have gone (at 32 instances, 26P:6D -> 16P:16D: decode waits for the prefill drain)."""
+    switch = SwitchPolicy((26, 6), (16, 16), 900.0, 32, P, D)
+    m = _metrics()
+    assert switch(899.0, m, FleetView(26, 6, 26, 6)) == (26, 6)
+    assert switch(900.0, m, FleetView(26, 6, 26, 6)) == (16, 6)  # prefill pods still draining
+    assert switch(930.0, m, FleetView(16, 6, 20, 6)) == (16, 12)  # grows into what has gone
+    assert switch(960.0, m, FleetView(16, 12, 16, 12)) == (16, 16)
