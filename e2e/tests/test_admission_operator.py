@@ -4,7 +4,7 @@ stack: the operator sizes each router's limit from the plan, and a burst beyond 
 
 Regression guarded (issue 18): a fleet offered more than it serves queued every request into a
 backlog that missed every TTFT; nothing told the router the fleet's capacity, and a replica
-change left any limit where it was.
+change left any limit where it was; what the routers refused was nowhere to be seen.
 """
 
 from __future__ import annotations
@@ -118,6 +118,12 @@ def test_routers_shed_beyond_the_planned_rate_and_follow_replica_changes(
                          60)  # fmt: skip
         time.sleep(3)  # the buckets refill (1 request/s per router)
         results = asyncio.run(burst(entry, 30, 400))
+        # the routers' 429s reach status.admission (their metrics -> the operator's source)
+        refused = wait_for(
+            "status.admission.refusedPerSecond",
+            lambda: (cas_status(kubectl, namespace).get("admission") or {}).get("refusedPerSecond"),
+            60,
+        )
     admitted = [r for r in results if r[0] == 200]
     shed = [r for r in results if r[0] == 429]
     assert len(shed) >= 20 and len(admitted) + len(shed) == 30, results
@@ -126,3 +132,5 @@ def test_routers_shed_beyond_the_planned_rate_and_follow_replica_changes(
     print(f"admitted {len(admitted)}, shed {len(shed)}: median {shed_times[len(shed) // 2]:.3f}s, "
           f"max {shed_times[-1]:.3f}s")  # fmt: skip
     assert shed_times[len(shed) // 2] < 0.05, shed_times  # answered at once, not queued
+    window = 300.0  # the anomaly window the refusals are counted over (the sample's default)
+    assert refused == pytest.approx(len(shed) / window, rel=0.35), (refused, len(shed))
