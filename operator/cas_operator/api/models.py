@@ -469,7 +469,8 @@ class AdmissionSpec(Spec):
 
     mode: AdmissionMode = Field(
         default=AdmissionMode.AUTO,
-        description="Auto: the rate the planner's model says the pools serve within the SLOs "
+        description="Auto: the highest rate at which the planner's model says the pools keep "
+        "every queue stable "
         "(models with an instance profile: GLM-5, DeepSeek-V3; none otherwise); Fixed: "
         "requestsPerSecond and burst; Off: no limit.",
     )
