@@ -218,7 +218,7 @@ class RatioPlannerPolicy:
             max_step_fraction=self.max_step_fraction,
         )
         cur = CurrentReplicas(fleet.prefill, fleet.decode, fleet.prefill_pods, fleet.decode_pods)
-        urgent = rush_to_decode(observed, self.slo, self.target[1], fleet.decode)
+        urgent = rush_to_decode(observed, self.target[1], fleet.decode)
         dec = next_replicas(
             cur, rec, self.state, now, cfg, decode_failing=urgent, planned=self.target
         )

@@ -339,14 +339,13 @@ def test_a_saturated_decode_is_rushed_even_while_ttft_fails() -> None:
     for it, the TTFT p90 (which counts that wait, and prefill's backpressure) was 77 s, which
     read as 'prefill failing too' and blocked the rush while the plan asked for 13P:19D at
     25P:6D. Only another prefill signal (the starvation hint) still holds it."""
-    slo = SloInputs(ttft_s=3.0, itl_ms=50.0)
     stuck = ObservedSignals(
         ttft_p90_s=77.0, prefill_queue_depth=4.0, decode_kv_usage=0.98, decode_queue_depth=500.0
     )
-    assert rush_to_decode(stuck, slo, planned_decode=19, current_decode=6)
-    assert not rush_to_decode(stuck, slo, 19, 6, prefill_pressed=True)
-    assert not rush_to_decode(stuck, slo, planned_decode=6, current_decode=6)
-    assert not rush_to_decode(replace(stuck, decode_queue_depth=0.0), slo, 19, 6)
+    assert rush_to_decode(stuck, planned_decode=19, current_decode=6)
+    assert not rush_to_decode(stuck, 19, 6, prefill_pressed=True)
+    assert not rush_to_decode(stuck, planned_decode=6, current_decode=6)
+    assert not rush_to_decode(replace(stuck, decode_queue_depth=0.0), 19, 6)
 
 
 def test_fast_adjust_never_cuts_decode_kv_that_is_in_use() -> None:
