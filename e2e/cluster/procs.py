@@ -129,10 +129,22 @@ def _reap(pid: int) -> None:
         _CHILDREN.pop(pid, None)
 
 
-def exit_code(rec: ProcRecord) -> int | None:
-    """Exit status when this process started ``rec`` and it has exited; else None."""
+def exit_code(rec: ProcRecord, wait_s: float = 2.0) -> int | None:
+    """Exit status when this process started ``rec`` and it has exited; else None.
+
+    A process that no longer looks running may still be exiting: the kernel empties its
+    /proc cmdline before it becomes a zombie that `waitpid` can reap (seen once in the e2e
+    suite: a crashed component reported "not running" without its exit status). So a child of
+    ours that is not running is waited for, up to ``wait_s``."""
     child = _CHILDREN.get(rec.pid)
-    return child.poll() if child is not None else None
+    if child is None:
+        return None
+    if is_running(rec):
+        return child.poll()
+    try:
+        return child.wait(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        return None
 
 
 def stop(rec: ProcRecord, *, grace_s: float = 10.0) -> str:
