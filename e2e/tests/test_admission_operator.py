@@ -118,12 +118,16 @@ def test_routers_shed_beyond_the_planned_rate_and_follow_replica_changes(
                          60)  # fmt: skip
         time.sleep(3)  # the buckets refill (1 request/s per router)
         results = asyncio.run(burst(entry, 30, 400))
-        # the routers' 429s reach status.admission (their metrics -> the operator's source)
-        refused = wait_for(
-            "status.admission.refusedPerSecond",
-            lambda: (cas_status(kubectl, namespace).get("admission") or {}).get("refusedPerSecond"),
-            60,
-        )
+        # the routers' 429s reach status.admission (their metrics -> the operator's source), as
+        # refusals per second over the anomaly window (the sample's default, 300 s). Each router
+        # is scraped on its own schedule, so the first reading may hold one router's share.
+        expected = sum(r[0] == 429 for r in results) / 300.0
+
+        def refused_per_second() -> float | None:
+            found = (cas_status(kubectl, namespace).get("admission") or {}).get("refusedPerSecond")
+            return found if found is not None and found >= 0.9 * expected else None
+
+        refused = wait_for("status.admission.refusedPerSecond", refused_per_second, 90)
     admitted = [r for r in results if r[0] == 200]
     shed = [r for r in results if r[0] == 429]
     assert len(shed) >= 20 and len(admitted) + len(shed) == 30, results
@@ -132,5 +136,4 @@ def test_routers_shed_beyond_the_planned_rate_and_follow_replica_changes(
     print(f"admitted {len(admitted)}, shed {len(shed)}: median {shed_times[len(shed) // 2]:.3f}s, "
           f"max {shed_times[-1]:.3f}s")  # fmt: skip
     assert shed_times[len(shed) // 2] < 0.05, shed_times  # answered at once, not queued
-    window = 300.0  # the anomaly window the refusals are counted over (the sample's default)
-    assert refused == pytest.approx(len(shed) / window, rel=0.35), (refused, len(shed))
+    assert refused == pytest.approx(len(shed) / 300.0, rel=0.1), (refused, len(shed))
