@@ -17,11 +17,12 @@ KWOK only pretends to run containers; this runner makes engine pods real process
    ``configmaps`` and ``volume_root`` set, into ``volume_root/<pod uid>/<volume>`` and every arg
    under its mountPath points there: the files are rewritten from the ConfigMap each pass, as a
    kubelet refreshes a projected ConfigMap, sooner); with ``kubeconfig`` set, router pods (a
-   container running ``sglang_router.launch_router``) run too, as the real SGLang router with
-   the container's args (``--host`` and ``--prometheus-host`` set to the pod IP) and Kubernetes
-   discovery against this API server (``KUBECONFIG``), so ``http://<router pod IP>:8000`` is a
-   router replica as in a real cluster (the operator deregisters draining workers there);
-   a process that exited is restarted after ``restart_backoff_s``;
+   container running ``sglang_router.launch_router`` or ``smg.launch_router``) run too, as that
+   real router with the container's args (``--host`` and ``--prometheus-host`` set to the pod
+   IP) and Kubernetes discovery against this API server (``KUBECONFIG``), so
+   ``http://<router pod IP>:8000`` is a router replica as in a real cluster (the operator
+   deregisters draining workers there); a process that exited is restarted after
+   ``restart_backoff_s``;
 3. stops (SIGTERM, by recorded pid) the processes of pods that went away or were replaced
    (a new pod UID under the same name); as a kubelet does, it first runs the container's
    ``cas_engine.prestop`` preStop hook (at the pod IP, in the pod's namespace), in the
@@ -67,10 +68,10 @@ from e2e.cluster.manifests import PROBED_READINESS, READINESS_TOLERATION_KEY
 from e2e.cluster.podnet import PodNetwork, load_for_kubeconfig
 from e2e.paths import REPO_ROOT  # where ROUTER_SHIM's package lives
 from e2e.runtime.prometheus import write_file_sd
+from e2e.runtime.router_shim import ROUTER_LAUNCHERS
 
 Pod = dict[str, Any]
 LAUNCHERS = ("cas_engine.launch_server", "cas_engine.sim")
-ROUTER_LAUNCHER = "sglang_router.launch_router"
 ROUTER_SHIM = "e2e.runtime.router_shim"  # the router, minus its process renaming (see that module)
 ROUTER_HOST_FLAGS = ("--host", "--prometheus-host")
 LOOPBACK = ipaddress.IPv4Network("127.0.0.0/8")
@@ -196,7 +197,7 @@ def _engine_container(pod: Pod) -> dict[str, Any] | None:
 
 def _served_container(pod: Pod) -> dict[str, Any] | None:
     """The container this runner runs for the pod: an engine's, else a router's."""
-    return _engine_container(pod) or _container_running(pod, (ROUTER_LAUNCHER,))
+    return _engine_container(pod) or _container_running(pod, ROUTER_LAUNCHERS)
 
 
 def _expand(arg: str, env: dict[str, str]) -> str:
@@ -301,9 +302,11 @@ def router_launch_for(
     `kubeconfig`."""
     meta = pod.get("metadata", {})
     ip = _runnable_ip(pod, networks)
-    container = _container_running(pod, (ROUTER_LAUNCHER,)) if ip else None
+    container = _container_running(pod, ROUTER_LAUNCHERS) if ip else None
     if ip is None or container is None:
         return None
+    command = " ".join(container.get("command", []))
+    launcher = next((m for m in ROUTER_LAUNCHERS if m in command), ROUTER_LAUNCHERS[0])
     try:
         env = _env_of(container, meta.get("namespace", ""), secrets)
     except _Unresolvable:
@@ -321,7 +324,7 @@ def router_launch_for(
         namespace=meta.get("namespace", ""),
         ip=ip,
         port=port,
-        argv=(python, "-m", ROUTER_SHIM, *args),
+        argv=(python, "-m", ROUTER_SHIM, launcher, *args),
         env=tuple(sorted(env.items())),
         grace_s=_grace_of(pod),
         prestop_sleep_s=prestop_sleep_for(container),

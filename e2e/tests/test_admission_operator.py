@@ -1,10 +1,12 @@
-"""Admission control through the OPERATOR PROCESS and the real SGLang router (0.3.2) on the local
-stack: the operator sizes each router's limit from the plan, and a burst beyond it is answered
-429 at once through the entry Service (kube-proxy), while the admitted requests complete.
+"""Admission control through the OPERATOR PROCESS and the real routers (sglang-router 0.3.2 and
+smg 1.13, `router.implementation`) on the local stack: the operator sizes each router's limit
+from the plan, and a burst beyond it is answered 429 at once through the entry Service
+(kube-proxy), by smg with `Retry-After`, while the admitted requests complete.
 
 Regression guarded (issue 18): a fleet offered more than it serves queued every request into a
 backlog that missed every TTFT; nothing told the router the fleet's capacity, and a replica
-change left any limit where it was; what the routers refused was nowhere to be seen.
+change left any limit where it was; what the routers refused was nowhere to be seen; a shed
+client was not told when to come back (sglang-router 0.3.2 sends no Retry-After).
 """
 
 from __future__ import annotations
@@ -33,13 +35,17 @@ pytestmark = [
 ]
 
 
-def glm5_fleet() -> dict[str, Any]:
+MODEL = "zai-org/GLM-5-FP8"  # also the served name: smg serves only requests that name it
+
+
+def glm5_fleet(implementation: str = "sglang-router") -> dict[str, Any]:
     """The minimal sample as a GLM-5 fleet (the model the planner has a profile for; the sims
     do not care), 1 prefill : 1 decode, admission Auto (the default)."""
     cas: dict[str, Any] = yaml.safe_load((ROOT / "config/samples/minimal.yaml").read_text())
-    cas["spec"]["model"] = {"name": "zai-org/GLM-5-FP8"}
+    cas["spec"]["model"] = {"name": MODEL}
     cas["spec"]["prefill"] = {"replicas": 1}
     cas["spec"]["decode"] = {"replicas": 1}
+    cas["spec"]["router"] = {"implementation": implementation}
     return cas
 
 
@@ -64,30 +70,34 @@ def routers_rolled(kubectl: Kubectl, namespace: str) -> bool:
     )
 
 
-async def burst(url: str, n: int, tokens: int) -> list[tuple[int, float, int]]:
-    """`n` chat requests at once: (status, seconds to the answer, completion tokens)."""
-    body = {"model": "sim", "messages": [{"role": "user", "content": "fix the flaky test"}],
+async def burst(url: str, n: int, tokens: int) -> list[tuple[int, float, int, str | None]]:
+    """`n` chat requests at once: (status, seconds to the answer, completion tokens,
+    Retry-After)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "fix the flaky test"}],
             "max_tokens": tokens, "ignore_eos": True}  # fmt: skip
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(
         timeout=timeout, connector=aiohttp.TCPConnector(force_close=True)
     ) as s:
 
-        async def one() -> tuple[int, float, int]:
+        async def one() -> tuple[int, float, int, str | None]:
             started = time.monotonic()
             async with s.post(f"{url}/v1/chat/completions", json=body) as resp:
                 text = await resp.text()
             got = json.loads(text)["usage"]["completion_tokens"] if resp.status == 200 else 0
-            return resp.status, time.monotonic() - started, int(got)
+            retry_after = resp.headers.get("Retry-After")
+            return resp.status, time.monotonic() - started, int(got), retry_after
 
         return list(await asyncio.gather(*(one() for _ in range(n))))
 
 
+@pytest.mark.parametrize("implementation", ["sglang-router", "smg"])
 def test_routers_shed_beyond_the_planned_rate_and_follow_replica_changes(
-    live_stack: MakeLiveStack, namespace: str, kubectl: Kubectl, crds: None
+    live_stack: MakeLiveStack, namespace: str, kubectl: Kubectl, crds: None, implementation: str
 ) -> None:
     stack = live_stack(SIM_ARGS)
-    with resource_live(stack, kubectl, glm5_fleet(), log=lambda s: print(f"[live] {s}")):
+    fleet = glm5_fleet(implementation)
+    with resource_live(stack, kubectl, fleet, log=lambda s: print(f"[live] {s}")):
         first = wait_for(
             "status.admission from the planner",
             lambda: (
@@ -98,6 +108,10 @@ def test_routers_shed_beyond_the_planned_rate_and_follow_replica_changes(
         assert "within the SLOs" in first["basis"] or "stable" in first["basis"], first
         before = router_flag(kubectl, namespace, "--rate-limit-tokens-per-second")
         assert before == {str(first["perRouter"]["requestsPerSecond"])}, (before, first)
+        # smg bounds requests in flight by the same flag: it gets what the pools hold
+        bound = first["perRouter"]["inFlight" if implementation == "smg" else "burst"]
+        held = router_flag(kubectl, namespace, "--max-concurrent-requests")
+        assert held == {str(bound)}, (held, first)
 
         # a replica change moves the limit (and rolls the routers to it)
         kubectl("patch", "cas", NAME, "-n", namespace, "--type=merge",
@@ -131,8 +145,13 @@ def test_routers_shed_beyond_the_planned_rate_and_follow_replica_changes(
     admitted = [r for r in results if r[0] == 200]
     shed = [r for r in results if r[0] == 429]
     assert len(shed) >= 20 and len(admitted) + len(shed) == 30, results
-    assert all(tokens == 400 for _, _, tokens in admitted), admitted  # nothing cut
-    shed_times = sorted(t for _, t, _ in shed)
+    assert all(tokens == 400 for _, _, tokens, _ in admitted), admitted  # nothing cut
+    retry_after = {r[3] for r in shed}
+    if implementation == "smg":  # the client is told when to come back
+        assert all(v is not None and int(v) >= 1 for v in retry_after), retry_after
+    else:
+        assert retry_after == {None}, retry_after  # 0.3.2 sends none (docs/planner.md)
+    shed_times = sorted(t for _, t, _, _ in shed)
     print(f"admitted {len(admitted)}, shed {len(shed)}: median {shed_times[len(shed) // 2]:.3f}s, "
           f"max {shed_times[-1]:.3f}s")  # fmt: skip
     assert shed_times[len(shed) // 2] < 0.05, shed_times  # answered at once, not queued

@@ -215,8 +215,9 @@ def test_router_pods_run_as_real_routers_at_their_pod_ip(tmp_path: Path) -> None
         "status": {"phase": "Running", "podIP": "127.10.3.2"},
     }  # fmt: skip
     launch = router_launch_for(pod, "py", tmp_path / "kubeconfig")
-    assert launch is not None and launch.argv[:3] == ("py", "-m", ROUTER_SHIM)
-    assert launch.argv[3:] == (
+    assert launch is not None and launch.argv[:4] == (
+        "py", "-m", ROUTER_SHIM, "sglang_router.launch_router")  # fmt: skip
+    assert launch.argv[4:] == (
         "--host",
         "127.10.3.2",
         "--port",
@@ -230,6 +231,18 @@ def test_router_pods_run_as_real_routers_at_their_pod_ip(tmp_path: Path) -> None
     assert dict(launch.env)["KUBECONFIG"] == str(tmp_path / "kubeconfig")
     assert (launch.ip, launch.port) == ("127.10.3.2", 8000)
     assert (launch.prestop_sleep_s, launch.grace_s) == (0.0, 30.0)
+    # smg's pods run smg (router.implementation: smg)
+    smg = {
+        **pod,
+        "spec": {
+            **pod["spec"],
+            "containers": [
+                {**pod["spec"]["containers"][0], "command": ["python3", "-m", "smg.launch_router"]}
+            ],
+        },
+    }
+    smg_launch = router_launch_for(smg, "py", tmp_path / "kubeconfig")
+    assert smg_launch is not None and smg_launch.argv[3] == "smg.launch_router", smg_launch
     # as a kubelet: the pod's grace, and a preStop sleep before the SIGTERM (issue 15)
     pod["spec"]["terminationGracePeriodSeconds"] = 95
     pod["spec"]["containers"][0]["lifecycle"] = {"preStop": {"sleep": {"seconds": 5}}}

@@ -118,6 +118,13 @@ class RouterPolicy(StrEnum):
     RANDOM = "random"
 
 
+class RouterImplementation(StrEnum):
+    """Which router binary the router pods run (the same flags, discovery and worker API)."""
+
+    SGLANG_ROUTER = "sglang-router"  # PyPI sglang-router 0.3.2: python3 -m sglang_router...
+    SMG = "smg"  # its successor, Shepherd Model Gateway 1.13: python3 -m smg.launch_router
+
+
 class GuardAction(StrEnum):
     DRAIN = "Drain"
     REPLACE = "Replace"
@@ -496,6 +503,14 @@ class RouterSpec(Spec):
         le=64,
         description="Router pods per revision, spread over nodes where they can be. With 1, "
         "draining that pod's node refuses new connections until its replacement is Ready.",
+    )
+    implementation: RouterImplementation = Field(
+        default=RouterImplementation.SGLANG_ROUTER,
+        description="sglang-router (0.3.2): sheds with a bare 429. smg (1.13): sheds with 429 "
+        "and Retry-After: 2, bounds the requests in flight per router (Auto: what the planner "
+        "says the pools hold at the admitted rate; Fixed: burst), and serves only requests that "
+        "name the served model (model.servedModelName, else model.name). The image must ship "
+        "it (docs/architecture.md, The router).",
     )
     policy: RouterPolicy = RouterPolicy.CACHE_AWARE
     retries: int = Field(

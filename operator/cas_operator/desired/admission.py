@@ -15,8 +15,14 @@ rate and burst, and each router's share, which
 integer, at least 1), `--max-concurrent-requests` (the bucket's size: the burst admitted at
 once) and `--queue-size 0`. sglang-router 0.3.2's limiter is that token bucket (measured: with
 `--max-concurrent-requests 2`, new requests were still admitted at 1 per second while two ran),
-so the burst is `BURST_SECONDS` of the rate. The limits follow a replica change (a new router
-template: the routers roll, draining).
+so the burst is `BURST_SECONDS` of the rate. smg 1.13 (`router.implementation: smg`) takes the
+same flags with one more meaning: its `--max-concurrent-requests` is both the bucket's size and a
+bound on the requests in flight (measured: with a bound of 100 and 2 requests per second a burst
+of 30 was admitted at once; with 4, two were, and 28 got 429 with `Retry-After: 2`). So for smg
+that flag is `in_flight`: what the planner's model says the pools hold at the admitted rate
+(decode's running requests plus the rate times the TTFT, at most its target), and never below
+the burst.
+The limits follow a replica change (a new router template: the routers roll, draining).
 
 Why the stable rate and not the (lower) rate the model serves within the SLOs: between the two
 the fleet still drains what it admits, with a longer TTFT tail for some requests, and the model
@@ -63,29 +69,46 @@ class Admission:
 
     requests_per_second: float  # the fleet's sustained admission rate
     burst: int  # requests the fleet admits at once above it
+    in_flight: int  # requests the fleet holds at that rate (smg bounds them; >= burst)
     router_rps: int  # each router's bucket refill (>= 1)
     router_burst: int  # each router's bucket size
+    router_in_flight: int  # each router's bound on requests in flight (smg; >= router_burst)
     basis: str  # where the numbers come from, as status shows it
 
     def to_status(self, routers: int) -> dict[str, object]:
         return {
             "requestsPerSecond": round(self.requests_per_second, 3),
             "burst": self.burst,
+            "inFlight": self.in_flight,
             "perRouter": {
                 "requestsPerSecond": self.router_rps,
                 "burst": self.router_burst,
+                "inFlight": self.router_in_flight,
                 "routers": routers,
             },
             "basis": self.basis,
         }
 
 
-def per_router(rate: float, burst: int, routers: int, basis: str) -> Admission:
+@dataclass(frozen=True)
+class Capacity:
+    """What the planner's model says a plan's pools serve."""
+
+    requests_per_second: float  # the highest rate with every queue stable
+    in_flight: float  # requests held at that rate: decode's running plus rate x TTFT (<= SLO)
+    basis: str  # how it was found, as status shows it
+
+
+def per_router(
+    rate: float, burst: int, routers: int, basis: str, in_flight: float = 0.0
+) -> Admission:
     """Split a fleet's limits over its routers (the entry Service spreads connections)."""
     n = max(1, routers)
     router_rps = max(1, round(rate / n))
     router_burst = max(router_rps, math.ceil(burst / n))
-    return Admission(rate, burst, router_rps, router_burst, basis)
+    held = max(burst, math.ceil(in_flight))
+    router_held = max(router_burst, math.ceil(held / n))
+    return Admission(rate, burst, held, router_rps, router_burst, router_held, basis)
 
 
 def admission_for(plan: Plan) -> Admission | None:
@@ -101,15 +124,15 @@ def admission_for(plan: Plan) -> Admission | None:
     found = planned_capacity(plan)
     if found is None:
         return None
-    rate, why = found
-    rate *= spec.headroom
+    rate = found.requests_per_second * spec.headroom
     burst = max(1, math.ceil(rate * BURST_SECONDS))
-    return per_router(rate, burst, routers, f"{why}; x{spec.headroom:g} headroom")
+    held = found.in_flight * spec.headroom
+    return per_router(rate, burst, routers, f"{found.basis}; x{spec.headroom:g} headroom", held)
 
 
-def planned_capacity(plan: Plan) -> tuple[float, str] | None:
-    """(requests/s, why) the plan's pools serve, from the model's instance profile; None when
-    the model has none."""
+def planned_capacity(plan: Plan) -> Capacity | None:
+    """What the plan's pools serve, from the model's instance profile; None when the model has
+    none."""
     spec = plan.spec
     profile = profile_for(spec.model.name)
     if profile is None:
@@ -154,7 +177,7 @@ def _capacity(
     instance_gpus: tuple[int, int],
     n_prefill: int,
     n_decode: int,
-) -> tuple[float, str]:
+) -> Capacity:
     prefill, decode = instance_profiles(
         load_spec(profile), prefill_tp_cp, layer_split, instance_gpus
     )
@@ -163,7 +186,15 @@ def _capacity(
     rate = sustainable_rate(workload, slo, prefill, decode, n_prefill, n_decode)
     within = highest_rate(workload, slo, prefill, decode, n_prefill, n_decode, within_slo=True)
     slo_note = f"within the SLOs to {within:.3g}" if within > 0 else "the SLOs at no rate"
-    return rate, f"the planner: {pools} keep queues stable to {rate:.3g} req/s ({slo_note})"
+    held = 0.0
+    if rate > 0:
+        at = WorkloadInputs(**{**workload.__dict__, "request_rate": rate})
+        ev = evaluate(at, slo, prefill, decode, n_prefill, n_decode)
+        # near the stable rate the model's TTFT tail runs to infinity: a request that waits
+        # longer than the TTFT target is one the admission is there to refuse
+        held = n_decode * ev.decode_active_per_instance + rate * min(ev.ttft_p90_s, slo.ttft_s)
+    basis = f"the planner: {pools} keep queues stable to {rate:.3g} req/s ({slo_note})"
+    return Capacity(rate, held if math.isfinite(held) else 0.0, basis)
 
 
 def sustainable_rate(

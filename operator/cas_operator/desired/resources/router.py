@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from cas_operator.api import constants as c
+from cas_operator.api.models import RouterImplementation
 from cas_operator.desired.admission import admission_for
 from cas_operator.desired.plan import Plan
 from cas_operator.desired.resources.meta import (
@@ -23,7 +24,12 @@ from cas_operator.desired.resources.security import (
     router_control_plane_keys,
 )
 
-ROUTER_MODULE = ["python3", "-m", "sglang_router.launch_router"]
+# The router each implementation runs; both take the flags `router_args` renders
+# (docs/results/smg-1.13-evaluation.md: every one parses unchanged in smg 1.13).
+ROUTER_COMMANDS = {
+    RouterImplementation.SGLANG_ROUTER: ["python3", "-m", "sglang_router.launch_router"],
+    RouterImplementation.SMG: ["python3", "-m", "smg.launch_router"],
+}
 # A deleted router pod keeps accepting this long before SIGTERM: the time for its endpoint to
 # leave the entry Service everywhere (kube-proxy syncs at most once a second by default).
 ROUTER_ENDPOINT_SETTLE_SECONDS = 5
@@ -62,20 +68,30 @@ def router_args(plan: Plan) -> list[str]:
         "--control-plane-api-keys",
         router_control_plane_keys(c.ENV_ROUTER_CONTROL_PLANE_KEY),
     ]
-    admission = admission_for(plan)
-    if admission is not None:  # a token bucket per router, 429 at once beyond it
-        args += [
-            "--rate-limit-tokens-per-second",
-            str(admission.router_rps),
-            "--max-concurrent-requests",
-            str(admission.router_burst),
-            "--queue-size",
-            "0",
-        ]
+    args += admission_args(plan)
     if router.retries == 0:
         return [*args, "--disable-retries"]
     # the router's "max retries" counts attempts: 1 is no retry (its --disable-retries help)
     return [*args, "--retry-max-retries", str(router.retries + 1)]
+
+
+def admission_args(plan: Plan) -> list[str]:
+    """A token bucket per router, 429 at once beyond it (`desired.admission`). smg's
+    `--max-concurrent-requests` bounds the requests in flight too, so it gets what the pools
+    hold; with no limit, smg is told so (its default is a bound derived from the host)."""
+    smg = plan.spec.router.implementation == RouterImplementation.SMG
+    admission = admission_for(plan)
+    if admission is None:
+        return ["--max-concurrent-requests", "0"] if smg else []
+    bound = admission.router_in_flight if smg else admission.router_burst
+    return [
+        "--rate-limit-tokens-per-second",
+        str(admission.router_rps),
+        "--max-concurrent-requests",
+        str(bound),
+        "--queue-size",
+        "0",
+    ]
 
 
 def service_account_name(plan: Plan) -> str:
@@ -92,7 +108,7 @@ def build_router_deployment(owner: Owner, plan: Plan) -> Manifest:
     container: dict[str, Any] = {
         "name": "router",
         "image": router.image or plan.spec.engine.image,
-        "command": ROUTER_MODULE,
+        "command": ROUTER_COMMANDS[router.implementation],
         "args": router_args(plan),
         "env": [key_env(plan, c.ENV_ROUTER_CONTROL_PLANE_KEY, c.KEY_ROUTER_CONTROL_PLANE)],
         "ports": [

@@ -1,0 +1,92 @@
+"""Every router command line the operator renders is taken by that router's own argument parser
+and validation: sglang-router 0.3.2 and smg 1.13 (`router.implementation`), on CPU.
+
+Regression guarded: router flags were checked only against our model of the router; smg gives
+`--max-concurrent-requests` a second meaning (a bound on requests in flight, measured in
+docs/results/smg-1.13-evaluation.md), so the burst the operator renders for sglang-router would
+have capped an smg router's in-flight requests at a few seconds of its rate, and with no limit
+smg would still bound them by its host-derived default.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+from cas_operator.api import constants as c
+from cas_operator.api.models import parse_spec
+from cas_operator.desired.admission import admission_for
+from cas_operator.desired.build import build_plan
+from cas_operator.desired.resources.router import ROUTER_COMMANDS, router_args
+from tests.paths import load_sample
+
+IMPLEMENTATIONS = ("sglang-router", "smg")
+SAMPLES = ("minimal.yaml", "glm5-long-context.yaml", "multinode-decode.yaml")
+KEY = "k" * 32  # what the kubelet puts in the container's env from the keys Secret
+
+
+def rendered(spec: dict[str, Any], implementation: str) -> tuple[list[str], list[str]]:
+    """(command, args) of the router container, env references resolved as a kubelet does."""
+    spec = {**spec, "router": {**spec.get("router", {}), "implementation": implementation}}
+    plan = build_plan("demo", "ns", parse_spec(spec))
+    args = [re.sub(r"\$\([A-Z_]+\)", KEY, a) for a in router_args(plan)]
+    return ROUTER_COMMANDS[plan.spec.router.implementation], args
+
+
+def parsed(command: list[str], args: list[str]) -> Any:
+    """The router's own parse and validation of `args`, as its launcher does before starting."""
+    module = command[-1]
+    if module == "smg.launch_router":
+        from smg.launch_router import parse_router_args
+    else:
+        from sglang_router.launch_router import parse_router_args
+    router = parse_router_args(args)
+    if module == "smg.launch_router" and router.selected_discovery_provider():
+        router.enable_igw = True  # what smg's launch_router does with discovery on
+    router._validate_router_args()
+    return router
+
+
+GLM5: dict[str, Any] = {
+    "model": {"name": "zai-org/GLM-5-FP8"},
+    "prefill": {"replicas": 2},
+    "decode": {"replicas": 2},
+}
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("sample", SAMPLES)
+def test_every_sample_parses_in_the_router_it_names(sample: str, implementation: str) -> None:
+    command, args = rendered(load_sample(sample)["spec"], implementation)
+    router = parsed(command, args)
+    assert router.pd_disaggregation and router.service_discovery
+    assert router.port == c.ROUTER_PORT and router.prometheus_port == c.ROUTER_METRICS_PORT
+    assert "cas.dev/serving" in router.prefill_selector
+    assert router.prefill_selector["cas.dev/role"] == "prefill"
+    assert router.decode_selector["cas.dev/role"] == "decode"
+    assert KEY in str(router.control_plane_api_keys)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_admission_reaches_the_router_as_it_reads_it(implementation: str) -> None:
+    plan = build_plan("demo", "ns", parse_spec(GLM5))
+    admission = admission_for(plan)
+    assert admission is not None
+    router = parsed(*rendered(GLM5, implementation))
+    assert router.queue_size == 0  # beyond the limit: 429 at once
+    assert router.rate_limit_tokens_per_second == admission.router_rps
+    if implementation == "smg":
+        # smg bounds requests in flight by it: what the pools hold at the rate, not 5 s of it
+        assert router.max_concurrent_requests == admission.router_in_flight
+        assert admission.router_in_flight > admission.router_burst
+    else:
+        assert router.max_concurrent_requests == admission.router_burst
+
+
+def test_smg_without_a_limit_is_told_so() -> None:
+    """smg's default is a bound derived from the host (about 4,096 in flight); Off means none."""
+    off = {**GLM5, "router": {"admission": {"mode": "Off"}}}
+    assert parsed(*rendered(off, "smg")).max_concurrent_requests == 0
+    assert parsed(*rendered(off, "sglang-router")).rate_limit_tokens_per_second is None
