@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, NamedTuple
 
 import aiohttp
 import pytest
@@ -70,23 +71,46 @@ def routers_rolled(kubectl: Kubectl, namespace: str) -> bool:
     )
 
 
-async def burst(url: str, n: int, tokens: int) -> list[tuple[int, float, int, str | None]]:
-    """`n` chat requests at once: (status, seconds to the answer, completion tokens,
-    Retry-After)."""
+class Answer(NamedTuple):
+    status: int
+    seconds: float  # from the request's headers leaving the client to the whole answer
+    connect_seconds: float  # before that: the connection through kube-proxy (client side)
+    tokens: int  # completion tokens
+    retry_after: str | None
+
+
+async def _headers_sent(_s: object, ctx: SimpleNamespace, _p: object) -> None:
+    ctx.trace_request_ctx["sent"] = time.monotonic()
+
+
+async def burst(url: str, n: int, tokens: int) -> list[Answer]:
+    """`n` chat requests at once, each on its own connection. The router's answer time is
+    taken from the moment the request's headers were sent, and the client's connecting time
+    before that is kept beside it: a first version timed from the call, which includes one
+    client opening 30 connections on a 2-core machine, and failed once at a 79 ms median whose
+    fastest answers took 7 ms (not seen again in 8 runs: medians 5-28 ms, connecting at most
+    12 ms); the assertion's message now says which of the two it was."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "fix the flaky test"}],
             "max_tokens": tokens, "ignore_eos": True}  # fmt: skip
     timeout = aiohttp.ClientTimeout(total=120)
+    trace = aiohttp.TraceConfig()
+    trace.on_request_headers_sent.append(_headers_sent)
     async with aiohttp.ClientSession(
-        timeout=timeout, connector=aiohttp.TCPConnector(force_close=True)
+        timeout=timeout, connector=aiohttp.TCPConnector(force_close=True), trace_configs=[trace]
     ) as s:
 
-        async def one() -> tuple[int, float, int, str | None]:
+        async def one() -> Answer:
+            times: dict[str, float] = {}
             started = time.monotonic()
-            async with s.post(f"{url}/v1/chat/completions", json=body) as resp:
+            async with s.post(
+                f"{url}/v1/chat/completions", json=body, trace_request_ctx=times
+            ) as resp:
                 text = await resp.text()
+            done = time.monotonic()
             got = json.loads(text)["usage"]["completion_tokens"] if resp.status == 200 else 0
-            retry_after = resp.headers.get("Retry-After")
-            return resp.status, time.monotonic() - started, int(got), retry_after
+            sent = times.get("sent", started)
+            return Answer(resp.status, done - sent, sent - started, int(got),
+                          resp.headers.get("Retry-After"))  # fmt: skip
 
         return list(await asyncio.gather(*(one() for _ in range(n))))
 
@@ -135,24 +159,25 @@ def test_routers_shed_beyond_the_planned_rate_and_follow_replica_changes(
         # the routers' 429s reach status.admission (their metrics -> the operator's source), as
         # refusals per second over the anomaly window (the sample's default, 300 s). Each router
         # is scraped on its own schedule, so the first reading may hold one router's share.
-        expected = sum(r[0] == 429 for r in results) / 300.0
+        expected = sum(r.status == 429 for r in results) / 300.0
 
         def refused_per_second() -> float | None:
             found = (cas_status(kubectl, namespace).get("admission") or {}).get("refusedPerSecond")
             return found if found is not None and found >= 0.9 * expected else None
 
         refused = wait_for("status.admission.refusedPerSecond", refused_per_second, 90)
-    admitted = [r for r in results if r[0] == 200]
-    shed = [r for r in results if r[0] == 429]
+    admitted = [r for r in results if r.status == 200]
+    shed = [r for r in results if r.status == 429]
     assert len(shed) >= 20 and len(admitted) + len(shed) == 30, results
-    assert all(tokens == 400 for _, _, tokens, _ in admitted), admitted  # nothing cut
-    retry_after = {r[3] for r in shed}
+    assert all(r.tokens == 400 for r in admitted), admitted  # nothing cut
+    retry_after = {r.retry_after for r in shed}
     if implementation == "smg":  # the client is told when to come back
         assert all(v is not None and int(v) >= 1 for v in retry_after), retry_after
     else:
         assert retry_after == {None}, retry_after  # 0.3.2 sends none (docs/planner.md)
-    shed_times = sorted(t for _, t, _, _ in shed)
+    shed_times = sorted(r.seconds for r in shed)
+    connect = sorted(r.connect_seconds for r in results)
     print(f"admitted {len(admitted)}, shed {len(shed)}: median {shed_times[len(shed) // 2]:.3f}s, "
-          f"max {shed_times[-1]:.3f}s")  # fmt: skip
-    assert shed_times[len(shed) // 2] < 0.05, shed_times  # answered at once, not queued
+          f"max {shed_times[-1]:.3f}s; connecting took up to {connect[-1]:.3f}s")  # fmt: skip
+    assert shed_times[len(shed) // 2] < 0.05, (shed_times, connect)  # at once, not queued
     assert refused == pytest.approx(len(shed) / 300.0, rel=0.1), (refused, len(shed))
