@@ -4,7 +4,10 @@ For each scenario, run side by side on one workload seed:
 - ``fixed-1:1``: half the budget to each pool;
 - ``best-fixed``: the static split that is best on the steady scenario, used everywhere;
 - ``mean-based``: a Dynamo-style throughput planner (mean lengths, fixed 90% hit rate);
-- ``ours``: ``ratio.recommend`` + ``next_replicas`` (slow and fast loop);
+- ``ours``: ``ratio.recommend`` + ``next_replicas`` (slow and fast loop), behind the product's
+  admission as sglang-router enforces it (a token bucket at the planner's stable rate);
+- ``ours-smg``: the same with smg's admission (``router.implementation: smg``): the same bucket,
+  and no more requests in flight than the pools hold before any waits for decode KV;
 - ``exhaustive``: the best static split of the budget for this scenario, found by simulating
   every split (coarse stride, then the neighbourhood of the best);
 - ``online-bound`` (scenarios with a shift): hindsight is not reachable online there (the best
@@ -41,13 +44,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from bench.fleetsim import FleetConfig, Modifier, SessionMix, SessionWorkload
-from bench.fleetsim.engine import FleetView, Metrics, SimResult, Simulator
+from bench.fleetsim.engine import ADMISSION_BURST_S, FleetView, Limit, Metrics, SimResult, Simulator
 from bench.fleetsim.policies import MeanBasedPolicy, RatioPlannerPolicy, SwitchPolicy
 from cas_operator.autoscale import profiles as pf
 from cas_operator.autoscale.model import Bounds, InstanceProfile, SloInputs, WorkloadInputs
 from cas_operator.autoscale.search import recommend
 from cas_operator.autoscale.signals import on_grid
-from cas_operator.desired.admission import highest_rate, sustainable_rate
+from cas_operator.desired.admission import highest_rate, in_flight_at, sustainable_rate
 
 SLO = SloInputs(ttft_s=3.0, itl_ms=50.0)
 SPEC = pf.load_spec("glm5-fp8-h200")
@@ -197,10 +200,12 @@ def _run(sc: Scenario, method: str, split: tuple[int, int] | None, seed: int) ->
         policy = SwitchPolicy((n_p, n_d), (post, n - post), sc.shift_s, n, p, d)
         if method == "switch-admitted":
             policy, admission = with_admission(policy, _declared(sc))
-    elif method == "ours":
+    elif method in ("ours", "ours-smg"):
         rec = recommend(_declared(sc), SLO, p, d, bounds)
         n_p, n_d = rec.n_prefill, rec.n_decode
-        policy, admission = with_admission(RatioPlannerPolicy(p, d, SLO, bounds), _declared(sc))
+        policy, admission = with_admission(
+            RatioPlannerPolicy(p, d, SLO, bounds), _declared(sc), method == "ours-smg"
+        )
     elif method == "mean-based":
         policy = MeanBasedPolicy(p, d, SLO, bounds)
         wl = _declared(sc)
@@ -237,7 +242,7 @@ def _run(sc: Scenario, method: str, split: tuple[int, int] | None, seed: int) ->
         retractions=float(res.retractions),
         shed=float(res.shed),
     )
-    if method == "ours" and sc.shift_s is not None:
+    if method in ("ours", "ours-smg") and sc.shift_s is not None:
         g["after_shift"] = after_shift(sc, res, seed)
     return g
 
@@ -286,11 +291,15 @@ def _good(res: SimResult, t0: float, t1: float) -> float:
     return float(ok.sum()) / max(t1 - t0, 1e-9)
 
 
-def with_admission(policy: Any, declared: WorkloadInputs) -> tuple[Any, Any]:
-    """The product's `router.admission: Auto` next to `policy`: the rate the planner's model
-    says the ready pools serve within the SLO (`desired.admission`), for the request shape the
-    fleet measures (prompt and output tokens per request, on `autoscale.signals.on_grid`),
-    the declared one until it measures; the policy is wrapped to hand its metrics over."""
+def with_admission(
+    policy: Any, declared: WorkloadInputs, in_flight_bound: bool = False
+) -> tuple[Any, Any]:
+    """The product's `router.admission: Auto` next to `policy`: the rate at which the planner's
+    model says the ready pools keep every queue stable (`desired.admission`), for the request
+    shape the fleet measures (prompt and output tokens per request, on
+    `autoscale.signals.on_grid`), the declared one until it measures; with `in_flight_bound`
+    (`router.implementation: smg`), also what the pools hold at that rate as smg's bound on the
+    requests in flight. The policy is wrapped to hand its metrics over."""
     p, d = policy.prefill, policy.decode
     seen: dict[str, float] = {}
 
@@ -300,16 +309,22 @@ def with_admission(policy: Any, declared: WorkloadInputs) -> tuple[Any, Any]:
         return policy(now, m, view)  # type: ignore[no-any-return]
 
     @functools.cache
-    def rate(n_p: int, n_d: int, inp: float, out: float) -> float | None:
+    def limit(n_p: int, n_d: int, inp: float, out: float) -> Limit | None:
         wl = replace(declared, avg_input_tokens=inp, avg_output_tokens=out)
-        return sustainable_rate(wl, SLO, p, d, n_p, n_d) or None
+        found = sustainable_rate(wl, SLO, p, d, n_p, n_d)
+        if not found:
+            return None
+        if not in_flight_bound:
+            return Limit(found)
+        held = in_flight_at(found, wl, SLO, d, n_d)
+        return Limit(found, max(held, found * ADMISSION_BURST_S))
 
-    def admission(n_p: int, n_d: int) -> float | None:
+    def admission(n_p: int, n_d: int) -> Limit | None:
         if n_p < 1 or n_d < 1:
             return None
         inp = on_grid(seen.get("in")) or declared.avg_input_tokens
         out = on_grid(seen.get("out")) or declared.avg_output_tokens
-        return rate(n_p, n_d, inp, out)
+        return limit(n_p, n_d, inp, out)
 
     return observing, admission
 
@@ -388,6 +403,7 @@ def run_bench(quick: bool, seed: int, workers: int, only: tuple[str, ...] = ()) 
                 "best-fixed": pool.submit(_run, sc, "fixed", (bf, n - bf), seed),
                 "mean-based": pool.submit(_run, sc, "mean-based", None, seed),
                 "ours": pool.submit(_run, sc, "ours", None, seed),
+                "ours-smg": pool.submit(_run, sc, "ours-smg", None, seed),
             }
             rows = {k: f.result() for k, f in jobs.items()}
             rows["exhaustive"] = scores[best]

@@ -23,10 +23,13 @@ with numpy, and event times inside a step are kept exact where they are determin
 - Control: every ``tick_s`` a policy sees metrics from ``metric_lag_s`` ago and returns target
   replicas; new pods hold GPUs but serve nothing until ``pod_start_s``; removed pods stop taking
   work at once and leave after ``drain_s`` (their cache is lost).
-- Admission (``FleetConfig.admission``, the operator's `router.admission`): every tick the rate
-  for the ready pools is set; arrivals take a token from a bucket refilled at that rate (holding
-  ``ADMISSION_BURST_S`` of it, as the routers do); an arrival without a token is answered 429
-  at once and its session sends the turn again ``RETRY_AFTER_S`` later (counted in ``shed``).
+- Admission (``FleetConfig.admission``, the operator's `router.admission`): every tick the limit
+  for the ready pools is set; arrivals take a token from a bucket refilled at its rate (holding
+  ``ADMISSION_BURST_S`` of it, as sglang-router does); with an in-flight bound (smg's
+  `--max-concurrent-requests`), the bucket holds that many and no arrival is admitted while
+  that many requests are in flight (waiting for or in prefill, waiting for or in decode). An
+  arrival refused is answered 429 at once and its session sends the turn again
+  ``RETRY_AFTER_S`` later (counted in ``shed``).
 
 Pure computation (no I/O, no clock). Outputs per-request records and a per-tick time series.
 """
@@ -47,8 +50,25 @@ from .workload import SessionWorkload, Trace, lognormal
 OFF, STARTING, READY, DRAINING = 0, 1, 2, 3
 ADMISSION_BURST_S = 5.0  # desired.admission.BURST_SECONDS
 RETRY_AFTER_S = 2.0  # a client's wait after a 429 (smg's Retry-After; an SDK's backoff)
-# The admitted rate for (ready prefill, ready decode) instances; None: no limit.
-Admission = Callable[[int, int], float | None]
+
+
+@dataclass(frozen=True)
+class Limit:
+    """What the routers admit: a rate, and with smg a bound on the requests in flight."""
+
+    rate: float
+    in_flight: float = math.inf
+
+    @property
+    def bucket(self) -> float:
+        """The burst the bucket holds: smg's in-flight bound, else 5 s of the rate."""
+        if math.isfinite(self.in_flight):
+            return max(1.0, self.in_flight)
+        return max(1.0, self.rate * ADMISSION_BURST_S)
+
+
+# The limit for (ready prefill, ready decode) instances; None: no limit.
+Admission = Callable[[int, int], Limit | None]
 
 
 @dataclass(frozen=True)
@@ -399,7 +419,7 @@ class Simulator:
         self.trace_pos = 0
         self.conv_sid: dict[int, int] = {}
         self.shared = workload.mix.shared_prefix_tokens if workload else 0.0
-        self.admit_rate: float | None = None
+        self.limit: Limit | None = None
         self.tokens = 0.0
         self.shed = 0
 
@@ -498,7 +518,7 @@ class Simulator:
             )
         if sid.size == 0:
             return
-        if self.admit_rate is not None and self.trace is None:
+        if self.limit is not None and self.trace is None:
             sid, ta, out = self._admission(sid, ta, out, t0, t1)
             if sid.size == 0:
                 return
@@ -559,10 +579,11 @@ class Simulator:
         self, sid: np.ndarray, ta: np.ndarray, out: np.ndarray, t0: float, t1: float
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The arrivals the bucket admits, in time order; the rest retry after a 429."""
-        assert self.admit_rate is not None
-        burst = max(1.0, self.admit_rate * ADMISSION_BURST_S)
-        self.tokens = min(burst, self.tokens + self.admit_rate * (t1 - t0))
-        k = min(sid.size, int(self.tokens))
+        limit = self.limit
+        assert limit is not None
+        self.tokens = min(limit.bucket, self.tokens + limit.rate * (t1 - t0))
+        room = limit.in_flight - (len(self.wait) + len(self.act))
+        k = max(0, min(sid.size, int(self.tokens), int(min(room, sid.size))))
         order = np.argsort(ta, kind="stable")
         keep, shed = order[:k], order[k:]
         self.tokens -= k
@@ -803,7 +824,7 @@ class Simulator:
         if cfg.admission is not None:
             ready_p = int((self.P.state == READY).sum())
             ready_d = int((self.D.state == READY).sum())
-            self.admit_rate = cfg.admission(ready_p, ready_d)
+            self.limit = cfg.admission(ready_p, ready_d)
         self.series.append(
             {
                 "t": now,
@@ -816,7 +837,7 @@ class Simulator:
                 "decode_kv_usage": m.decode_kv_usage,
                 "ready_prefill": float((self.P.state == READY).sum()),
                 "ready_decode": float((self.D.state == READY).sum()),
-                "admit_rate": self.admit_rate if self.admit_rate is not None else math.inf,
+                "admit_rate": self.limit.rate if self.limit is not None else math.inf,
             }
         )
 
@@ -830,8 +851,8 @@ class Simulator:
         if self.wl is not None and cfg.prepopulate:
             self._prepopulate()
         if cfg.admission is not None:
-            self.admit_rate = cfg.admission(cfg.n_prefill, cfg.n_decode)
-            self.tokens = (self.admit_rate or 0.0) * ADMISSION_BURST_S
+            self.limit = cfg.admission(cfg.n_prefill, cfg.n_decode)
+            self.tokens = self.limit.bucket if self.limit is not None else 0.0
         for step in range(self.n_steps):
             t0 = step * cfg.dt
             t1 = t0 + cfg.dt

@@ -115,3 +115,25 @@ def test_status_shows_what_the_routers_refused() -> None:
     measured = build_plan("demo", "ns", spec, ObservedSignals(refused_rate=3.5))
     assert admission_status(measured)["refusedPerSecond"] == 3.5
     assert "refusedPerSecond" not in admission_status(build_plan("demo", "ns", spec))
+
+
+def test_the_in_flight_bound_is_what_the_pools_hold_not_the_mean_at_the_rate() -> None:
+    """smg's `--max-concurrent-requests` bounds requests in flight. Regression (planner
+    benchmark, output shift): a bound at the mean in flight at the admitted rate refused the
+    ordinary fluctuations around it (8.04 req/s against 8.69 with the rate alone). The bound is
+    what the pools hold before requests wait for decode KV: above the mean at the rate, and
+    lower for longer requests (each holds more KV)."""
+    from cas_operator.autoscale.model import WorkloadInputs, evaluate
+    from cas_operator.desired.admission import in_flight_at
+
+    prefill, decode = instance_profiles(load_spec("glm5-fp8-h200"), (8, 1), False, (8, 8))
+    slo = SloInputs(ttft_s=4.0, itl_ms=50.0)
+    wl = workload_of(plan_of(GLM5).spec)
+    rate = highest_rate(wl, slo, prefill, decode, 2, 2, within_slo=False)
+    at = WorkloadInputs(**{**wl.__dict__, "request_rate": rate})
+    mean = 2 * evaluate(at, slo, prefill, decode, 2, 2).decode_active_per_instance
+    bound = in_flight_at(rate, wl, slo, decode, 2)
+    assert bound > mean + rate * slo.ttft_s
+    longer = WorkloadInputs(**{**wl.__dict__, "avg_output_tokens": 40_000.0})
+    assert in_flight_at(rate, longer, slo, decode, 2) < bound
+    assert in_flight_at(0.0, wl, slo, decode, 2) == 0.0

@@ -20,6 +20,7 @@ from bench.fleetsim import (
 )
 from bench.fleetsim.engine import (
     FleetView,
+    Limit,
     Metrics,
     Simulator,
     _Pool,
@@ -384,9 +385,9 @@ def test_admission_admits_at_the_rate_and_sends_the_rest_back() -> None:
     admission callback was asked about."""
     asked: list[tuple[int, int]] = []
 
-    def one_per_second(n_p: int, n_d: int) -> float:
+    def one_per_second(n_p: int, n_d: int) -> Limit:
         asked.append((n_p, n_d))
-        return 1.0
+        return Limit(1.0)
 
     res = simulate(_cfg(5, 2, warmup_s=0.0, admission=one_per_second), WL)
     free = simulate(_cfg(5, 2, warmup_s=0.0), WL)
@@ -396,6 +397,26 @@ def test_admission_admits_at_the_rate_and_sends_the_rest_back() -> None:
     assert res.arrival.size <= 1.0 * 300.0 + 5.0 + 1.0  # rate x time + ADMISSION_BURST_S
     assert res.arrival.size >= 0.8 * 300.0
     assert (5, 2) in asked
+
+
+def test_an_in_flight_bound_refuses_while_that_many_requests_are_held() -> None:
+    """Guards the simulator's model of smg's admission (`router.implementation: smg`): its
+    `--max-concurrent-requests` bounds the requests in flight as well as sizing the bucket, so
+    with a generous rate and a bound of 2 the pools never hold more than 2 (prefill and decode
+    together), and the rest is refused and sent again."""
+    held: list[int] = []
+
+    class Watched(Simulator):
+        def _admit_decode(self, t0: float, t1: float) -> None:
+            held.append(len(self.wait) + len(self.act))
+            super()._admit_decode(t0, t1)
+
+    bounded = Watched(_cfg(5, 2, warmup_s=0.0, admission=lambda _p, _d: Limit(50.0, 2.0)),
+                      workload=WL).run()  # fmt: skip
+    rate_only = simulate(_cfg(5, 2, warmup_s=0.0, admission=lambda _p, _d: Limit(50.0)), WL)
+    assert max(held) <= 2 and bounded.shed > 0
+    assert rate_only.shed == 0  # the rate alone would have admitted every arrival
+    assert bounded.arrival.size < rate_only.arrival.size
 
 
 def test_the_clairvoyant_switch_moves_at_the_shift_within_the_budget() -> None:

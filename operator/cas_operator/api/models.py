@@ -507,8 +507,8 @@ class RouterSpec(Spec):
     implementation: RouterImplementation = Field(
         default=RouterImplementation.SGLANG_ROUTER,
         description="sglang-router (0.3.2): sheds with a bare 429. smg (1.13): sheds with 429 "
-        "and Retry-After: 2, bounds the requests in flight per router (Auto: what the planner "
-        "says the pools hold at the admitted rate; Fixed: burst), and serves only requests that "
+        "and Retry-After: 2, bounds the requests in flight per router (Auto: what the pools hold "
+        "before requests wait for decode KV; Fixed: burst), and serves only requests that "
         "name the served model (model.servedModelName, else model.name). The image must ship "
         "it (docs/architecture.md, The router).",
     )

@@ -19,9 +19,8 @@ so the burst is `BURST_SECONDS` of the rate. smg 1.13 (`router.implementation: s
 same flags with one more meaning: its `--max-concurrent-requests` is both the bucket's size and a
 bound on the requests in flight (measured: with a bound of 100 and 2 requests per second a burst
 of 30 was admitted at once; with 4, two were, and 28 got 429 with `Retry-After: 2`). So for smg
-that flag is `in_flight`: what the planner's model says the pools hold at the admitted rate
-(decode's running requests plus the rate times the TTFT, at most its target), and never below
-the burst.
+that flag is `in_flight`: the requests the pools hold before any waits for decode KV (decode
+KV full at the mean context, plus the rate times the TTFT target), never below the burst.
 The limits follow a replica change (a new router template: the routers roll, draining).
 
 Why the stable rate and not the (lower) rate the model serves within the SLOs: between the two
@@ -95,7 +94,7 @@ class Capacity:
     """What the planner's model says a plan's pools serve."""
 
     requests_per_second: float  # the highest rate with every queue stable
-    in_flight: float  # requests held at that rate: decode's running plus rate x TTFT (<= SLO)
+    in_flight: float  # requests the pools hold before any waits for decode KV (`in_flight_at`)
     basis: str  # how it was found, as status shows it
 
 
@@ -186,15 +185,25 @@ def _capacity(
     rate = sustainable_rate(workload, slo, prefill, decode, n_prefill, n_decode)
     within = highest_rate(workload, slo, prefill, decode, n_prefill, n_decode, within_slo=True)
     slo_note = f"within the SLOs to {within:.3g}" if within > 0 else "the SLOs at no rate"
-    held = 0.0
-    if rate > 0:
-        at = WorkloadInputs(**{**workload.__dict__, "request_rate": rate})
-        ev = evaluate(at, slo, prefill, decode, n_prefill, n_decode)
-        # near the stable rate the model's TTFT tail runs to infinity: a request that waits
-        # longer than the TTFT target is one the admission is there to refuse
-        held = n_decode * ev.decode_active_per_instance + rate * min(ev.ttft_p90_s, slo.ttft_s)
+    held = in_flight_at(rate, workload, slo, decode, n_decode)
     basis = f"the planner: {pools} keep queues stable to {rate:.3g} req/s ({slo_note})"
-    return Capacity(rate, held if math.isfinite(held) else 0.0, basis)
+    return Capacity(rate, held, basis)
+
+
+def in_flight_at(
+    rate: float, workload: WorkloadInputs, slo: SloInputs, decode: InstanceProfile, n_decode: int
+) -> float:
+    """Requests the pools hold at `rate` before any waits for decode KV: each decode instance's
+    running requests when its KV is full (at the mean context, prompt plus half the output; at
+    most its running-request cap), plus the rate times the TTFT target for those in prefill.
+    Not the mean in flight at the rate: a bound there refuses the ordinary fluctuations around
+    it (docs/planner.md, "Admission control"). 0 when the pools serve no rate."""
+    if rate <= 0 or n_decode < 1:
+        return 0.0
+    w = workload.resolved()
+    context = max(w.avg_input_tokens + w.avg_output_tokens / 2.0, 1.0)
+    running = min(float(decode.max_running), decode.kv_capacity_tokens / context)
+    return n_decode * running + rate * slo.ttft_s
 
 
 def sustainable_rate(
