@@ -68,7 +68,7 @@ class Admission:
 
     requests_per_second: float  # the fleet's sustained admission rate
     burst: int  # requests the fleet admits at once above it
-    in_flight: int  # requests the fleet holds at that rate (smg bounds them; >= burst)
+    in_flight: int  # requests the pools hold before any wait for decode KV (smg; >= burst)
     router_rps: int  # each router's bucket refill (>= 1)
     router_burst: int  # each router's bucket size
     router_in_flight: int  # each router's bound on requests in flight (smg; >= router_burst)
