@@ -84,12 +84,10 @@ async def _headers_sent(_s: object, ctx: SimpleNamespace, _p: object) -> None:
 
 
 async def burst(url: str, n: int, tokens: int) -> list[Answer]:
-    """`n` chat requests at once, each on its own connection. The router's answer time is
-    taken from the moment the request's headers were sent, and the client's connecting time
-    before that is kept beside it: a first version timed from the call, which includes one
-    client opening 30 connections on a 2-core machine, and failed once at a 79 ms median whose
-    fastest answers took 7 ms (not seen again in 8 runs: medians 5-28 ms, connecting at most
-    12 ms); the assertion's message now says which of the two it was."""
+    """`n` chat requests at once, each on its own connection. Each answer is timed from the
+    moment its headers left the client (the router's time); the client's connecting time
+    before that, which on a 2-core machine includes opening `n` connections at once, is kept
+    beside it, so that a slow reading says which of the two it was."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "fix the flaky test"}],
             "max_tokens": tokens, "ignore_eos": True}  # fmt: skip
     timeout = aiohttp.ClientTimeout(total=120)
