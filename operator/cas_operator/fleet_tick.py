@@ -40,7 +40,7 @@ from pydantic import ValidationError
 
 from cas_operator.anomaly.act import LoopState, TickResult, anomaly_tick, engine_pods
 from cas_operator.anomaly.detect import GuardState
-from cas_operator.anomaly.drain import target_of, view_of
+from cas_operator.anomaly.drain import view_of
 from cas_operator.api import constants as c
 from cas_operator.api.models import CodingAgentServingSpec, parse_spec
 from cas_operator.autoscale.controller import STATUS_KEY, ScaleOutcome
@@ -127,10 +127,8 @@ def prefetch(
         namespace, name = str(meta["namespace"]), str(meta["name"])
         pods = engine_pods(snapshot, namespace, name)
         window = by_window.setdefault(float(spec.anomaly_guard.window_seconds), {})
-        for target in [
-            *map(target_of, pods),
-            *map(PodTarget.of, router_pods(snapshot, namespace, name)),
-        ]:
+        for pod in [*pods, *router_pods(snapshot, namespace, name)]:
+            target = PodTarget.of(pod)
             window[(target.namespace, target.name)] = target
     return Prefetched({w: source.observe(list(t.values()), w) for w, t in by_window.items()})
 

@@ -30,12 +30,11 @@ from cas_operator.anomaly.drain import (
     draining_status,
     is_group_worker,
     next_step,
-    target_of,
     view_of,
 )
 from cas_operator.api import constants as c
 from cas_operator.api.models import AnomalyGuardSpec, GuardAction
-from cas_operator.observe.types import MetricsSource, Observation, PodView
+from cas_operator.observe.types import MetricsSource, Observation, PodTarget, PodView
 from cas_operator.routers import HttpRouters, Routers, router_pod_urls
 from cas_operator.types import Event, Manifest, rfc3339
 
@@ -209,7 +208,7 @@ def anomaly_tick(
     """
     drain_policy = drain_policy or DrainPolicy()
     pods = engine_pods(api, namespace, name)
-    observation = source.observe([target_of(p) for p in pods], float(spec.window_seconds))
+    observation = source.observe([PodTarget.of(p) for p in pods], float(spec.window_seconds))
     events: list[Event] = []
     decision: AnomalyDecision | None = None
     canary_anomaly: str | None = None

@@ -13,7 +13,7 @@ Removal goes through the Eviction API (PodDisruptionBudgets hold; uid preconditi
 whose running count is unknown is never removed on the grace timer alone.
 Every step is re-derived from the pods each tick (level-based), so a restarted operator
 resumes drains in progress from what it observes, never from memory. This module reads pods
-(`view_of`, `target_of`, `draining_since`) and decides (`next_step`, `draining_status`);
+(`view_of`, `draining_since`) and decides (`next_step`, `draining_status`);
 `anomaly.act` writes. A multi-node instance (LeaderWorkerSet group) is judged and drained as
 its leader pod (`is_group_worker` marks the others).
 """
@@ -25,7 +25,7 @@ from typing import Any, Final
 
 from cas_operator.api import constants as c
 from cas_operator.api.models import GuardAction
-from cas_operator.observe.types import Observation, PodSignals, PodTarget, PodView
+from cas_operator.observe.types import Observation, PodSignals, PodView
 from cas_operator.types import Manifest, parse_time, rfc3339
 
 ANNOTATION_DRAINING_SINCE: Final = "cas.dev/draining-since"
@@ -96,17 +96,6 @@ def is_group_worker(pod: Manifest) -> bool:
     """A non-leader pod of a multi-node (LeaderWorkerSet) instance."""
     index = _meta(pod).get("labels", {}).get(c.LWS_WORKER_INDEX_LABEL)
     return index is not None and index != "0"
-
-
-def target_of(pod: Manifest) -> PodTarget:
-    meta = _meta(pod)
-    return PodTarget(
-        name=meta["name"],
-        role=meta.get("labels", {}).get(c.LABEL_ROLE, ""),
-        namespace=meta.get("namespace", ""),
-        ip=pod.get("status", {}).get("podIP"),
-        port=c.ENGINE_PORT,
-    )
 
 
 def view_of(pod: Manifest, signals: PodSignals | None) -> PodView:

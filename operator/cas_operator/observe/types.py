@@ -121,7 +121,8 @@ class PodTarget:
 
     @classmethod
     def of(cls, pod: dict[str, Any]) -> PodTarget:
-        """A pod of a fleet, by its role label: routers export metrics on their own port."""
+        """A pod of a fleet (an engine or a router), by its role label: routers export metrics
+        on their own port, engines on their serving port."""
         meta = pod["metadata"]
         role = meta.get("labels", {}).get(c.LABEL_ROLE, "")
         port = c.ROUTER_METRICS_PORT if role == c.ROLE_ROUTER else c.ENGINE_PORT
