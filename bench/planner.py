@@ -270,9 +270,7 @@ def after_shift(sc: Scenario, res: SimResult, seed: int) -> dict[str, Any]:
     good = _good(res, sc.shift_s, sc.duration_s)
     end = (int(ticks[-1]["prefill"]), int(ticks[-1]["decode"]))
     settled = _good(res, sc.duration_s - 600.0, sc.duration_s)
-    shifted = tuple(replace(m, start_s=0.0) for m in sc.modifiers)
-    static = replace(sc, modifiers=shifted, shift_s=None)
-    check = _run(static, "fixed-admitted", end, seed)["goodput_rps"]
+    check = _run(shifted_from_start(sc), "fixed-admitted", end, seed)["goodput_rps"]
     return {
         "goodput_rps": good,
         "model_capacity_rps": capacity,
@@ -282,6 +280,11 @@ def after_shift(sc: Scenario, res: SimResult, seed: int) -> dict[str, Any]:
         "end_split_simulated_rps": check,
         "settled_share_of_simulated": settled / check if check else 0.0,
     }
+
+
+def shifted_from_start(sc: Scenario) -> Scenario:
+    """The scenario with its shifted load from the first second (no shift left to react to)."""
+    return replace(sc, modifiers=tuple(replace(m, start_s=0.0) for m in sc.modifiers), shift_s=None)
 
 
 def _good(res: SimResult, t0: float, t1: float) -> float:
@@ -298,8 +301,9 @@ def with_admission(
     model says the ready pools keep every queue stable (`desired.admission`), for the request
     shape the fleet measures (prompt and output tokens per request, on
     `autoscale.signals.on_grid`), the declared one until it measures; with `in_flight_bound`
-    (`router.implementation: smg`), also what the pools hold at that rate as smg's bound on the
-    requests in flight. The policy is wrapped to hand its metrics over."""
+    (`router.implementation: smg`), also smg's bound on the requests in flight: what the pools
+    hold before requests wait for decode KV (`desired.admission.in_flight_at`), never below the
+    burst. The policy is wrapped to hand its metrics over."""
     p, d = policy.prefill, policy.decode
     seen: dict[str, float] = {}
 
@@ -363,8 +367,7 @@ def _online_bound(
         for method in ("switch", "switch-admitted")
     }
     (k, method), f = max(futs.items(), key=lambda kv: kv[1].result()["goodput_rps"])
-    shifted = replace(sc, modifiers=tuple(replace(m, start_s=0.0) for m in sc.modifiers))
-    held = _run(replace(shifted, shift_s=None), "fixed-admitted", (pre, n - pre), seed)
+    held = _run(shifted_from_start(sc), "fixed-admitted", (pre, n - pre), seed)
     warm, end, start = sc.warmup_s, sc.duration_s, sc.profiles()[1].pod_start_s
     bound = (
         (sc.shift_s - warm) * pre_scores[pre]["goodput_rps"]

@@ -582,8 +582,8 @@ class Simulator:
         limit = self.limit
         assert limit is not None
         self.tokens = min(limit.bucket, self.tokens + limit.rate * (t1 - t0))
-        room = limit.in_flight - (len(self.wait) + len(self.act))
-        k = max(0, min(sid.size, int(self.tokens), int(min(room, sid.size))))
+        room = limit.in_flight - (len(self.wait) + len(self.act))  # inf without smg's bound
+        k = max(0, int(min(sid.size, self.tokens, room)))
         order = np.argsort(ta, kind="stable")
         keep, shed = order[:k], order[k:]
         self.tokens -= k

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -54,14 +55,16 @@ def router_metrics(port: int) -> str:
         return str(resp.read().decode())
 
 
-def until(read: object, check: object, timeout: float) -> PodSignals:
-    """Poll `read()` until `check(result)`; the last result either way."""
-    assert callable(read) and callable(check)
+def until(
+    read: Callable[[], PodSignals], check: Callable[[PodSignals], bool], timeout: float
+) -> PodSignals:
+    """Poll `read()` until `check(result)`; the last result either way (unlike
+    `anomaly_stack.wait_for`, so that the assertion after it shows what was read)."""
     deadline = time.monotonic() + timeout
     while True:
         got = read()
         if check(got) or time.monotonic() > deadline:
-            return got  # type: ignore[no-any-return]
+            return got
         time.sleep(0.5)
 
 
