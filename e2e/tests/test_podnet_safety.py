@@ -92,6 +92,20 @@ def _routes() -> str:
     ).stdout
 
 
+def _without_ipv6(link: str) -> None:
+    """Keep the kernel from adding IPv6 routes of its own to a decoy link.
+
+    Once a veth pair's carrier is up, the kernel adds the link's IPv6 routes (``fe80::/64`` and
+    the ``multicast ff00::/8`` one in table local) from its link-watch work, up to a second later.
+    Those routes are nobody's leftovers, but they raced the route snapshots below: with
+    ``addrgenmode none`` only the link-local one was gone, and CI once saw the multicast routes
+    appear between snapshot and comparison. With IPv6 off on the link the kernel adds none.
+    """
+    knob = Path("/proc/sys/net/ipv6/conf") / link / "disable_ipv6"
+    if knob.exists():
+        knob.write_text("1\n")
+
+
 def test_setup_refuses_a_routed_range_and_teardown_removes_exactly_what_it_made(
     tmp_path: Path,
 ) -> None:
@@ -105,9 +119,7 @@ def test_setup_refuses_a_routed_range_and_teardown_removes_exactly_what_it_made(
         ["ip", "link", "add", decoy_link, "type", "veth", "peer", "name", "cnzzzzzp"], check=True
     )
     for link in (decoy_link, "cnzzzzzp"):
-        # No IPv6 link-local address: the kernel adds its routes a moment after the link comes up
-        # (after duplicate-address detection), which raced the route snapshot below.
-        subprocess.run(["ip", "link", "set", "dev", link, "addrgenmode", "none"], check=True)
+        _without_ipv6(link)
         subprocess.run(["ip", "link", "set", link, "up"], check=True)
     before_routes = _routes()
     try:
