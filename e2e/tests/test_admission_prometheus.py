@@ -4,7 +4,8 @@ Guards (issue 18) that a burst refused by the router's own rate limiter reaches 
 metrics sources as refusals: the router counts its 429s in `smg_http_responses_total` with
 `status_code="429"`, a series it creates with the first 429, and both sources must count a
 series born inside the window from zero (Prometheus' `increase` starts from a series' first
-sample, so the first burst, the one that matters, read as nothing).
+sample, so the first burst, the one that matters, read as nothing), while a Prometheus that
+restarted with an empty store must not count old counters as new.
 """
 
 from __future__ import annotations
@@ -106,5 +107,31 @@ def test_a_refused_burst_is_counted_by_both_metrics_sources(tmp_path: Path) -> N
             assert scrape.observe([target], 60).signals["router-0"].refused == refused
         finally:
             prom.stop()
+
+        # A Prometheus that restarts with an empty store (no persistent volume) sees the old
+        # counters from its first scrape: that is no new refusal. Regression: counting a series
+        # without a sample a window ago from zero read the whole burst again.
+        fresh = start_prometheus(
+            tmp_path / "fresh", [file_sd_scrape_config(sd, SCRAPE_S)], interval_s=SCRAPE_S
+        )
+        try:
+            promql = PrometheusSource(fresh.url, timeout_seconds=5.0, stale_seconds=30.0)
+
+            def from_fresh() -> PodSignals:
+                return promql.observe([target], 60).signals["router-0"]
+
+            seen = until(from_fresh, lambda s: s.responses is not None, 30)
+            time.sleep(3 * SCRAPE_S)  # a few more samples of the old counters
+            assert from_fresh().refused == 0.0, from_fresh()
+            with ThreadPoolExecutor(BURST) as pool:  # the bucket has refilled meanwhile
+                again = list(pool.map(lambda _: chat(fleet.router_url), range(BURST)))
+            refused = again.count(429)
+            assert refused >= BURST // 2, again
+            # A series with history reads as `increase`, which extrapolates towards the window's
+            # edges by up to half a scrape interval on each side of its samples.
+            got = until(from_fresh, lambda s: refused <= (s.refused or 0) < refused + 1, 20)
+            assert got.refused is not None and refused <= got.refused < refused + 1, (got, again)
+        finally:
+            fresh.stop()
     finally:
         fleet.stop()

@@ -1,11 +1,12 @@
 """Signals from the Prometheus HTTP API: instant PromQL queries, one per signal, per namespace.
 
 Data flow: `observe(targets, window)` groups targets by namespace, asks Prometheus for each
-signal aggregated `by (namespace, pod)` (counters as `increase(...[window])`, gauges as latest
-values), and joins the answers per pod. Target health comes from `up` and the age of its last
-sample: a pod Prometheus does not scrape, scrapes as down, or last scraped more than
-`stale_seconds` ago gets an explicit error instead of numbers. A failed query (refused, timeout,
-non-2xx, `status: error`) marks the whole observation as an outage: no partial joins.
+signal aggregated `by (namespace, pod)` (counters as `increase(...[window])`, the routers'
+answers by status as `born_counted`, gauges as latest values), and joins the answers per pod.
+Target health comes from `up` and the age of its last sample: a pod Prometheus does not
+scrape, scrapes as down, or last scraped more than `stale_seconds` ago gets an explicit error
+instead of numbers. A failed query (refused, timeout, non-2xx, `status: error`) marks the whole
+observation as an outage: no partial joins.
 """
 
 from __future__ import annotations
@@ -63,8 +64,13 @@ class PrometheusSource:
     ) -> dict[str, PodSignals]:
         sel = self._selector(namespace, [t.name for t in group])
         w = f"[{int(max(window, 1))}s]"
-        by = f"by ({self.namespace_label}, {self.pod_label})"
+        pod = f"{self.namespace_label}, {self.pod_label}"
+        by = f"by ({pod})"
+        # The routers' answers, by status: series created by their first answer of a status.
+        answers = f"{m.ROUTER_RESPONSES}{sel}"
+        errors = f'{m.ROUTER_RESPONSES}{{status_code=~"5..",{sel[1:]}'
         refused = f'{m.ROUTER_RESPONSES}{{status_code="429",{sel[1:]}'
+        up_sel = f"up{sel}"
         up = self._query("up", f"max {by} (up{sel})")
         age = self._query("age", f"max {by} (time() - timestamp(up{sel}))")
         counters = {
@@ -75,13 +81,14 @@ class PrometheusSource:
                 for name in m.LOAD_COUNTERS
             },
             m.RESPONSES: self._query(
-                "router answers", f"sum {by} (increase({m.ROUTER_RESPONSES}{sel}{w}))"
+                "router answers", f"sum {by} ({born_counted(answers, window, up_sel, pod)})"
             ),
             m.ERRORS_5XX: self._query(
-                "router 5xx",
-                f'sum {by} (increase({m.ROUTER_RESPONSES}{{status_code=~"5..",{sel[1:]}{w}))',
+                "router 5xx", f"sum {by} ({born_counted(errors, window, up_sel, pod)})"
             ),
-            m.REFUSED: self._query("router 429", f"sum {by} ({born_counted(refused, window)})"),
+            m.REFUSED: self._query(
+                "router 429", f"sum {by} ({born_counted(refused, window, up_sel, pod)})"
+            ),
         }
         failures = "|".join(m.KV_FAILURE_COUNTERS)
         counters[m.KV_FAILURES] = self._query(
@@ -175,12 +182,23 @@ class PrometheusSource:
         return out
 
 
-def born_counted(series: str, window: float) -> str:
+def born_counted(series: str, window: float, up: str, pod_labels: str) -> str:
     """`increase(series[window])`, where a series born inside the window counts from zero.
 
-    A labelled counter is created by its first event (a router's first 429), and `increase`
-    starts from a series' first sample, so a burst that created the series read as nothing.
-    A series with no sample a window ago is new: its whole value is the increase."""
+    A labelled counter is created by its first event (a router's first 429 or 5xx), and
+    `increase` starts from a series' first sample, so a burst that created the series read as
+    nothing. A series is born in the window only if it had no sample a window ago *and* its
+    target (`up`, per `pod_labels`, e.g. "namespace, pod") was scraped successfully more often in
+    the window than the series has samples: a scrape saw the process without it. Without that
+    guard a Prometheus that restarted with an empty store read every old counter's whole value
+    as new (a canary rolled back on 5xx answered hours before); with it that reads as
+    `increase` does. Other series read as `increase` (a new pod's first scrape may already
+    carry some answers: not counted, as before).
+    """
     w = f"{int(max(window, 1))}s"
-    counted = f"increase({series}[{w}]) and {series} offset {w}"
-    return f"({counted}) or ({series} unless {series} offset {w})"
+    scraped_without = (
+        f"count_over_time({series}[{w}]) < on ({pod_labels}) group_left() "
+        f"max by ({pod_labels}) (sum_over_time({up}[{w}]))"
+    )
+    born = f"({series} unless {series} offset {w}) and ({scraped_without})"
+    return f"({born}) or increase({series}[{w}])"
