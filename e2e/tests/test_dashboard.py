@@ -96,6 +96,9 @@ async def test_every_panel_query_returns_data_while_traffic_flows(
 ) -> None:
     stack = live_stack(["--sim-speedup", "20"], metrics_port=free_port())
     cas = speculative_sample(2, window_s=30)
+    # A limit (far above this traffic) for the admission panel: the sample's model has no
+    # instance profile, so Auto would set none.
+    cas["spec"]["router"] = {"admission": {"mode": "Fixed", "requestsPerSecond": 1000}}
     board = dashboard()
     with resource_live(stack, kubectl, cas, log=lambda s: print(f"[live] {s}")) as router:
         assert stack.prometheus is not None
