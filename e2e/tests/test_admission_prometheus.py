@@ -120,7 +120,8 @@ def test_a_refused_burst_is_counted_by_both_metrics_sources(tmp_path: Path) -> N
             def from_fresh() -> PodSignals:
                 return promql.observe([target], 60).signals["router-0"]
 
-            seen = until(from_fresh, lambda s: s.responses is not None, 30)
+            first = until(from_fresh, lambda s: s.responses is not None, 30)
+            assert first.responses is not None, first  # the fresh one scrapes the router
             time.sleep(3 * SCRAPE_S)  # a few more samples of the old counters
             assert from_fresh().refused == 0.0, from_fresh()
             with ThreadPoolExecutor(BURST) as pool:  # the bucket has refilled meanwhile
