@@ -56,6 +56,12 @@ def router_metrics(port: int) -> str:
         return str(resp.read().decode())
 
 
+def router_signals(prometheus_url: str, target: PodTarget) -> Callable[[], PodSignals]:
+    """A reader of the router pod's signals from this Prometheus over a 60 s window."""
+    source = PrometheusSource(prometheus_url, timeout_seconds=5.0, stale_seconds=30.0)
+    return lambda: source.observe([target], 60).signals[target.name]
+
+
 def until(
     read: Callable[[], PodSignals], check: Callable[[PodSignals], bool], timeout: float
 ) -> PodSignals:
@@ -85,11 +91,8 @@ def test_a_refused_burst_is_counted_by_both_metrics_sources(tmp_path: Path) -> N
             tmp_path, [file_sd_scrape_config(sd, SCRAPE_S)], interval_s=SCRAPE_S
         )
         try:
-            promql = PrometheusSource(prom.url, timeout_seconds=5.0, stale_seconds=30.0)
+            from_prometheus = router_signals(prom.url, target)
             scrape = ScrapeSource()
-
-            def from_prometheus() -> PodSignals:
-                return promql.observe([target], 60).signals["router-0"]
 
             seen = until(from_prometheus, lambda s: s.responses is not None, 30)
             assert seen.responses is not None, seen  # Prometheus has the router's answers
@@ -115,11 +118,7 @@ def test_a_refused_burst_is_counted_by_both_metrics_sources(tmp_path: Path) -> N
             tmp_path / "fresh", [file_sd_scrape_config(sd, SCRAPE_S)], interval_s=SCRAPE_S
         )
         try:
-            promql = PrometheusSource(fresh.url, timeout_seconds=5.0, stale_seconds=30.0)
-
-            def from_fresh() -> PodSignals:
-                return promql.observe([target], 60).signals["router-0"]
-
+            from_fresh = router_signals(fresh.url, target)
             first = until(from_fresh, lambda s: s.responses is not None, 30)
             assert first.responses is not None, first  # the fresh one scrapes the router
             time.sleep(3 * SCRAPE_S)  # a few more samples of the old counters

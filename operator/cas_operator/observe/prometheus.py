@@ -71,8 +71,8 @@ class PrometheusSource:
         errors = f'{m.ROUTER_RESPONSES}{{status_code=~"5..",{sel[1:]}'
         refused = f'{m.ROUTER_RESPONSES}{{status_code="429",{sel[1:]}'
         up_sel = f"up{sel}"
-        up = self._query("up", f"max {by} (up{sel})")
-        age = self._query("age", f"max {by} (time() - timestamp(up{sel}))")
+        up = self._query("up", f"max {by} ({up_sel})")
+        age = self._query("age", f"max {by} (time() - timestamp({up_sel}))")
         counters = {
             m.CHECKED: self._query("checked", f"sum {by} (increase({m.CHECKED}{sel}{w}))"),
             m.ABORTED: self._query("aborted", f"sum {by} (increase({m.ABORTED}{sel}{w}))"),
