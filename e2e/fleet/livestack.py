@@ -16,7 +16,8 @@ Used by `make run` (:mod:`e2e.demo.run_local`) and the operator-process anomaly 
 
 The runner also plays the kubelet's readiness prober for engine pods that opt in (see
 :func:`probed_by_runner`): KWOK leaves them not Ready until their sim answers its readinessProbe,
-so a replacement pod joins the router and the pools' ready counts only once it serves.
+so a replacement pod joins the router and the pools' ready counts only once it serves. The
+sims answer /health as slowly as SGLang (:data:`SGLANG_HEALTH`).
 
 Ownership: the stack owns the runner thread and the processes the runner started, Prometheus and
 the operator; :meth:`LiveStack.close` stops them in reverse order. The namespace, the custom
@@ -84,6 +85,12 @@ def _stamp(line: str) -> str:
     return f"{time.strftime('%H:%M:%S')} {line}"
 
 
+# The engine the operator renders for is SGLang, whose /health answers after a little over a
+# second (tests/engine/test_health_probe_sglang_real.py): the sims of operator-made pods do so
+# too, so a probe or router check that gives up sooner fails here as it would in a cluster.
+SGLANG_HEALTH = ("--sim-health-delay", "1.0")
+
+
 @dataclass
 class LiveStack:
     """See the module docstring. Call :meth:`start` once and :meth:`close` always."""
@@ -115,7 +122,7 @@ class LiveStack:
         write_file_sd(sd_file, [])
         self.runner = PodRunner(
             kube_pod_lister(self.kubeconfig, self.namespace), self.run_dir / "pods", sd_file,
-            extra_args=self.sim_args, restart_backoff_s=2.0,
+            extra_args=[*self.sim_args, *SGLANG_HEALTH], restart_backoff_s=2.0,
             kubeconfig=self.kubeconfig.resolve(),
             patch_status=kube_status_patcher(self.kubeconfig),
             delete_pod=kube_pod_deleter(self.kubeconfig),

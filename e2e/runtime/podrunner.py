@@ -34,7 +34,8 @@ KWOK only pretends to run containers; this runner makes engine pods real process
    annotated ``prometheus.io/scrape: "true"``, labelled namespace/pod/role;
 5. with ``patch_status`` set, plays the kubelet's readiness prober for pods that opt in (the
    toleration :data:`e2e.cluster.manifests.READINESS_TOLERATION_KEY`, which KWOK leaves not Ready):
-   it GETs the engine container's readinessProbe at the pod IP and patches the pod's Ready and
+   it GETs the engine container's readinessProbe at the pod IP (within its timeoutSeconds, 1 by
+   default as for a kubelet; all pods' probes at once) and patches the pod's Ready and
    ContainersReady conditions to match (Ready on the first success, not Ready after the probe's
    failureThreshold failures in a row or at once when the process is gone), so the router's
    Kubernetes discovery and the pool controllers only count a pod that answers, as in a cluster;
@@ -59,6 +60,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -380,6 +382,12 @@ def terminated_patch(pod: Pod, now: str | None = None) -> dict[str, Any]:
     return {"status": {"containerStatuses": statuses, "conditions": conditions}}
 
 
+def probe_timeout(pod: Pod) -> float:
+    """The engine container's readinessProbe timeoutSeconds (Kubernetes' default 1)."""
+    probe = (_served_container(pod) or {}).get("readinessProbe") or {}
+    return float(max(1, int(probe.get("timeoutSeconds", 1))))
+
+
 def failure_threshold(pod: Pod) -> int:
     """The engine container's readinessProbe failureThreshold (Kubernetes' default 3)."""
     probe = (_served_container(pod) or {}).get("readinessProbe") or {}
@@ -448,7 +456,7 @@ class PodRunner:
     kubeconfig: Path | None = None  # set: router pods run as real SGLang routers too
     # set: probe the readiness of pods that opt in and write it (namespace, name, merge patch)
     patch_status: Callable[[str, str, dict[str, Any]], None] | None = None
-    probe: Callable[[str], bool] = field(default_factory=lambda: http_probe)
+    probe: Callable[[str, float], bool] = field(default_factory=lambda: http_probe)  # url, s
     # set (netns mode): pods in its pod CIDR run inside their node's network namespace, with
     # their IP added there; `networks` becomes that CIDR
     network: PodNetwork | None = None
@@ -556,13 +564,16 @@ class PodRunner:
         assert self.patch_status is not None
         actions, seen = [], set()
         now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        probed = {}
         for pod in pods:
             meta = pod.get("metadata", {})
             if meta.get("deletionTimestamp") or not leaves_readiness_to_runner(pod):
                 continue
-            key = (meta.get("namespace", ""), meta.get("name", ""))
+            probed[(meta.get("namespace", ""), meta.get("name", ""))] = pod
+        answers = self._probe_all(probed, wanted)
+        for key, pod in probed.items():
             seen.add(key)
-            ready = self._ready(key, pod, wanted.get(key))
+            ready = self._ready(key, pod, wanted.get(key), answers.get(key))
             patch = None if ready is None else readiness_patch(pod, ready, now)
             if patch is not None:
                 self.patch_status(key[0], key[1], patch)
@@ -571,18 +582,38 @@ class PodRunner:
             del self._probe_failures[key]
         return actions
 
-    def _ready(self, key: tuple[str, str], pod: Pod, launch: Launch | None) -> bool | None:
-        """The readiness a kubelet would report now, or None while failures stay under the
-        probe's failureThreshold. A pod this runner does not run (no engine or router
-        container, or not bound yet) has no process to wait for: ready once it has an IP."""
+    def _probe_all(
+        self, pods: dict[tuple[str, str], Pod], wanted: dict[tuple[str, str], Launch]
+    ) -> dict[tuple[str, str], bool]:
+        """The readiness probe's answer for every pod that has one and a running process, all
+        at once, as a kubelet's probers run side by side (SGLang's /health takes over a second:
+        one after another they would stretch the pass by a second per pod)."""
+        urls = {}
+        for key, pod in pods.items():
+            launch, run = wanted.get(key), self.running.get(key)
+            url = None if launch is None else readiness_url(launch, pod)
+            if url is not None and run is not None and procs.is_running(run.record):
+                urls[key] = (url, probe_timeout(pod))
+        if not urls:
+            return {}
+        with ThreadPoolExecutor(max_workers=min(16, len(urls))) as pool:
+            answers = pool.map(lambda target: self.probe(*target), urls.values())
+            return dict(zip(urls, answers, strict=True))
+
+    def _ready(
+        self, key: tuple[str, str], pod: Pod, launch: Launch | None, answered: bool | None
+    ) -> bool | None:
+        """The readiness a kubelet would report now, given the probe's answer (None: no
+        probe), or None while failures stay under the probe's failureThreshold. A pod this
+        runner does not run (no engine or router container, or not bound yet) has no process
+        to wait for: ready once it has an IP."""
         if launch is None:
             return bool((pod.get("status") or {}).get("podIP"))
         run = self.running.get(key)
         if run is None or not procs.is_running(run.record):
             self._probe_failures[key] = 0
             return False  # the container is gone: not ready at once
-        url = readiness_url(launch, pod)
-        if url is None or self.probe(url):
+        if answered is None or answered:
             self._probe_failures[key] = 0
             return True
         self._probe_failures[key] = self._probe_failures.get(key, 0) + 1

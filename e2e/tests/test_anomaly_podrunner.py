@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from cas_engine.sim.fleet import free_port
+from cas_operator.api import constants as c
 from e2e.cluster.manifests import READINESS_TOLERATION
 from e2e.runtime.podrunner import (
     PodRunner,
@@ -257,6 +258,39 @@ def test_runner_sets_readiness_only_while_the_sim_answers(tmp_path: Path) -> Non
         time.sleep(0.3)
         r.sync()  # the process is gone (no restart within the backoff): not Ready at once
         assert writes[1:] == [("d0", False, False)]
+    finally:
+        r.stop_all()
+
+
+def test_a_probe_gives_up_after_its_timeout_as_a_kubelets_does(tmp_path: Path) -> None:
+    """Regression (engine probes without `timeoutSeconds`): the runner gave every probe one
+    second whatever the pod said, and the sims answered /health at once, so a pod whose probe
+    gives up before SGLang's /health answers (a little over a second) turned Ready here and
+    never in a cluster. Against a sim as slow as SGLang, the kubelet's default of 1 s keeps the
+    pod not Ready past its failureThreshold; the operator's timeout makes it Ready."""
+    port = free_port(IP)
+    pods = [probed_pod("d0", "uid-1", port)]
+    writes: list[tuple[str, bool]] = []
+
+    def patch_status(namespace: str, name: str, body: dict[str, Any]) -> None:
+        writes.append((name, body["status"]["containerStatuses"][0]["ready"]))
+        pods[0]["status"].update(body["status"])
+
+    r = PodRunner(lambda: pods, tmp_path / "logs", patch_status=patch_status,
+                  extra_args=["--sim-health-delay", "1.2"], restart_backoff_s=30.0)  # fmt: skip
+    try:
+        r.sync()
+        deadline = time.monotonic() + 20
+        while not healthy(IP, port, timeout=3.0) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for _ in range(3):  # the probe's failureThreshold
+            r.sync()
+        assert writes == [], writes  # never Ready with 1 s (KWOK's not Ready stays)
+        assert pods[0]["status"]["conditions"][0]["status"] == "False"
+        probe = pods[0]["spec"]["containers"][0]["readinessProbe"]
+        probe["timeoutSeconds"] = c.ENGINE_HEALTH_TIMEOUT_SECONDS  # what the operator renders
+        r.sync()
+        assert writes[-1] == ("d0", True), writes
     finally:
         r.stop_all()
 

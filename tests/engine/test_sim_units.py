@@ -13,6 +13,7 @@ import json
 import logging
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 
 import numpy as np
@@ -215,6 +216,30 @@ async def test_hang_fault_blocks_health_until_cleared(client: TestClient) -> Non
         await asyncio.wait_for(client.get("/health"), 0.3)
     await client.post("/sim/fault", json={"hang": False})
     assert (await client.get("/health")).status == 200
+
+
+async def test_health_takes_as_long_as_sglangs_and_the_bootstrap_health_does_not() -> None:
+    """Regression (engine probes without a timeout): the sim answered /health at once while
+    SGLang's takes over a second, so the local stack could not show a probe that gives up
+    sooner. With `--sim-health-delay` /health and /health_generate take it; the bootstrap
+    server's /health (the decode's heartbeat to a prefill) still answers at once."""
+    cfg = parse_args(["--sim-health-delay", "0.4", "--disaggregation-mode", "prefill",
+                      "--disaggregation-bootstrap-port", "0"])  # fmt: skip
+    worker = SimWorker(cfg)
+    await worker.start()
+    server = SimServer(cfg, worker)
+    try:
+        async with TestClient(TestServer(server.app())) as main:
+            for path in ("/health", "/health_generate"):
+                start = time.monotonic()
+                assert (await main.get(path)).status == 200
+                assert time.monotonic() - start >= 0.4, path
+        async with TestClient(TestServer(server.bootstrap_app())) as bootstrap:
+            start = time.monotonic()
+            assert (await bootstrap.get("/health")).status == 200
+            assert time.monotonic() - start < 0.3
+    finally:
+        await worker.stop()
 
 
 async def test_many_concurrent_streams_complete(client: TestClient) -> None:

@@ -50,6 +50,7 @@ class SimConfig:
     kv_reclaim: str = "Strict"
     prefill_budget_s: float = 300.0
     upstream_release_timeout_s: float = 30.0
+    health_delay_s: float = 0.0  # wall seconds before /health answers (SGLang's: about 1)
     spec_num_steps: int = 3
     spec_accept_prob: float = 0.75
     fault: str = ""
@@ -238,6 +239,13 @@ def _add_sim_arguments(p: argparse.ArgumentParser) -> None:
         f"env {RELEASE_TIMEOUT_ENV}, else 30 as in SGLang 0.5.23)",
     )
     g.add_argument(
+        "--sim-health-delay",
+        type=float,
+        default=0.0,
+        help="wall seconds /health takes to answer (default 0; SGLang 0.5.23's takes a little "
+        "over 1: it looks for its scheduler's answer first after a second)",
+    )
+    g.add_argument(
         "--sim-spec-accept-prob",
         type=float,
         default=0.75,
@@ -299,6 +307,7 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = No
         upstream_release_timeout_s=_seconds(
             ns.sim_upstream_release_timeout, env, RELEASE_TIMEOUT_ENV, 30.0
         ),
+        health_delay_s=max(0.0, ns.sim_health_delay),
         spec_num_steps=ns.speculative_num_steps,
         spec_accept_prob=ns.sim_spec_accept_prob,
         fault=ns.sim_fault,

@@ -146,7 +146,7 @@ class SimServer:
         app = web.Application()
         app.router.add_post("/sim/kv/dest", self.kv_dest)
         app.router.add_post("/sim/kv/abort", self.kv_abort)
-        app.router.add_get("/health", self.health)
+        app.router.add_get("/health", self.bootstrap_health)
         return app
 
     @web.middleware
@@ -287,6 +287,15 @@ class SimServer:
             await asyncio.sleep(0.05)
 
     async def health(self, request: web.Request) -> web.Response:
+        """SGLang's /health: a one-token generation, answered once the scheduler replies, which
+        it first looks for after a second (http_server.py:777-781): `health_delay_s`."""
+        await self._wait_not_hung()
+        if self.cfg.health_delay_s:
+            await asyncio.sleep(self.cfg.health_delay_s)
+        return await self.bootstrap_health(request)
+
+    async def bootstrap_health(self, request: web.Request) -> web.Response:
+        """The prefill bootstrap server's /health: answers at once (the decode's heartbeat)."""
         await self._wait_not_hung()
         return web.Response(
             text="", headers={**SIM_HEADER, INCARNATION_HEADER: self.worker.incarnation}

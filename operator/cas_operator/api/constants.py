@@ -59,6 +59,13 @@ DIST_INIT_PORT: Final = 20000
 ROUTER_PORT: Final = 8000
 ROUTER_METRICS_PORT: Final = 29000
 
+# How long a check of an engine's /health may take (kubelet probes and the routers' checks).
+# SGLang's /health runs a one-token generation, looks for the scheduler's answer first after a
+# second and gives up with 503 after SGLANG_HEALTH_CHECK_TIMEOUT, 20 s (sglang 0.5.23
+# srt/entrypoints/http_server.py:218 and 777-796): a healthy engine never answers within the
+# kubelet's default 1 s, and a busy one may take seconds. Waiting past 20 s takes SGLang's verdict.
+ENGINE_HEALTH_TIMEOUT_SECONDS: Final = 25
+
 # Condition types and reasons (Kubernetes conventions: CamelCase reasons).
 COND_READY: Final = "Ready"
 COND_PROGRESSING: Final = "Progressing"

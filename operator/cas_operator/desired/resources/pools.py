@@ -61,15 +61,14 @@ def _resources(plan: Plan, pool: PoolPlan) -> dict[str, Any]:
 def _probes(*, serving: bool) -> dict[str, Any]:
     if not serving:
         return {}
-    http = {"path": "/health", "port": "http"}
+    # every probe waits for SGLang's own answer (ENGINE_HEALTH_TIMEOUT_SECONDS): with the
+    # kubelet's default timeout of 1 s a healthy SGLang fails them all and never starts
+    http = {"httpGet": {"path": "/health", "port": "http"},
+            "timeoutSeconds": c.ENGINE_HEALTH_TIMEOUT_SECONDS}  # fmt: skip
     return {
-        "startupProbe": {
-            "httpGet": http,
-            "periodSeconds": 10,
-            "failureThreshold": STARTUP_SECONDS // 10,
-        },
-        "readinessProbe": {"httpGet": http, "periodSeconds": 5, "failureThreshold": 3},
-        "livenessProbe": {"httpGet": http, "periodSeconds": 15, "failureThreshold": 8},
+        "startupProbe": {**http, "periodSeconds": 10, "failureThreshold": STARTUP_SECONDS // 10},
+        "readinessProbe": {**http, "periodSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {**http, "periodSeconds": 15, "failureThreshold": 8},
     }
 
 

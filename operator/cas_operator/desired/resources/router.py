@@ -68,7 +68,7 @@ def router_args(plan: Plan) -> list[str]:
         "--control-plane-api-keys",
         router_control_plane_keys(c.ENV_ROUTER_CONTROL_PLANE_KEY),
     ]
-    args += admission_args(plan)
+    args += admission_args(plan) + health_check_args()
     if router.retries == 0:
         return [*args, "--disable-retries"]
     # the router's "max retries" counts attempts: 1 is no retry (its --disable-retries help)
@@ -91,6 +91,29 @@ def admission_args(plan: Plan) -> list[str]:
         str(bound),
         "--queue-size",
         "0",
+    ]
+
+
+# The routers' own check of each worker. Their discovery adds a pod when it turns Ready but
+# drops it only when it is deleted, so a worker whose process died (a crash, an OOM kill) stays
+# in rotation until these checks fail: by default every 60 s, three in a row. Meanwhile each
+# request paired with a dead decode waits for its prefill's bootstrap timeout (300 s in SGLang
+# 0.5.23, SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT in srt/environ.py) before the retry, and the
+# failures count against the healthy prefill's circuit breaker too. A refused connection fails
+# at once, so a dead worker leaves after about interval x threshold; a live one is judged by
+# SGLang's own /health (c.ENGINE_HEALTH_TIMEOUT_SECONDS), so a busy engine is not dropped.
+HEALTH_CHECK_INTERVAL_SECONDS = 5
+HEALTH_FAILURE_THRESHOLD = 2
+
+
+def health_check_args() -> list[str]:
+    return [
+        "--health-check-interval-secs",
+        str(HEALTH_CHECK_INTERVAL_SECONDS),
+        "--health-failure-threshold",
+        str(HEALTH_FAILURE_THRESHOLD),
+        "--health-check-timeout-secs",
+        str(c.ENGINE_HEALTH_TIMEOUT_SECONDS),
     ]
 
 
