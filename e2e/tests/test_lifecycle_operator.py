@@ -48,7 +48,12 @@ pytestmark = [
 ]
 
 DECODES = 3
-TOKENS = 3000  # ~33 s at the sim's 22 ms decode step, speedup 2: outlasts the retire wait
+# ~12 s at speedup 2: 22 ms sim decode steps of about 2.7 tokens each (MTP, 3 drafts at 0.75)
+TOKENS = 3000
+# requests that must still run when a scale-down has chosen its decode, which takes 10-15 s
+# after they start (Prometheus' 5 s scrapes, the operator's tick): with TOKENS a run's requests
+# ended 0.4 s after the choice
+RETIRE_TOKENS = 3 * TOKENS
 
 
 def sample(decodes: int) -> dict[str, Any]:
@@ -97,7 +102,8 @@ async def test_scale_down_removes_an_idle_decode_and_cuts_no_request(
                         and len(u) == DECODES and u, 60)  # fmt: skip
         wait_for("the router to list every decode", lambda: http_ok(f"{r}/readiness")
                  and set(urls.values()) <= router_workers(r, key), 60)  # fmt: skip
-        requests = [asyncio.create_task(asyncio.to_thread(long_chat, r, TOKENS)) for _ in "ab"]
+        requests = [asyncio.create_task(asyncio.to_thread(long_chat, r, RETIRE_TOKENS))
+                    for _ in "ab"]  # fmt: skip
         busy = await asyncio.to_thread(
             wait_for, "both requests decoding",
             lambda: (b := {n for n, u in urls.items() if running(u) > 0})
@@ -133,7 +139,7 @@ async def test_scale_down_removes_an_idle_decode_and_cuts_no_request(
             lambda: (s := cas_status(kubectl, namespace))["decode"]["readyReplicas"]
             == DECODES - 1 and not s.get("draining") and s, 30,
         )  # fmt: skip
-    assert results == [(200, TOKENS)] * 2, results
+    assert results == [(200, RETIRE_TOKENS)] * 2, results
     assert left == {n: u for n, u in uids.items() if n != chosen}, (left, uids, chosen)
     assert status["decode"]["replicas"] == DECODES - 1, status
 
@@ -473,7 +479,8 @@ async def test_an_lws_pool_scales_down_its_highest_group_and_cuts_no_request(
                  and set(leaders.values()) <= router_workers(r, key), 60)  # fmt: skip
         before = lws_decode_pods(kubectl, namespace)
         assert len(before) == 6, before  # 3 groups of a leader and a worker
-        requests = [asyncio.create_task(asyncio.to_thread(long_chat, r, TOKENS)) for _ in "abcd"]
+        requests = [asyncio.create_task(asyncio.to_thread(long_chat, r, RETIRE_TOKENS))
+                    for _ in "abcd"]  # fmt: skip
         await asyncio.to_thread(wait_for, "the requests decoding", lambda: sum(
             running(u) for u in leaders.values()) >= 4, 60)  # fmt: skip
         await asyncio.to_thread(wait_for, "the operator's metrics to show them",
@@ -491,7 +498,7 @@ async def test_an_lws_pool_scales_down_its_highest_group_and_cuts_no_request(
         )  # fmt: skip
         results = await asyncio.gather(*requests)
         after = lws_decode_pods(kubectl, namespace)
-    assert results == [(200, TOKENS)] * 4, results
+    assert results == [(200, RETIRE_TOKENS)] * 4, results
     assert after == {n: v for n, v in before.items() if v[0] != "2"}, (after, before)
 
 

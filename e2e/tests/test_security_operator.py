@@ -89,7 +89,9 @@ async def test_the_router_worker_api_and_engine_admin_endpoints_need_the_fleets_
         assert status_of("POST", flush, admin) == 200
         # ...while clients, probes and Prometheus need no key
         assert long_chat(router, 8) == (200, 8)
-        assert http_ok(f"{decode}/health") and http_ok(f"{decode}/metrics")
+        # /health as the kubelet probes it: SGLang's (and these sims') take over a second
+        probe_s = c.ENGINE_HEALTH_TIMEOUT_SECONDS
+        assert http_ok(f"{decode}/health", timeout=probe_s) and http_ok(f"{decode}/metrics")
         # no pod spec holds a key: they reference the Secret
         pods = kubectl("get", "pods", "-n", namespace, "-o", "json")
         assert control not in pods and admin not in pods
