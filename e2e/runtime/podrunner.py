@@ -35,10 +35,11 @@ KWOK only pretends to run containers; this runner makes engine pods real process
 5. with ``patch_status`` set, plays the kubelet's readiness prober for pods that opt in (the
    toleration :data:`e2e.cluster.manifests.READINESS_TOLERATION_KEY`, which KWOK leaves not Ready):
    it GETs the engine container's readinessProbe at the pod IP (within its timeoutSeconds, 1 by
-   default as for a kubelet; all pods' probes at once) and patches the pod's Ready and
-   ContainersReady conditions to match (Ready on the first success, not Ready after the probe's
-   failureThreshold failures in a row or at once when the process is gone), so the router's
-   Kubernetes discovery and the pool controllers only count a pod that answers, as in a cluster;
+   default as for a kubelet; in the background, a probe per pod at a time) and patches the pod's
+   Ready and ContainersReady conditions to match (Ready on the first success, not Ready after
+   the probe's failureThreshold failures in a row or at once when the process is gone), so the
+   router's Kubernetes discovery and the pool controllers only count a pod that answers, as in
+   a cluster;
 6. with ``delete_pod`` set, removes a deleted opted-in pod's object once its processes stopped,
    after writing its containers terminated (:func:`terminated_patch`), as a kubelet does: the
    operator's prefill-gone loop trusts only such an end.
@@ -60,7 +61,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -464,6 +465,9 @@ class PodRunner:
     # by pod uid, pods gone whose preStop hook runs: the engine's record and the hook's
     draining: dict[str, tuple[procs.ProcRecord, procs.ProcRecord]] = field(default_factory=dict)
     _probe_failures: dict[tuple[str, str], int] = field(default_factory=dict)
+    # readiness probes in flight: the address probed and its answer to come
+    _probing: dict[tuple[str, str], tuple[str, Future[bool]]] = field(default_factory=dict)
+    _probe_pool: ThreadPoolExecutor | None = None
     # set: the kubelet's last step for pods KWOK leaves to the runner (PROBED_READINESS): a
     # deleted pod's object goes (namespace, name, uid) once its processes have stopped
     delete_pod: Callable[[str, str, str], None] | None = None
@@ -573,6 +577,8 @@ class PodRunner:
         answers = self._probe_all(probed, wanted)
         for key, pod in probed.items():
             seen.add(key)
+            if key in answers and answers[key] is None:
+                continue  # its probe has not answered yet: nothing new to say
             ready = self._ready(key, pod, wanted.get(key), answers.get(key))
             patch = None if ready is None else readiness_patch(pod, ready, now)
             if patch is not None:
@@ -584,21 +590,34 @@ class PodRunner:
 
     def _probe_all(
         self, pods: dict[tuple[str, str], Pod], wanted: dict[tuple[str, str], Launch]
-    ) -> dict[tuple[str, str], bool]:
-        """The readiness probe's answer for every pod that has one and a running process, all
-        at once, as a kubelet's probers run side by side (SGLang's /health takes over a second:
-        one after another they would stretch the pass by a second per pod)."""
-        urls = {}
+    ) -> dict[tuple[str, str], bool | None]:
+        """For every pod with a readiness probe and a running process: its probe's answer, or
+        None while the probe runs. Probes run in the background, one at a time per pod, as a
+        kubelet's probers do; a pass reads what came in (SGLang's /health takes over a second:
+        probed inside the pass, every pass would take that long, and the runner's other work
+        with it). An answer from another address (the pod replaced) is dropped."""
+        answers: dict[tuple[str, str], bool | None] = {}
         for key, pod in pods.items():
             launch, run = wanted.get(key), self.running.get(key)
             url = None if launch is None else readiness_url(launch, pod)
-            if url is not None and run is not None and procs.is_running(run.record):
-                urls[key] = (url, probe_timeout(pod))
-        if not urls:
-            return {}
-        with ThreadPoolExecutor(max_workers=min(16, len(urls))) as pool:
-            answers = pool.map(lambda target: self.probe(*target), urls.values())
-            return dict(zip(urls, answers, strict=True))
+            if url is None or run is None or not procs.is_running(run.record):
+                self._probing.pop(key, None)
+                continue
+            answers[key] = None
+            pending = self._probing.get(key)
+            if pending is not None and pending[0] == url and not pending[1].done():
+                continue
+            if pending is not None and pending[0] == url:
+                answers[key] = pending[1].result()
+            self._probing[key] = (url, self._prober().submit(self.probe, url, probe_timeout(pod)))
+        for key in set(self._probing) - set(answers):
+            del self._probing[key]
+        return answers
+
+    def _prober(self) -> ThreadPoolExecutor:
+        if self._probe_pool is None:
+            self._probe_pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="probe")
+        return self._probe_pool
 
     def _ready(
         self, key: tuple[str, str], pod: Pod, launch: Launch | None, answered: bool | None
@@ -686,6 +705,9 @@ class PodRunner:
 
     def stop_all(self) -> list[str]:
         """Stop every process now (the runner exits): no hooks, and drains cut short."""
+        if self._probe_pool is not None:
+            self._probe_pool.shutdown(wait=False, cancel_futures=True)
+            self._probe_pool, self._probing = None, {}
         done = [self._stop(k, hook=False) for k in list(self.running)]
         for engine, hook in list(self.draining.values()):
             done += [procs.stop(hook, grace_s=1.0), procs.stop(engine, grace_s=5.0)]
