@@ -50,10 +50,10 @@ pytestmark = [
 DECODES = 3
 # ~12 s at speedup 2: 22 ms sim decode steps of about 2.7 tokens each (MTP, 3 drafts at 0.75)
 TOKENS = 3000
-# requests that must still run when a scale-down has chosen its decode, which takes 10-15 s
-# after they start (Prometheus' 5 s scrapes, the operator's tick): with TOKENS a run's requests
-# ended 0.4 s after the choice
-RETIRE_TOKENS = 3 * TOKENS
+# requests that must still run when a scale-down has chosen its decode, 10-15 s after they
+# start (Prometheus' 5 s scrapes, the operator's tick): with TOKENS a run's requests ended 0.4 s
+# after the choice; these take ~25 s
+RETIRE_TOKENS = 2 * TOKENS
 
 
 def sample(decodes: int) -> dict[str, Any]:
