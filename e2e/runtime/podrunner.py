@@ -383,16 +383,20 @@ def terminated_patch(pod: Pod, now: str | None = None) -> dict[str, Any]:
     return {"status": {"containerStatuses": statuses, "conditions": conditions}}
 
 
-def probe_timeout(pod: Pod) -> float:
-    """The engine container's readinessProbe timeoutSeconds (Kubernetes' default 1)."""
+def _readiness_setting(pod: Pod, name: str, default: int) -> int:
+    """A field of the engine container's readinessProbe, Kubernetes' `default` when unset."""
     probe = (_served_container(pod) or {}).get("readinessProbe") or {}
-    return float(max(1, int(probe.get("timeoutSeconds", 1))))
+    return max(1, int(probe.get(name, default)))
+
+
+def probe_timeout(pod: Pod) -> float:
+    """The readinessProbe's timeoutSeconds (Kubernetes' default 1)."""
+    return float(_readiness_setting(pod, "timeoutSeconds", 1))
 
 
 def failure_threshold(pod: Pod) -> int:
-    """The engine container's readinessProbe failureThreshold (Kubernetes' default 3)."""
-    probe = (_served_container(pod) or {}).get("readinessProbe") or {}
-    return max(1, int(probe.get("failureThreshold", 3)))
+    """The readinessProbe's failureThreshold (Kubernetes' default 3)."""
+    return _readiness_setting(pod, "failureThreshold", 3)
 
 
 def readiness_patch(pod: Pod, ready: bool, now: str) -> dict[str, Any] | None:

@@ -75,22 +75,24 @@ def sglang_health(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     yield http, check
 
 
+def engine_containers(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    """The engine containers of a pool's serving pods (an LWS group's leader)."""
+    if manifest["kind"] == "LeaderWorkerSet":
+        template = manifest["spec"]["leaderWorkerTemplate"].get("leaderTemplate") or {}
+    elif manifest["kind"] == "Deployment":
+        template = manifest["spec"]["template"]
+    else:
+        return []
+    containers = template.get("spec", {}).get("containers", [])
+    return [k for k in containers if k["name"] == "engine"]
+
+
 def engine_probes() -> Iterator[tuple[str, str, dict[str, Any]]]:
     for sample in SAMPLES:
         for manifest in render(load_sample(sample)):
-            if manifest["kind"] not in ("Deployment", "LeaderWorkerSet"):
-                continue
-            spec = manifest["spec"]
-            templates = (
-                [spec["leaderWorkerTemplate"].get("leaderTemplate") or {}]
-                if manifest["kind"] == "LeaderWorkerSet"
-                else [spec["template"]]
-            )
-            for template in templates:
-                for container in template.get("spec", {}).get("containers", []):
-                    for name in PROBES:
-                        if name in container and container["name"] == "engine":
-                            yield manifest["metadata"]["name"], name, container[name]
+            for container in engine_containers(manifest):
+                for name in set(PROBES) & set(container):
+                    yield manifest["metadata"]["name"], name, container[name]
 
 
 def test_a_healthy_sglang_answers_after_a_second_and_every_probe_waits_for_it(

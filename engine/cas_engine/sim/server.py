@@ -289,10 +289,10 @@ class SimServer:
     async def health(self, request: web.Request) -> web.Response:
         """SGLang's /health: a one-token generation, answered once the scheduler replies, which
         it first looks for after a second (http_server.py:777-781): `health_delay_s`."""
-        await self._wait_not_hung()
+        response = await self.bootstrap_health(request)
         if self.cfg.health_delay_s:
             await asyncio.sleep(self.cfg.health_delay_s)
-        return await self.bootstrap_health(request)
+        return response
 
     async def bootstrap_health(self, request: web.Request) -> web.Response:
         """The prefill bootstrap server's /health: answers at once (the decode's heartbeat)."""
