@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import math
 import os
@@ -49,7 +50,7 @@ from bench.fleetsim.policies import MeanBasedPolicy, RatioPlannerPolicy, SwitchP
 from cas_operator.autoscale import profiles as pf
 from cas_operator.autoscale.model import Bounds, InstanceProfile, SloInputs, WorkloadInputs
 from cas_operator.autoscale.search import recommend
-from cas_operator.autoscale.signals import on_grid
+from cas_operator.autoscale.signals import SHAPE_BAND, Shape, kept_shape
 from cas_operator.desired.admission import highest_rate, in_flight_at, sustainable_rate
 
 SLO = SloInputs(ttft_s=3.0, itl_ms=50.0)
@@ -179,7 +180,25 @@ def _bounds(sc: Scenario) -> Bounds:
     )
 
 
-def _run(sc: Scenario, method: str, split: tuple[int, int] | None, seed: int) -> dict[str, Any]:
+@dataclass(frozen=True)
+class AdmissionVariant:
+    """A candidate change to `router.admission: Auto`, measured here before it goes into the
+    product (`bench/admission_variants.py`). `PRODUCT` is the product as it is."""
+
+    shape_band: float = SHAPE_BAND  # the band the request shape is held in (`kept_shape`)
+    prefill_allowance_s: float | None = None  # smg's bound: rate x this, not x the TTFT target
+
+
+PRODUCT = AdmissionVariant()
+
+
+def _run(
+    sc: Scenario,
+    method: str,
+    split: tuple[int, int] | None,
+    seed: int,
+    variant: AdmissionVariant = PRODUCT,
+) -> dict[str, Any]:
     p, d = sc.profiles()
     bounds = _bounds(sc)
     policy: Any = None
@@ -192,7 +211,7 @@ def _run(sc: Scenario, method: str, split: tuple[int, int] | None, seed: int) ->
         assert split is not None
         n_p, n_d = split
         static = SwitchPolicy(split, split, math.inf, n, p, d)
-        policy, admission = with_admission(static, _declared(sc))
+        policy, admission = with_admission(static, _declared(sc), variant=variant)
     elif method in ("switch", "switch-admitted"):
         assert split is not None and sc.shift_s is not None
         (n_p, post) = split
@@ -204,7 +223,7 @@ def _run(sc: Scenario, method: str, split: tuple[int, int] | None, seed: int) ->
         rec = recommend(_declared(sc), SLO, p, d, bounds)
         n_p, n_d = rec.n_prefill, rec.n_decode
         policy, admission = with_admission(
-            RatioPlannerPolicy(p, d, SLO, bounds), _declared(sc), method == "ours-smg"
+            RatioPlannerPolicy(p, d, SLO, bounds), _declared(sc), method == "ours-smg", variant
         )
     elif method == "mean-based":
         policy = MeanBasedPolicy(p, d, SLO, bounds)
@@ -241,13 +260,23 @@ def _run(sc: Scenario, method: str, split: tuple[int, int] | None, seed: int) ->
         else f"{n_p}P:{n_d}D",
         retractions=float(res.retractions),
         shed=float(res.shed),
+        limit_changes=float(_limit_changes(res)),
     )
     if method in ("ours", "ours-smg") and sc.shift_s is not None:
-        g["after_shift"] = after_shift(sc, res, seed)
+        g["after_shift"] = after_shift(sc, res, seed, variant)
     return g
 
 
-def after_shift(sc: Scenario, res: SimResult, seed: int) -> dict[str, Any]:
+def _limit_changes(res: SimResult) -> int:
+    """Ticks after warm-up at which the admission limit moved (each one a new router template,
+    so a roll of the routers)."""
+    rates = [r["admit_rate"] for r in res.series if r["t"] >= res.warmup_s]
+    return sum(1 for a, b in itertools.pairwise(rates) if a != b)
+
+
+def after_shift(
+    sc: Scenario, res: SimResult, seed: int, variant: AdmissionVariant = PRODUCT
+) -> dict[str, Any]:
     """Goodput after the shift against the ready pools' capacity at the new request shape
     (within the SLOs, the planner's model, averaged over the ticks after the shift); and, once
     the fleet settled (its last 600 s), against the end pools' goodput in the simulator with
@@ -270,7 +299,7 @@ def after_shift(sc: Scenario, res: SimResult, seed: int) -> dict[str, Any]:
     good = _good(res, sc.shift_s, sc.duration_s)
     end = (int(ticks[-1]["prefill"]), int(ticks[-1]["decode"]))
     settled = _good(res, sc.duration_s - 600.0, sc.duration_s)
-    check = _run(shifted_from_start(sc), "fixed-admitted", end, seed)["goodput_rps"]
+    check = _run(shifted_from_start(sc), "fixed-admitted", end, seed, variant)["goodput_rps"]
     return {
         "goodput_rps": good,
         "model_capacity_rps": capacity,
@@ -295,17 +324,22 @@ def _good(res: SimResult, t0: float, t1: float) -> float:
 
 
 def with_admission(
-    policy: Any, declared: WorkloadInputs, in_flight_bound: bool = False
+    policy: Any,
+    declared: WorkloadInputs,
+    in_flight_bound: bool = False,
+    variant: AdmissionVariant = PRODUCT,
 ) -> tuple[Any, Any]:
     """The product's `router.admission: Auto` next to `policy`: the rate at which the planner's
     model says the ready pools keep every queue stable (`desired.admission`), for the request
-    shape the fleet measures (prompt and output tokens per request, on
-    `autoscale.signals.on_grid`), the declared one until it measures; with `in_flight_bound`
+    shape the fleet measures (prompt and output tokens per request, held within a band by
+    `autoscale.signals.kept_shape`), the declared one until it measures; with `in_flight_bound`
     (`router.implementation: smg`), also smg's bound on the requests in flight: what the pools
     hold before requests wait for decode KV (`desired.admission.in_flight_at`), never below the
-    burst. The policy is wrapped to hand its metrics over."""
+    burst. The policy is wrapped to hand its metrics over. `variant` swaps in a candidate
+    change (`AdmissionVariant`)."""
     p, d = policy.prefill, policy.decode
     seen: dict[str, float] = {}
+    kept: list[Shape] = [(declared.avg_input_tokens, declared.avg_output_tokens)]
 
     def observing(now: float, m: Metrics, view: FleetView) -> tuple[int, int]:
         if m.arrival_rate > 0 and m.avg_input_tokens > 0 and m.avg_output_tokens > 0:
@@ -321,14 +355,17 @@ def with_admission(
         if not in_flight_bound:
             return Limit(found)
         held = in_flight_at(found, wl, SLO, d, n_d)
+        if variant.prefill_allowance_s is not None:
+            held += found * (variant.prefill_allowance_s - SLO.ttft_s)
         return Limit(found, max(held, found * ADMISSION_BURST_S))
 
     def admission(n_p: int, n_d: int) -> Limit | None:
         if n_p < 1 or n_d < 1:
             return None
-        inp = on_grid(seen.get("in")) or declared.avg_input_tokens
-        out = on_grid(seen.get("out")) or declared.avg_output_tokens
-        return limit(n_p, n_d, inp, out)
+        measured = (seen["in"], seen["out"]) if seen else None
+        kept[0] = kept_shape(kept[0], measured, variant.shape_band) or kept[0]
+        shape = kept[0]
+        return limit(n_p, n_d, round(shape[0], 1), round(shape[1], 1))
 
     return observing, admission
 

@@ -79,18 +79,23 @@ def test_each_router_gets_a_share_of_at_least_one_request_per_second() -> None:
 def test_admission_sizes_for_the_measured_request_shape() -> None:
     """Regression (issue 18, the planner benchmark's output shift): a limit sized for the
     declared shape kept admitting after outputs grew 4x (0.96 req/s within SLO); sized for the
-    measured shape the fleet kept 4.42. Longer measured outputs give a lower limit; the shape
-    comes on a geometric grid, so a little noise moves nothing."""
+    measured shape the fleet kept 4.42. Longer measured outputs give a lower limit, sized for
+    the measured lengths themselves (no grid rounding them up), and status shows the shape a
+    restarted operator resumes from."""
     from cas_operator.autoscale.model import ObservedSignals
-    from cas_operator.autoscale.signals import on_grid, quantized
+    from cas_operator.autoscale.signals import quantized, shape_in_status
 
     spec = parse_spec({**GLM5, "workload": {"avgInputTokens": 70000, "avgOutputTokens": 600}})
     declared = admission_for(build_plan("demo", "ns", spec))
-    shifted = admission_for(build_plan("demo", "ns", spec, quantized(ObservedSignals(
-        avg_input_tokens=70000.0, avg_output_tokens=2400.0))))  # fmt: skip
+    plan = build_plan("demo", "ns", spec, quantized(ObservedSignals(
+        avg_input_tokens=70_600.0, avg_output_tokens=2_400.0)))  # fmt: skip
+    shifted = admission_for(plan)
     assert declared is not None and shifted is not None
     assert shifted.requests_per_second < declared.requests_per_second
-    assert "out" in shifted.basis and on_grid(2400.0) == on_grid(2300.0)
+    assert "70600 in/2400 out" in shifted.basis
+    status = admission_status(plan)
+    assert status["requestShape"] == {"inputTokens": 70_600.0, "outputTokens": 2_400.0}
+    assert shape_in_status({"admission": status}) == (70_600.0, 2_400.0)
 
 
 def test_auto_admits_up_to_the_rate_that_keeps_every_queue_stable() -> None:

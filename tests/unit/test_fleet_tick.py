@@ -267,6 +267,53 @@ def test_auto_replicas_survive_an_operator_restart_through_status() -> None:
     assert g.measured_for("uid-a", kept).auto_replicas == (3, 2)
 
 
+def _shaped(source: CannedMetrics, prompt: float, generated: float) -> None:
+    """Prefill a-p0 and decodes a-d0/a-d1 measure this many tokens per request."""
+    source.by_name["a-p0"] = PodSignals(requests=10.0, prompt_tokens=10 * prompt)
+    for name in ("a-d0", "a-d1"):
+        source.by_name[name] = replace(HEALTHY, requests=60.0, generation_tokens=60 * generated)
+
+
+def _shape(tick: FleetTick) -> tuple[float | None, float | None]:
+    observed = tick.measured["uid-a"].observed
+    assert observed is not None
+    return observed.avg_input_tokens, observed.avg_output_tokens
+
+
+def test_the_request_shape_is_held_within_its_band_and_survives_a_restart() -> None:
+    """Regression (issue 18): the measured request shape, which sizes the routers' admission
+    limits, came on a geometric grid: a prompt of 70,600 tokens was sized as 87,580 (a limit
+    ~20% low) and noise around a grid line rolled the routers; and a restarted operator sized
+    the limits for the declared shape until it measured again, rolling every fleet's routers
+    twice. Now a length moves only when the measured one leaves a 10% band around the kept
+    one, a quiet window keeps it, and a restarted operator resumes it from status."""
+    store, source = pd_fleet()
+    g, _ = guard(store, source)
+    _shaped(source, 70_600.0, 1_500.0)
+    g.tick([resource("a")], now=T0)
+    assert _shape(g) == (70_600.0, 1_500.0)
+    _shaped(source, 73_000.0, 1_600.0)  # within 10%: kept, the limit does not move
+    g.tick([resource("a")], now=T0 + 30)
+    assert _shape(g) == (70_600.0, 1_500.0)
+    _shaped(source, 73_000.0, 1_800.0)  # outputs 20% longer: that length moves
+    g.tick([resource("a")], now=T0 + 60)
+    assert _shape(g) == (70_600.0, 1_800.0)
+    source.by_name.clear()  # a quiet window measures no shape: the kept one stays
+    g.tick([resource("a")], now=T0 + 90)
+    assert _shape(g) == (70_600.0, 1_800.0)
+
+    status = {"admission": {"requestShape": {"inputTokens": 70_600.0, "outputTokens": 1_800.0}}}
+    restarted, _ = guard(store, source)
+    kept = restarted.measured_for("uid-a", status).observed
+    assert kept is not None and (kept.avg_input_tokens, kept.avg_output_tokens) == (
+        70_600.0,
+        1_800.0,
+    )
+    _shaped(source, 72_000.0, 1_700.0)
+    restarted.tick([resource("a", status=status)], now=T0 + 120)
+    assert _shape(restarted) == (70_600.0, 1_800.0)  # resumed from status, then held
+
+
 def test_fixed_mode_writes_no_autoscaler_status() -> None:
     store, source = pd_fleet()
     g, _ = guard(store, source)

@@ -8,8 +8,11 @@ load, with the routers' refusals); in Auto, the caller's plan for that load (`Pl
 the planner's counts and the instance sizes, from `desired`) ->
 `controller.auto_step` -> `AutoscaleResult`: the `status.autoscaler` entry, the measured load
 and Auto's counts, which the reconcile reads (`reconcile.core.Measured`).
-Ownership: `Autoscaler.pressure` and `Autoscaler.auto` (per uid, memory only;
-`status.autoscaler` is the durable copy a restarted operator resumes from). No I/O here.
+The measured request shape is held within a band (`signals.kept_shape`) before anything reads
+it, so admission limits and the planner's inputs move only when the shape really changed.
+Ownership: `Autoscaler.pressure`, `Autoscaler.auto` and `Autoscaler.shapes` (per uid, memory
+only; `status.autoscaler` and `status.admission.requestShape` are the durable copies a
+restarted operator resumes from). No I/O here.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ class Autoscaler:
 
     pressure: dict[str, PressureState] = field(default_factory=dict)
     auto: dict[str, AutoState] = field(default_factory=dict)
+    shapes: dict[str, signals.Shape] = field(default_factory=dict)  # kept request shapes
 
     def step(
         self,
@@ -91,6 +95,7 @@ class Autoscaler:
             self.pressure[uid] = scale.state
         window = float(spec.anomaly_guard.window_seconds)
         observed = signals.quantized(signals.observed_signals(views, window))
+        observed = self._kept_shape(uid, observed, status)
         if spec.ratio.mode == RatioMode.FIXED:  # only admission reads the load: its shape
             self.auto.pop(uid, None)
             return AutoscaleResult(scale, None, signals.shape_only(observed), None)
@@ -109,6 +114,15 @@ class Autoscaler:
         state = self._auto_step(uid, spec, auto, numbers, pods(), observed, scale, now)
         entry.update(state.to_status())
         return AutoscaleResult(scale, entry, observed, state.replicas)
+
+    def _kept_shape(self, uid: str, observed: ObservedSignals, status: Status) -> ObservedSignals:
+        """The measured load with the request shape this resource keeps (`kept_shape`): this
+        process's last one, else what its status kept."""
+        kept = self.shapes.get(uid) or signals.shape_in_status(status)
+        shape = signals.kept_shape(kept, signals.shape_of(observed))
+        if shape is not None:
+            self.shapes[uid] = shape
+        return signals.with_shape(observed, shape)
 
     def _auto_step(
         self,
@@ -145,7 +159,7 @@ class Autoscaler:
 
     def forget(self, live: set[str]) -> None:
         """Drop the state of resources that are gone."""
-        for states in (self.pressure, self.auto):
+        for states in (self.pressure, self.auto, self.shapes):
             for uid in set(states) - live:
                 del states[uid]
 

@@ -4,13 +4,16 @@ Data flow: per engine and router pod `PodSignals` over the anomaly window (the o
 joined with the pod as `PodView` by the fleet tick -> `observed_signals` (arrival rate, hit
 rate, prefill queue, decode KV use, TTFT p90 from the engines' histograms, aborts, the routers'
 refusals, which status.admission shows) -> `quantized` (so the planner's cache hits in steady
-state) -> the planner (`desired.recommend`) and the replica controller (`autoscale.controller`).
+state) -> `kept_shape` (the request shape held within a band; the autoscale loop keeps it per
+resource, `status.admission.requestShape` across restarts) -> the planner (`desired.recommend`),
+admission (`desired.admission`) and the replica controller (`autoscale.controller`).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
 
 from cas_operator.api import constants as c
 from cas_operator.autoscale.model import ObservedSignals
@@ -81,18 +84,69 @@ def observed_signals(pods: Sequence[PodView], window_s: float) -> ObservedSignal
     )
 
 
-SHAPE_STEP = 1.25  # request lengths are kept on a geometric grid of this ratio
+SHAPE_BAND = 0.10  # a kept request length moves when the measured one leaves this band
+
+Shape = tuple[float, float]  # (prompt, generated) tokens per request
 
 
-def on_grid(tokens: float | None) -> float | None:
-    """Request lengths rounded up to a power of SHAPE_STEP (a longer request: a lower limit, the
-    safe side): the limits sized from them (the
-    routers' admission) move only when the shape really changed, not with every window."""
-    if tokens is None:
+def kept_shape(
+    kept: Shape | None, measured: Shape | None, band: float = SHAPE_BAND
+) -> Shape | None:
+    """The request shape admission and the planner size for: each length stays at its kept
+    value until the measured one moves by more than `band` from it, then takes the measured
+    one. A limit sized for it moves (and the routers' template with it) only when the shape
+    really changed, and it is never more than `band` off. Without a measurement (a quiet
+    window) the kept shape stays; without a kept one the measured one is taken.
+
+    Measured on the planner benchmark (docs/planner.md, "Admission control"): the geometric
+    grid this replaces (lengths rounded up to a power of 1.25) sized the limit for a prompt up
+    to 25% longer than measured (70,600 tokens read as 87,580) and, near a grid line, changed
+    it more often than this band does."""
+    if measured is None:
+        return kept
+    if kept is None:
+        return measured
+    return (_within(kept[0], measured[0], band), _within(kept[1], measured[1], band))
+
+
+def _within(kept: float, measured: float, band: float) -> float:
+    return kept if abs(measured / kept - 1.0) <= band else measured
+
+
+def shape_of(o: ObservedSignals | None) -> Shape | None:
+    """The measured request shape, when both lengths were measured."""
+    if o is None or not o.avg_input_tokens or not o.avg_output_tokens:
         return None
-    if tokens <= 1.0:
-        return 1.0
-    return round(SHAPE_STEP ** math.ceil(math.log(tokens, SHAPE_STEP)), 1)
+    return o.avg_input_tokens, o.avg_output_tokens
+
+
+def with_shape(o: ObservedSignals, shape: Shape | None) -> ObservedSignals:
+    """`o` with its request shape replaced (unchanged without one)."""
+    if shape is None:
+        return o
+    return replace(o, avg_input_tokens=shape[0], avg_output_tokens=shape[1])
+
+
+def request_shape_status(shape: Shape) -> dict[str, float]:
+    """`status.admission.requestShape`: the shape the limits are sized for, which a restarted
+    operator keeps (`shape_in_status`) instead of rolling the routers to the declared one."""
+    return {"inputTokens": shape[0], "outputTokens": shape[1]}
+
+
+def shape_in_status(status: Mapping[str, Any] | None) -> Shape | None:
+    """The request shape a resource's status kept (`request_shape_status`), if any."""
+    found = ((status or {}).get("admission") or {}).get("requestShape") or {}
+    try:
+        inp, out = float(found["inputTokens"]), float(found["outputTokens"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return (inp, out) if inp > 0 and out > 0 else None
+
+
+def _three_digits(value: float | None) -> float | None:
+    if value is None or value <= 0:
+        return value
+    return float(f"{value:.3g}")
 
 
 def shape_only(o: ObservedSignals) -> ObservedSignals:
@@ -116,8 +170,9 @@ def _step(value: float | None, step: float) -> float | None:
 
 
 def quantized(o: ObservedSignals) -> ObservedSignals:
-    """Coarse values (2 significant digits, 2% steps) so a steady load gives identical planner
-    inputs tick after tick: the planner's answer is cached and does not jitter."""
+    """Coarse values (2 significant digits, 2% steps; request lengths 3 digits, which
+    `kept_shape` then holds steady) so a steady load gives identical planner inputs tick after
+    tick: the planner's answer is cached and does not jitter."""
     return ObservedSignals(
         arrival_rate=_two_digits(o.arrival_rate),
         hit_rate=_step(o.hit_rate, 0.02),
@@ -130,7 +185,7 @@ def quantized(o: ObservedSignals) -> ObservedSignals:
         ttft_p90_s=_two_digits(o.ttft_p90_s),
         itl_ms=_two_digits(o.itl_ms),
         aborts_per_s=_two_digits(o.aborts_per_s),
-        avg_input_tokens=on_grid(o.avg_input_tokens),
-        avg_output_tokens=on_grid(o.avg_output_tokens),
+        avg_input_tokens=_three_digits(o.avg_input_tokens),
+        avg_output_tokens=_three_digits(o.avg_output_tokens),
         refused_rate=_two_digits(o.refused_rate),
     )

@@ -33,9 +33,10 @@ The request shape is the measured one when the fleet tick has it (prompt and gen
 per finished request), else the declared `workload`: a fleet whose outputs grow 4x serves far
 fewer requests, and a limit sized for the declared shape would admit the backlog it is meant to
 refuse (the planner benchmark's output shift, quick run: 0.96 req/s within SLO with the declared
-shape, 4.42 with the measured one). Measured lengths come on a geometric grid
-(`autoscale.signals.on_grid`), so the limit, and the routers' template with it, moves only when
-the shape really changed.
+shape, 4.42 with the measured one). The measured shape is held within a band
+(`autoscale.signals.kept_shape`: a length moves when the measured one is more than 10% off),
+so the limit, and the routers' template with it, moves only when the shape really changed; a
+restarted operator keeps it from `status.admission.requestShape`.
 
 `router.admission.mode`: Auto (the planner's capacity x `headroom`; none without an instance
 profile for the model), Fixed (`requestsPerSecond`, `burst`), Off.
@@ -156,7 +157,7 @@ def workload_of(
     """The request shape the capacity is searched for (the rate is what the search varies):
     the measured lengths on the grid, else the declared ones."""
     inp, out = float(spec.workload.avg_input_tokens), float(spec.workload.avg_output_tokens)
-    if measured is not None:  # on the grid already (`autoscale.signals.quantized`)
+    if measured is not None:  # held within its band already (`autoscale.signals.kept_shape`)
         inp, out = measured
     return WorkloadInputs(
         request_rate=1.0,

@@ -26,6 +26,7 @@ from cas_operator.api.limits import OperatorLimits
 from cas_operator.api.models import RolloutStrategy
 from cas_operator.autoscale.controller import STATUS_KEY, AutoState
 from cas_operator.autoscale.model import ObservedSignals
+from cas_operator.autoscale.signals import shape_in_status, with_shape
 from cas_operator.desired.build import plan_raw
 from cas_operator.desired.plan import InvalidSpec, Plan
 from cas_operator.desired.resources import build_all
@@ -106,10 +107,13 @@ class Measured:
     def kept_in(cls, status: Status) -> Measured:
         """What a resource's status kept of the last findings, before this process measured
         it (a restarted operator keeps Auto's replicas instead of jumping back to the
-        planner's, and the conditions keep their anomaly evidence)."""
+        planner's, the request shape its routers' limits are sized for instead of rolling them
+        to the declared one, and the conditions keep their anomaly evidence)."""
         state = AutoState.from_status(status.get(STATUS_KEY))
         anomaly = status.get("anomaly")
+        shape = shape_in_status(status)
         return cls(
+            observed=with_shape(ObservedSignals(), shape) if shape else None,
             auto_replicas=state.replicas if state else None,
             sections={"anomaly": anomaly} if anomaly is not None else None,
             rollout=RolloutState.from_status(status),

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cas_operator.api import constants as c
+from cas_operator.autoscale.signals import request_shape_status
 from cas_operator.desired.admission import admission_for
 from cas_operator.desired.plan import Plan, PoolPlan
 from cas_operator.desired.recommend import ShapeAdvice, ShapePlan
@@ -387,12 +388,16 @@ def _serving_pools(
 def admission_status(plan: Plan) -> dict[str, Any]:
     """`status.admission`: the limits the routers of the spec's revision enforce, or why none."""
     mode = plan.spec.router.admission.mode.value
-    refused = {} if plan.refused_rate is None else {"refusedPerSecond": plan.refused_rate}
+    measured: dict[str, Any] = {}
+    if plan.refused_rate is not None:
+        measured["refusedPerSecond"] = plan.refused_rate
+    if plan.measured_shape is not None:
+        measured["requestShape"] = request_shape_status(plan.measured_shape)
     found = admission_for(plan)
     if found is None:
         why = "no limit" if mode == "Off" else f"no instance profile for {plan.spec.model.name}"
-        return {"mode": mode, "basis": why, **refused}
-    return {"mode": mode, **found.to_status(plan.router_replicas), **refused}
+        return {"mode": mode, "basis": why, **measured}
+    return {"mode": mode, **found.to_status(plan.router_replicas), **measured}
 
 
 def held_revision(plan: Plan) -> dict[str, str] | None:
