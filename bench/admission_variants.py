@@ -31,6 +31,8 @@ VARIANTS: dict[str, AdmissionVariant] = {
     # smg's bound with a prefill allowance of 0.75 s or 1 s of the rate, not the TTFT target
     "allow-0.75s": AdmissionVariant(prefill_allowance_s=0.75),
     "allow-1.0s": AdmissionVariant(prefill_allowance_s=1.0),
+    "headroom-0.9": AdmissionVariant(headroom=0.9),
+    "headroom-0.8": AdmissionVariant(headroom=0.8),
 }
 
 

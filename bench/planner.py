@@ -187,6 +187,7 @@ class AdmissionVariant:
 
     shape_band: float = SHAPE_BAND  # the band the request shape is held in (`kept_shape`)
     prefill_allowance_s: float | None = None  # smg's bound: rate x this, not x the TTFT target
+    headroom: float = 1.0  # `router.admission.headroom`: on the rate and smg's bound
 
 
 PRODUCT = AdmissionVariant()
@@ -339,7 +340,7 @@ def with_admission(
     change (`AdmissionVariant`)."""
     p, d = policy.prefill, policy.decode
     seen: dict[str, float] = {}
-    kept: list[Shape] = [(declared.avg_input_tokens, declared.avg_output_tokens)]
+    kept: list[Shape | None] = [None]  # as the operator's: nothing until the first measurement
 
     def observing(now: float, m: Metrics, view: FleetView) -> tuple[int, int]:
         if m.arrival_rate > 0 and m.avg_input_tokens > 0 and m.avg_output_tokens > 0:
@@ -349,22 +350,23 @@ def with_admission(
     @functools.cache
     def limit(n_p: int, n_d: int, inp: float, out: float) -> Limit | None:
         wl = replace(declared, avg_input_tokens=inp, avg_output_tokens=out)
-        found = sustainable_rate(wl, SLO, p, d, n_p, n_d)
-        if not found:
+        stable = sustainable_rate(wl, SLO, p, d, n_p, n_d)
+        if not stable:
             return None
+        found = stable * variant.headroom
         if not in_flight_bound:
             return Limit(found)
-        held = in_flight_at(found, wl, SLO, d, n_d)
+        held = in_flight_at(stable, wl, SLO, d, n_d)
         if variant.prefill_allowance_s is not None:
-            held += found * (variant.prefill_allowance_s - SLO.ttft_s)
-        return Limit(found, max(held, found * ADMISSION_BURST_S))
+            held += stable * (variant.prefill_allowance_s - SLO.ttft_s)
+        return Limit(found, max(held * variant.headroom, found * ADMISSION_BURST_S))
 
     def admission(n_p: int, n_d: int) -> Limit | None:
         if n_p < 1 or n_d < 1:
             return None
         measured = (seen["in"], seen["out"]) if seen else None
-        kept[0] = kept_shape(kept[0], measured, variant.shape_band) or kept[0]
-        shape = kept[0]
+        kept[0] = kept_shape(kept[0], measured, variant.shape_band)
+        shape = kept[0] or (declared.avg_input_tokens, declared.avg_output_tokens)
         return limit(n_p, n_d, round(shape[0], 1), round(shape[1], 1))
 
     return observing, admission
