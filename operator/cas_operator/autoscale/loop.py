@@ -8,8 +8,8 @@ load, with the routers' refusals); in Auto, the caller's plan for that load (`Pl
 the planner's counts and the instance sizes, from `desired`) ->
 `controller.auto_step` -> `AutoscaleResult`: the `status.autoscaler` entry, the measured load
 and Auto's counts, which the reconcile reads (`reconcile.core.Measured`).
-The measured request shape is held within a band (`signals.kept_shape`) before anything reads
-it, so admission limits and the planner's inputs move only when the shape really changed.
+The measured request shape, which admission sizes the routers' limits for, is held within a
+band (`signals.kept_shape`), so the limits move only when the shape really changed.
 Ownership: `Autoscaler.pressure`, `Autoscaler.auto` and `Autoscaler.shapes` (per uid, memory
 only; `status.autoscaler` and `status.admission.requestShape` are the durable copies a
 restarted operator resumes from). No I/O here.

@@ -4,9 +4,10 @@ Data flow: per engine and router pod `PodSignals` over the anomaly window (the o
 joined with the pod as `PodView` by the fleet tick -> `observed_signals` (arrival rate, hit
 rate, prefill queue, decode KV use, TTFT p90 from the engines' histograms, aborts, the routers'
 refusals, which status.admission shows) -> `quantized` (so the planner's cache hits in steady
-state) -> `kept_shape` (the request shape held within a band; the autoscale loop keeps it per
-resource, `status.admission.requestShape` across restarts) -> the planner (`desired.recommend`),
-admission (`desired.admission`) and the replica controller (`autoscale.controller`).
+state) -> `kept_shape` (the request shape, which admission (`desired.admission`) sizes for,
+held within a band; the autoscale loop keeps it per resource, `status.admission.requestShape`
+across restarts) -> the planner (`desired.recommend`) and the replica controller
+(`autoscale.controller`).
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ Shape = tuple[float, float]  # (prompt, generated) tokens per request
 def kept_shape(
     kept: Shape | None, measured: Shape | None, band: float = SHAPE_BAND
 ) -> Shape | None:
-    """The request shape admission and the planner size for: each length stays at its kept
+    """The request shape admission sizes the routers' limits for: each length stays at its kept
     value until the measured one moves by more than `band` from it, then takes the measured
     one. A limit sized for it moves (and the routers' template with it) only when the shape
     really changed, and it is never more than `band` off. Without a measurement (a quiet

@@ -155,7 +155,7 @@ def workload_of(
     spec: CodingAgentServingSpec, measured: tuple[float, float] | None = None
 ) -> WorkloadInputs:
     """The request shape the capacity is searched for (the rate is what the search varies):
-    the measured lengths on the grid, else the declared ones."""
+    the measured lengths as the autoscale loop keeps them, else the declared ones."""
     inp, out = float(spec.workload.avg_input_tokens), float(spec.workload.avg_output_tokens)
     if measured is not None:  # held within its band already (`autoscale.signals.kept_shape`)
         inp, out = measured
