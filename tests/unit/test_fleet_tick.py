@@ -282,7 +282,7 @@ def _shape(tick: FleetTick) -> tuple[float | None, float | None]:
 
 def test_the_request_shape_is_held_within_its_band_and_survives_a_restart() -> None:
     """Regression (issue 18): the measured request shape, which sizes the routers' admission
-    limits, came on a geometric grid: a prompt of 70,600 tokens was sized as 87,580 (a limit
+    limits, came on a geometric grid: a prompt of 70,600 tokens was sized as 87,581 (a limit
     ~20% low) and noise around a grid line rolled the routers; and a restarted operator sized
     the limits for the declared shape until it measured again, rolling every fleet's routers
     twice. Now a length moves only when the measured one leaves a 10% band around the kept
