@@ -339,12 +339,13 @@ def with_admission(
     burst. The policy is wrapped to hand its metrics over. `variant` swaps in a candidate
     change (`AdmissionVariant`)."""
     p, d = policy.prefill, policy.decode
-    seen: dict[str, float] = {}
-    kept: list[Shape | None] = [None]  # as the operator's: nothing until the first measurement
+    measured: Shape | None = None  # the latest window's, once the fleet has measured one
+    kept: Shape | None = None  # as the operator's: nothing until the first measurement
 
     def observing(now: float, m: Metrics, view: FleetView) -> tuple[int, int]:
+        nonlocal measured
         if m.arrival_rate > 0 and m.avg_input_tokens > 0 and m.avg_output_tokens > 0:
-            seen["in"], seen["out"] = m.avg_input_tokens, m.avg_output_tokens
+            measured = (m.avg_input_tokens, m.avg_output_tokens)
         return policy(now, m, view)  # type: ignore[no-any-return]
 
     @functools.cache
@@ -362,11 +363,11 @@ def with_admission(
         return Limit(found, max(held * variant.headroom, found * ADMISSION_BURST_S))
 
     def admission(n_p: int, n_d: int) -> Limit | None:
+        nonlocal kept
         if n_p < 1 or n_d < 1:
             return None
-        measured = (seen["in"], seen["out"]) if seen else None
-        kept[0] = kept_shape(kept[0], measured, variant.shape_band)
-        shape = kept[0] or (declared.avg_input_tokens, declared.avg_output_tokens)
+        kept = kept_shape(kept, measured, variant.shape_band)
+        shape = kept or (declared.avg_input_tokens, declared.avg_output_tokens)
         return limit(n_p, n_d, round(shape[0], 1), round(shape[1], 1))
 
     return observing, admission

@@ -144,12 +144,6 @@ def shape_in_status(status: Mapping[str, Any] | None) -> Shape | None:
     return (inp, out) if inp > 0 and out > 0 else None
 
 
-def _three_digits(value: float | None) -> float | None:
-    if value is None or value <= 0:
-        return value
-    return float(f"{value:.3g}")
-
-
 def shape_only(o: ObservedSignals) -> ObservedSignals:
     """The measured request shape and the routers' refusals alone (Fixed mode: nothing else is
     planned from the load; admission sizes for the shape and shows the refusals)."""
@@ -160,10 +154,11 @@ def shape_only(o: ObservedSignals) -> ObservedSignals:
     )
 
 
-def _two_digits(value: float | None) -> float | None:
+def _significant(value: float | None, digits: int = 2) -> float | None:
+    """`value` to `digits` significant digits (None and non-positive values as they are)."""
     if value is None or value <= 0:
         return value
-    return float(f"{value:.2g}")
+    return float(f"{value:.{digits}g}")
 
 
 def _step(value: float | None, step: float) -> float | None:
@@ -175,18 +170,18 @@ def quantized(o: ObservedSignals) -> ObservedSignals:
     `kept_shape` then holds steady) so a steady load gives identical planner inputs tick after
     tick: the planner's answer is cached and does not jitter."""
     return ObservedSignals(
-        arrival_rate=_two_digits(o.arrival_rate),
+        arrival_rate=_significant(o.arrival_rate),
         hit_rate=_step(o.hit_rate, 0.02),
         prefill_replicas=o.prefill_replicas,
-        prefill_queue_depth=_two_digits(o.prefill_queue_depth),
+        prefill_queue_depth=_significant(o.prefill_queue_depth),
         decode_kv_usage=_step(o.decode_kv_usage, 0.02),
         decode_replicas=o.decode_replicas,
-        decode_queue_depth=_two_digits(o.decode_queue_depth),
+        decode_queue_depth=_significant(o.decode_queue_depth),
         transfer_backlog_bytes=o.transfer_backlog_bytes,
-        ttft_p90_s=_two_digits(o.ttft_p90_s),
-        itl_ms=_two_digits(o.itl_ms),
-        aborts_per_s=_two_digits(o.aborts_per_s),
-        avg_input_tokens=_three_digits(o.avg_input_tokens),
-        avg_output_tokens=_three_digits(o.avg_output_tokens),
-        refused_rate=_two_digits(o.refused_rate),
+        ttft_p90_s=_significant(o.ttft_p90_s),
+        itl_ms=_significant(o.itl_ms),
+        aborts_per_s=_significant(o.aborts_per_s),
+        avg_input_tokens=_significant(o.avg_input_tokens, 3),
+        avg_output_tokens=_significant(o.avg_output_tokens, 3),
+        refused_rate=_significant(o.refused_rate),
     )

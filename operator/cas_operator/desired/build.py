@@ -17,6 +17,7 @@ from cas_operator.api import constants as c
 from cas_operator.api.limits import OperatorLimits
 from cas_operator.api.models import CodingAgentServingSpec, RatioMode, parse_spec
 from cas_operator.autoscale.model import ObservedSignals
+from cas_operator.autoscale.signals import shape_of
 from cas_operator.desired.layersplit import kv_bytes_per_token_per_rank, layer_shards
 from cas_operator.desired.plan import InvalidSpec, LayerLayout, Plan, PoolPlan
 from cas_operator.desired.recommend import Recommendation, recommendation_for
@@ -124,7 +125,7 @@ def build_plan(
         cp_strategy=resolved.cp_strategy,
         recommendation=recommendation,
         operator_namespace=limits.operator_namespace,
-        measured_shape=measured_shape(observed),
+        measured_shape=shape_of(observed),
         refused_rate=None if observed is None else observed.refused_rate,
     )
     rendered, user_input = engine_revision(draft), engine_input(spec)
@@ -136,13 +137,6 @@ def build_plan(
         policy=spec.rollout.on_operator_upgrade,
     )
     return replace(draft, rendered_revision=rendered, engine_input=user_input).at_revision(runs)
-
-
-def measured_shape(observed: ObservedSignals | None) -> tuple[float, float] | None:
-    """(input, output) tokens per request the fleet measures, when it measures both."""
-    if observed is None or not observed.avg_input_tokens or not observed.avg_output_tokens:
-        return None
-    return observed.avg_input_tokens, observed.avg_output_tokens
 
 
 def spec_warnings(spec: CodingAgentServingSpec) -> tuple[str, ...]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from cas_operator.api.models import CodingAgentServingSpec
+from cas_operator.autoscale.signals import Shape
 from cas_operator.desired.layersplit import KvFootprint, LayerShard
 from cas_operator.desired.recommend import Recommendation
 from cas_operator.desired.replicas import ReplicaPlan
@@ -66,7 +67,7 @@ class Plan:
     operator_namespace: str | None = None  # where the operator pod runs (api.limits)
     routers: int | None = None  # router replicas, when a rollout sets them (else the spec's)
     # the measured request shape (input, output tokens per request), when the fleet tick has it
-    measured_shape: tuple[float, float] | None = None
+    measured_shape: Shape | None = None
     # the routers' 429s per second over the fleet tick's window (status.admission shows it)
     refused_rate: float | None = None
 
