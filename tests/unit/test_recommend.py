@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from cas_operator.api.models import parse_spec
+from cas_operator.autoscale.model import ObservedSignals
 from cas_operator.autoscale.profiles import load_spec as load_spec_profile
 from cas_operator.desired.build import build_plan
 from cas_operator.desired.recommend import (
@@ -154,3 +155,25 @@ def test_dsa_resource_reports_its_prefill_shape_and_auto_keeps_it() -> None:
     raw["model"] = {**raw["model"], "name": "deepseek-ai/DeepSeek-V3"}
     raw["prefill"] = {**raw["prefill"], "contextParallel": 1, "layerSplit": False}
     assert "prefillShape" not in ratio_status(build_plan("x", "ns", parse_spec(raw)))
+
+
+def test_the_planner_sizes_for_the_request_shape_the_fleet_measured() -> None:
+    """Regression (issue 18): the planner sized for the spec's declared lengths whatever the
+    fleet measured, while admission sized its limit for the measured shape: a fleet whose
+    answers grew 4x (600 -> 2,400 tokens) was still planned for 600, with the decode pool
+    that length needs, and the benchmark's planner (which plans from measured lengths) was
+    not the product's. The shape the loop keeps (`signals.kept_shape`) now replaces the
+    declared lengths; without a measured shape the declared ones stand."""
+    spec = parse_spec(glm5(mode="Recommend", min=0.1, max=10, gpuBudget=256))
+    declared = build_plan("x", "ns", spec).recommendation
+    unmeasured = build_plan("x", "ns", spec, ObservedSignals(arrival_rate=12.0)).recommendation
+    longer = ObservedSignals(arrival_rate=12.0, avg_input_tokens=70000.0, avg_output_tokens=2400.0)
+    measured = build_plan("x", "ns", spec, longer).recommendation
+    assert declared is not None and unmeasured is not None and measured is not None
+    assert (unmeasured.prefill, unmeasured.decode) == (declared.prefill, declared.decode)
+    assert measured.decode is not None and declared.decode is not None
+    assert measured.decode > declared.decode, (declared.ratio, measured.ratio)
+    shorter = ObservedSignals(arrival_rate=12.0, avg_input_tokens=20000.0, avg_output_tokens=600.0)
+    short = build_plan("x", "ns", spec, shorter).recommendation
+    assert short is not None and short.prefill is not None and declared.prefill is not None
+    assert short.prefill < declared.prefill, (declared.ratio, short.ratio)

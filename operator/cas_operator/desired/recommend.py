@@ -15,7 +15,9 @@ only ever advice, never applied by Auto.
 
 Pure and cached: the same spec gives the same answer, computed once per process (the search
 takes up to a second). The fleet tick's measured load (`observed`) replaces or rescales
-the spec's estimates.
+the spec's estimates (`planner_workload`): the measured rate when none is declared, the
+measured request shape (held within a band by the autoscale loop) in place of the declared
+lengths, the hit rate and decode KV use rescaling the model.
 """
 
 from __future__ import annotations
@@ -24,7 +26,12 @@ import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from cas_operator.api.models import MAX_DSA_CP_TENSOR_PARALLEL, CodingAgentServingSpec, RatioMode
+from cas_operator.api.models import (
+    MAX_DSA_CP_TENSOR_PARALLEL,
+    CodingAgentServingSpec,
+    RatioMode,
+    WorkloadSpec,
+)
 from cas_operator.autoscale.model import (
     Bounds,
     InstanceProfile,
@@ -34,6 +41,7 @@ from cas_operator.autoscale.model import (
 )
 from cas_operator.autoscale.profiles import ProfileSpec, decode_profile, load_spec, prefill_profile
 from cas_operator.autoscale.search import recommend
+from cas_operator.autoscale.signals import shape_of
 from cas_operator.desired.resolve import Resolved, resolve
 from cas_operator.desired.shapes import InstanceShape
 
@@ -124,12 +132,7 @@ def recommendation_for(
     profile = profile_for(spec.model.name)
     if profile is None:
         return Recommendation(None, None, f"no instance profile for model {spec.model.name!r}")
-    workload = WorkloadInputs(
-        request_rate=rate,
-        avg_input_tokens=spec.workload.avg_input_tokens,
-        avg_output_tokens=spec.workload.avg_output_tokens,
-        prefix_cache_hit_rate=spec.workload.prefix_cache_hit_rate,
-    )
+    workload = planner_workload(spec.workload, rate, observed)
     slo = SloInputs(ttft_s=spec.slo.ttft_seconds, itl_ms=spec.slo.itl_milliseconds)
     resolved = resolved or resolve(spec)
     bounds = Bounds(gpu_budget=spec.ratio.gpu_budget)
@@ -140,6 +143,24 @@ def recommendation_for(
         return result
     advice = shape_advice(profile, workload, slo, bounds, tp_cp, resolved.layer_split, gpus)
     return replace(result, shape=advice)
+
+
+def planner_workload(
+    declared: WorkloadSpec, rate: float, observed: ObservedSignals | None
+) -> WorkloadInputs:
+    """The planner's workload at `rate`: the request shape the fleet measured (prompt and
+    generated tokens per request; the autoscale loop holds it within `signals.SHAPE_BAND`,
+    `signals.kept_shape`) in place of the declared lengths once it has measured one, else the
+    declared lengths. The admission limit is sized for the same shape (`desired.admission`):
+    a fleet whose answers grew 4x is planned for them, not for the spec's estimate, and the
+    plan moves with the limit, only when the shape really changed."""
+    inp, out = shape_of(observed) or (declared.avg_input_tokens, declared.avg_output_tokens)
+    return WorkloadInputs(
+        request_rate=rate,
+        avg_input_tokens=float(inp),
+        avg_output_tokens=float(out),
+        prefix_cache_hit_rate=declared.prefix_cache_hit_rate,
+    )
 
 
 def prefill_shapes(tensor_parallel: int) -> list[tuple[int, bool]]:
