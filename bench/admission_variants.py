@@ -55,7 +55,7 @@ def _one(job: tuple[str, str, str, int]) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", default="1,2,3")
-    ap.add_argument("--method", default="ours-smg", choices=("ours", "ours-smg"))
+    ap.add_argument("--method", default="ours-smg", choices=("ours", "ours-smg", "ours-operator"))
     ap.add_argument("--variant", action="append", default=[], choices=sorted(VARIANTS))
     ap.add_argument("--only", action="append", default=[], help="scenario (repeatable)")
     ap.add_argument("--workers", type=int, default=max(1, min(2, os.cpu_count() or 1)))

@@ -8,6 +8,11 @@ For each scenario, run side by side on one workload seed:
   admission as sglang-router enforces it (a token bucket at the planner's stable rate);
 - ``ours-smg``: the same with smg's admission (``router.implementation: smg``): the same bucket,
   and no more requests in flight than the pools hold before any waits for decode KV;
+- ``ours-operator``: ``ours`` with the slow loop planning from what the operator has (the
+  resource's declared workload fields, the measured request shape held within its band, no
+  overload rule; ``RatioPlannerPolicy.operator_inputs``): the gap to ``ours`` is what the
+  planner gains from measuring the workload's mix (p95 prompt, first-turn share, tool pause),
+  which the operator does not yet;
 - ``exhaustive``: the best static split of the budget for this scenario, found by simulating
   every split (coarse stride, then the neighbourhood of the best);
 - ``online-bound`` (scenarios with a shift): hindsight is not reachable online there (the best
@@ -47,6 +52,7 @@ from typing import Any
 from bench.fleetsim import FleetConfig, Modifier, SessionMix, SessionWorkload
 from bench.fleetsim.engine import ADMISSION_BURST_S, FleetView, Limit, Metrics, SimResult, Simulator
 from bench.fleetsim.policies import MeanBasedPolicy, RatioPlannerPolicy, SwitchPolicy
+from cas_operator.api.models import WorkloadSpec
 from cas_operator.autoscale import profiles as pf
 from cas_operator.autoscale.model import Bounds, InstanceProfile, SloInputs, WorkloadInputs
 from cas_operator.autoscale.search import recommend
@@ -173,6 +179,19 @@ def _declared(sc: Scenario) -> WorkloadInputs:
     )
 
 
+def _workload_fields(sc: Scenario) -> WorkloadSpec:
+    """The same estimates in the resource's `spec.workload` (all the operator's planner has
+    besides what it measures); the request rate left to the measurement, as in Auto."""
+    d = _declared(sc)
+    return WorkloadSpec.model_validate(
+        {
+            "avgInputTokens": int(d.avg_input_tokens),
+            "avgOutputTokens": int(d.avg_output_tokens),
+            "prefixCacheHitRate": d.prefix_cache_hit_rate,
+        }
+    )
+
+
 def _bounds(sc: Scenario) -> Bounds:
     n = sc.budget // 8
     return Bounds(
@@ -220,11 +239,15 @@ def _run(
         policy = SwitchPolicy((n_p, n_d), (post, n - post), sc.shift_s, n, p, d)
         if method == "switch-admitted":
             policy, admission = with_admission(policy, _declared(sc))
-    elif method in ("ours", "ours-smg"):
+    elif method in ("ours", "ours-smg", "ours-operator"):
         rec = recommend(_declared(sc), SLO, p, d, bounds)
         n_p, n_d = rec.n_prefill, rec.n_decode
+        inputs = _workload_fields(sc) if method == "ours-operator" else None
         policy, admission = with_admission(
-            RatioPlannerPolicy(p, d, SLO, bounds), _declared(sc), method == "ours-smg", variant
+            RatioPlannerPolicy(p, d, SLO, bounds, operator_inputs=inputs),
+            _declared(sc),
+            method == "ours-smg",
+            variant,
         )
     elif method == "mean-based":
         policy = MeanBasedPolicy(p, d, SLO, bounds)
@@ -263,7 +286,7 @@ def _run(
         shed=float(res.shed),
         limit_changes=float(_limit_changes(res)),
     )
-    if method in ("ours", "ours-smg") and sc.shift_s is not None:
+    if method.startswith("ours") and sc.shift_s is not None:
         g["after_shift"] = after_shift(sc, res, seed, variant)
     return g
 
@@ -447,6 +470,7 @@ def run_bench(quick: bool, seed: int, workers: int, only: tuple[str, ...] = ()) 
                 "mean-based": pool.submit(_run, sc, "mean-based", None, seed),
                 "ours": pool.submit(_run, sc, "ours", None, seed),
                 "ours-smg": pool.submit(_run, sc, "ours-smg", None, seed),
+                "ours-operator": pool.submit(_run, sc, "ours-operator", None, seed),
             }
             rows = {k: f.result() for k, f in jobs.items()}
             rows["exhaustive"] = scores[best]

@@ -15,6 +15,11 @@ and returns target (prefill, decode) replicas. State lives in the policy object.
   ``replan_s`` (the load no longer matches the plan). Fast loop: every tick, when TTFT p90 or
   decode KV is over its limit, one bounded step above the slow target on the side at fault;
   at the cap, a saturated decode with a healthy prefill takes prefill's rebalance step at once.
+  With ``operator_inputs`` (the bench's ``ours-operator``) the slow loop plans from what the
+  operator has instead: the resource's declared workload with the request shape the fleet
+  measured, held within its band (``desired.recommend.planner_workload``,
+  ``autoscale.signals.kept_shape``), and no overload rule; the measured p95 prompt, first-turn
+  share and tool pause, which the operator does not measure, are the planner's defaults.
 - :class:`MeanBasedPolicy`: a Dynamo-style throughput planner from its published equations:
   ``N_P = ceil(rate * ISL / thpt_P)`` and ``N_D = ceil(rate * OSL / thpt_D)``, where the
   per-instance throughputs come from the profile at mean lengths, a fixed prefix hit rate and
@@ -27,6 +32,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from cas_operator.api.models import WorkloadSpec
 from cas_operator.autoscale.controller import (
     ControlConfig,
     ControlState,
@@ -46,6 +52,8 @@ from cas_operator.autoscale.model import (
     WorkloadInputs,
 )
 from cas_operator.autoscale.search import recommend
+from cas_operator.autoscale.signals import Shape, kept_shape
+from cas_operator.desired.recommend import planner_workload
 
 from .engine import FleetView, Metrics
 
@@ -107,8 +115,18 @@ class RatioPlannerPolicy:
     recommendations: int = 0
     healthy: Metrics | None = None  # last window in which the fleet kept up (TTFT near SLO)
     overload_factor: float = 2.0
+    operator_inputs: WorkloadSpec | None = None  # plan from what the operator has (module doc)
+    kept: Shape | None = None  # the request shape held within its band (`operator_inputs`)
 
     def _workload(self, m: Metrics, rate: float) -> WorkloadInputs:
+        if self.operator_inputs is not None:
+            if m.avg_input_tokens > 0 and m.avg_output_tokens > 0:
+                self.kept = kept_shape(self.kept, (m.avg_input_tokens, m.avg_output_tokens))
+            shape = ObservedSignals(
+                avg_input_tokens=self.kept[0] if self.kept else None,
+                avg_output_tokens=self.kept[1] if self.kept else None,
+            )
+            return planner_workload(self.operator_inputs, rate, shape)
         return WorkloadInputs(
             request_rate=rate,
             avg_input_tokens=max(m.avg_input_tokens, 1.0),
@@ -148,7 +166,9 @@ class RatioPlannerPolicy:
             else a * m.arrival_rate + (1 - a) * self.ewma_rate
         )
         rate = max(m.arrival_rate, self.ewma_rate) * self.headroom
-        overloaded = m.ttft_p90_s > self.overload_factor * self.slo.ttft_s
+        overloaded = self.operator_inputs is None and (
+            m.ttft_p90_s > self.overload_factor * self.slo.ttft_s
+        )
         wl = self._workload(m, rate)
         observed = self._observed(m, fleet)
         if not overloaded:

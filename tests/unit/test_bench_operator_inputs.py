@@ -1,0 +1,44 @@
+"""The planner benchmark's `ours-operator` (`RatioPlannerPolicy.operator_inputs`): its slow loop
+plans from what the operator has, through the operator's own `desired.recommend.planner_workload`,
+so the gap between `ours` and `ours-operator` in docs/planner.md is the planner's measured
+workload mix, not a difference of code."""
+
+from __future__ import annotations
+
+from bench.fleetsim.engine import Metrics
+from bench.fleetsim.policies import RatioPlannerPolicy
+from bench.planner import SLO, _bounds, _workload_fields, scenarios
+from cas_operator.autoscale.model import WorkloadInputs
+
+SC = next(s for s in scenarios(True) if s.name == "output-shift")
+P, D = SC.profiles()
+
+
+def _metrics(inp: float, out: float, first_turns: float = 0.3, pause: float = 60.0) -> Metrics:
+    return Metrics(5.0, 0.9, 1.0, 15.0, inp, 2.5 * inp, out, first_turns, pause, 0.0, 0.5, 0)
+
+
+def _planned(policy: RatioPlannerPolicy, seen: list[Metrics]) -> WorkloadInputs:
+    wl = None
+    for m in seen:
+        wl = policy._workload(m, 10.0)
+    assert wl is not None
+    return wl
+
+
+def test_operator_inputs_plan_from_the_kept_shape_and_the_declared_mix() -> None:
+    """Regression: the benchmark's planner read the measured p95 prompt, first-turn share and
+    tool pause, which the operator does not measure, so its `ours` was not the product's
+    planner. With `operator_inputs` those are the planner's defaults whatever the fleet shows,
+    and the lengths are the measured ones held within their band, as the operator keeps them."""
+    product = RatioPlannerPolicy(P, D, SLO, _bounds(SC), operator_inputs=_workload_fields(SC))
+    wl = _planned(product, [_metrics(70_000.0, 400.0), _metrics(74_000.0, 420.0)])
+    assert (wl.avg_input_tokens, wl.avg_output_tokens) == (70_000.0, 400.0)  # within the band
+    defaults = WorkloadInputs(request_rate=10.0, avg_input_tokens=1.0, avg_output_tokens=1.0)
+    assert wl.first_turn_fraction == defaults.first_turn_fraction
+    assert wl.tool_pause_s == defaults.tool_pause_s and wl.p95_input_tokens is None
+    shifted = _planned(product, [_metrics(70_000.0, 1_600.0)])
+    assert shifted.avg_output_tokens == 1_600.0  # out of the band: the measured length
+    bench = RatioPlannerPolicy(P, D, SLO, _bounds(SC))
+    mixed = _planned(bench, [_metrics(70_000.0, 400.0)])
+    assert (mixed.first_turn_fraction, mixed.tool_pause_s) == (0.3, 60.0)
