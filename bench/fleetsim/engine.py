@@ -121,6 +121,7 @@ class Metrics:
     prefill_backlog_s: float
     decode_kv_usage: float
     decode_waiting: int  # requests whose KV has arrived but that wait for decode admission
+    refused_rate: float = 0.0  # arrivals answered 429 by admission per second, retries too
 
 
 Policy = Callable[[float, Metrics, FleetView], tuple[int, int]]
@@ -408,7 +409,8 @@ class Simulator:
         n_steps = math.ceil(cfg.duration_s / cfg.dt)
         self.n_steps = n_steps
         self.bins = {
-            k: np.zeros(n_steps + 1) for k in ("arr", "inp", "cached", "first", "pause", "pauses")
+            k: np.zeros(n_steps + 1)
+            for k in ("arr", "inp", "cached", "first", "pause", "pauses", "shed")
         }
         self.done_time: list[np.ndarray] = []
         self.series: list[dict[str, float]] = []
@@ -519,7 +521,7 @@ class Simulator:
         if sid.size == 0:
             return
         if self.limit is not None and self.trace is None:
-            sid, ta, out = self._admission(sid, ta, out, t0, t1)
+            sid, ta, out = self._admission(step, sid, ta, out, t0, t1)
             if sid.size == 0:
                 return
         ready_p = P.state == READY
@@ -576,7 +578,7 @@ class Simulator:
         )
 
     def _admission(
-        self, sid: np.ndarray, ta: np.ndarray, out: np.ndarray, t0: float, t1: float
+        self, step: int, sid: np.ndarray, ta: np.ndarray, out: np.ndarray, t0: float, t1: float
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The arrivals the bucket admits, in time order; the rest retry after a 429."""
         limit = self.limit
@@ -590,6 +592,7 @@ class Simulator:
         if shed.size:
             self.S.next[sid[shed]] = ta[shed] + RETRY_AFTER_S
             self.shed += int(shed.size)
+            self.bins["shed"][step] += shed.size
         return sid[keep], ta[keep], out[keep]
 
     # ------------------------------------------------------------ decode
@@ -808,6 +811,7 @@ class Simulator:
             prefill_backlog_s=float(backlog.mean()) if backlog.size else 0.0,
             decode_kv_usage=float(used[ready_d].sum() / cap),
             decode_waiting=int((self.wait["ready"] <= now).sum()),
+            refused_rate=float(b["shed"][lo:hi].sum() / span),
         )
 
     def _tick(self, step: int, now: float) -> None:

@@ -18,8 +18,11 @@ and returns target (prefill, decode) replicas. State lives in the policy object.
   With ``operator_inputs`` (the bench's ``ours-operator``) the slow loop plans from what the
   operator has instead: the resource's declared workload with the request shape the fleet
   measured, held within its band (``desired.recommend.planner_workload``,
-  ``autoscale.signals.kept_shape``), and no overload rule; the measured p95 prompt, first-turn
-  share and tool pause, which the operator does not measure, are the planner's defaults.
+  ``autoscale.signals.kept_shape``), the measured rate with the operator's headroom and no
+  forecast (``desired.recommend.planned_rate``), held while the routers refuse or the fleet
+  is behind (``autoscale.signals.planning_load``); the
+  p95 prompt, first-turn share and tool pause, which the operator does not measure, are the
+  planner's defaults.
 - :class:`MeanBasedPolicy`: a Dynamo-style throughput planner from its published equations:
   ``N_P = ceil(rate * ISL / thpt_P)`` and ``N_D = ceil(rate * OSL / thpt_D)``, where the
   per-instance throughputs come from the profile at mean lengths, a fixed prefix hit rate and
@@ -52,8 +55,8 @@ from cas_operator.autoscale.model import (
     WorkloadInputs,
 )
 from cas_operator.autoscale.search import recommend
-from cas_operator.autoscale.signals import Shape, kept_shape
-from cas_operator.desired.recommend import planner_workload
+from cas_operator.autoscale.signals import Shape, kept_shape, planning_load
+from cas_operator.desired.recommend import planned_rate, planner_workload
 
 from .engine import FleetView, Metrics
 
@@ -117,6 +120,7 @@ class RatioPlannerPolicy:
     overload_factor: float = 2.0
     operator_inputs: WorkloadSpec | None = None  # plan from what the operator has (module doc)
     kept: Shape | None = None  # the request shape held within its band (`operator_inputs`)
+    unthrottled_rate: float | None = None  # `signals.planning_load`'s (`operator_inputs`)
 
     def _workload(self, m: Metrics, rate: float) -> WorkloadInputs:
         if self.operator_inputs is not None:
@@ -148,39 +152,14 @@ class RatioPlannerPolicy:
         )
 
     def _slow(self, m: Metrics, fleet: FleetView) -> tuple[int, int] | None:
-        """One slow-loop recommendation on forecast load.
-
-        Under overload the measured load is throttled, not lower: agent sessions wait for
-        their answer before sending the next turn, so the arrival rate falls and first turns
-        (open loop) take a larger share exactly when the fleet is short. While the TTFT p90 is
-        over ``overload_factor`` x the SLO, the rate never falls below the last healthy
-        window's, the first-turn share is that window's, and decode KV use (full of backlog)
-        does not recalibrate the model; lengths are taken as measured.
-        """
+        """One slow-loop recommendation on forecast load (``_forecast``), or on what the
+        operator plans for (``_operator_load``) with ``operator_inputs``."""
         if m.arrival_rate <= 0 or m.avg_output_tokens <= 0:
             return None
-        a = self.smoothing
-        self.ewma_rate = (
-            m.arrival_rate
-            if self.ewma_rate is None
-            else a * m.arrival_rate + (1 - a) * self.ewma_rate
-        )
-        rate = max(m.arrival_rate, self.ewma_rate) * self.headroom
-        overloaded = self.operator_inputs is None and (
-            m.ttft_p90_s > self.overload_factor * self.slo.ttft_s
-        )
-        wl = self._workload(m, rate)
-        observed = self._observed(m, fleet)
-        if not overloaded:
-            self.healthy = m
-        elif self.healthy is not None:
-            h = self.healthy
-            wl = replace(
-                wl,
-                request_rate=max(rate, h.arrival_rate * self.headroom),
-                first_turn_fraction=min(max(h.first_turn_fraction, 0.01), 1.0),
-            )
-            observed = None
+        if self.operator_inputs is not None:
+            wl, observed = self._operator_load(m, fleet)
+        else:
+            wl, observed = self._forecast(m, fleet)
         rec = recommend(
             wl,
             self.slo,
@@ -193,6 +172,59 @@ class RatioPlannerPolicy:
         self.last_rec = rec
         self.recommendations += 1
         return rec.n_prefill, rec.n_decode
+
+    def _forecast(
+        self, m: Metrics, fleet: FleetView
+    ) -> tuple[WorkloadInputs, ObservedSignals | None]:
+        """The planner's load: the larger of the measured and the smoothed rate, with headroom,
+        and the measured workload mix.
+
+        Under overload the measured load is throttled, not lower: agent sessions wait for
+        their answer before sending the next turn, so the arrival rate falls and first turns
+        (open loop) take a larger share exactly when the fleet is short. While the TTFT p90 is
+        over ``overload_factor`` x the SLO, the rate never falls below the last healthy
+        window's, the first-turn share is that window's, and decode KV use (full of backlog)
+        does not recalibrate the model; lengths are taken as measured.
+        """
+        a = self.smoothing
+        self.ewma_rate = (
+            m.arrival_rate
+            if self.ewma_rate is None
+            else a * m.arrival_rate + (1 - a) * self.ewma_rate
+        )
+        rate = max(m.arrival_rate, self.ewma_rate) * self.headroom
+        wl = self._workload(m, rate)
+        observed = self._observed(m, fleet)
+        if m.ttft_p90_s <= self.overload_factor * self.slo.ttft_s:
+            self.healthy = m
+        elif self.healthy is not None:
+            h = self.healthy
+            wl = replace(
+                wl,
+                request_rate=max(rate, h.arrival_rate * self.headroom),
+                first_turn_fraction=min(max(h.first_turn_fraction, 0.01), 1.0),
+            )
+            observed = None
+        return wl, observed
+
+    def _operator_load(
+        self, m: Metrics, fleet: FleetView
+    ) -> tuple[WorkloadInputs, ObservedSignals | None]:
+        """What the operator plans for, through its own functions: the measured rate, or while
+        the routers refuse or TTFT is over twice the SLO the last unthrottled window's
+        (``signals.planning_load``), with the operator's headroom (``planned_rate``) and no
+        forecast."""
+        seen = ObservedSignals(
+            arrival_rate=m.arrival_rate,
+            ttft_p90_s=m.ttft_p90_s,
+            refused_rate=m.refused_rate,
+            decode_kv_usage=m.decode_kv_usage,
+        )
+        load = planning_load(seen, self.unthrottled_rate, self.slo.ttft_s)
+        self.unthrottled_rate = load.unthrottled_rate
+        rate = planned_rate(None, load.observed) or m.arrival_rate
+        calibrate = load.observed.decode_kv_usage is not None
+        return self._workload(m, rate), self._observed(m, fleet) if calibrate else None
 
     def __call__(self, now: float, m: Metrics, fleet: FleetView) -> tuple[int, int]:
         observed = ObservedSignals(

@@ -416,3 +416,30 @@ def test_the_routers_refusals_reach_status() -> None:
     g.tick([res], now=T0 + 60)
     fixed = g.measured["uid-a"].observed
     assert fixed is not None and fixed.refused_rate == 0.2
+
+
+def test_auto_plans_for_the_last_unthrottled_rate_while_the_routers_refuse() -> None:
+    """Regression (issue 18): behind the routers' limit the loop measured only the admitted
+    rate and the planner sized the fleet down to the limit that throttled it. While a router
+    refuses, the plan's rate is the last unthrottled window's (`status.autoscaler.observed.
+    demandRate`); the rate is kept in status, so a restarted operator holds it too."""
+    store, source = pd_fleet()
+    store.add(pod("a", "ns", "a-r0", "router"))
+    source.by_name["a-r0"] = PodSignals(responses=120.0, refused=0.0)
+    g, _ = guard(store, source)
+    res = resource("a")
+    res["spec"] = AUTO
+    g.tick([res], now=T0)
+    entry = sections(g, "a")["autoscaler"]
+    assert entry["unthrottledArrivalRate"] == 0.4 and "demandRate" not in entry["observed"]
+    for name in ("a-d0", "a-d1"):  # a quarter of the arrivals get in, the rest are refused
+        source.by_name[name] = replace(HEALTHY, requests=15.0, token_usage=0.4)
+    source.by_name["a-r0"] = PodSignals(responses=300.0, refused=270.0)
+    g.tick([res], now=T0 + 30)
+    entry = sections(g, "a")["autoscaler"]
+    assert entry["observed"]["arrivalRate"] == 0.1 and entry["observed"]["demandRate"] == 0.4
+    planned = g.measured["uid-a"].observed
+    assert planned is not None and planned.demand_rate == 0.4
+    restarted, _ = guard(store, source)
+    restarted.tick([resource("a", status={"autoscaler": entry}) | {"spec": AUTO}], now=T0 + 60)
+    assert sections(restarted, "a")["autoscaler"]["observed"]["demandRate"] == 0.4

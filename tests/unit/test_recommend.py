@@ -166,14 +166,14 @@ def test_the_planner_sizes_for_the_request_shape_the_fleet_measured() -> None:
     declared lengths; without a measured shape the declared ones stand."""
     spec = parse_spec(glm5(mode="Recommend", min=0.1, max=10, gpuBudget=256))
     declared = build_plan("x", "ns", spec).recommendation
-    unmeasured = build_plan("x", "ns", spec, ObservedSignals(arrival_rate=12.0)).recommendation
-    longer = ObservedSignals(arrival_rate=12.0, avg_input_tokens=70000.0, avg_output_tokens=2400.0)
+    unmeasured = build_plan("x", "ns", spec, ObservedSignals(arrival_rate=10.0)).recommendation
+    longer = ObservedSignals(arrival_rate=10.0, avg_input_tokens=70000.0, avg_output_tokens=2400.0)
     measured = build_plan("x", "ns", spec, longer).recommendation
     assert declared is not None and unmeasured is not None and measured is not None
     assert (unmeasured.prefill, unmeasured.decode) == (declared.prefill, declared.decode)
     assert measured.decode is not None and declared.decode is not None
     assert measured.decode > declared.decode, (declared.ratio, measured.ratio)
-    shorter = ObservedSignals(arrival_rate=12.0, avg_input_tokens=20000.0, avg_output_tokens=600.0)
+    shorter = ObservedSignals(arrival_rate=10.0, avg_input_tokens=20000.0, avg_output_tokens=600.0)
     short = build_plan("x", "ns", spec, shorter).recommendation
     assert short is not None and short.prefill is not None and declared.prefill is not None
     assert short.prefill < declared.prefill, (declared.ratio, short.ratio)

@@ -9,8 +9,10 @@ the planner's counts and the instance sizes, from `desired`) ->
 `controller.auto_step` -> `AutoscaleResult`: the `status.autoscaler` entry, the measured load
 and Auto's counts, which the reconcile reads (`reconcile.core.Measured`).
 The measured request shape, which admission sizes the routers' limits for, is held within a
-band (`signals.kept_shape`), so the limits move only when the shape really changed.
-Ownership: `Autoscaler.pressure`, `Autoscaler.auto` and `Autoscaler.shapes` (per uid, memory
+band (`signals.kept_shape`), so the limits move only when the shape really changed. While the
+routers refuse or the fleet is behind, the planner sizes for the last unthrottled arrival
+rate, not the admitted one (`signals.planning_load`).
+Ownership: `Autoscaler.pressure`, `.auto`, `.shapes` and `.unthrottled` (per uid, memory
 only; `status.autoscaler` and `status.admission.requestShape` are the durable copies a
 restarted operator resumes from). No I/O here.
 """
@@ -18,7 +20,7 @@ restarted operator resumes from). No I/O here.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from cas_operator.api import constants as c
 from cas_operator.api.models import CodingAgentServingSpec, RatioMode
@@ -68,6 +70,7 @@ class Autoscaler:
     pressure: dict[str, PressureState] = field(default_factory=dict)
     auto: dict[str, AutoState] = field(default_factory=dict)
     shapes: dict[str, signals.Shape] = field(default_factory=dict)  # kept request shapes
+    unthrottled: dict[str, float] = field(default_factory=dict)  # last unthrottled arrivals
 
     def step(
         self,
@@ -99,21 +102,25 @@ class Autoscaler:
         if spec.ratio.mode == RatioMode.FIXED:  # only admission reads the load: its shape
             self.auto.pop(uid, None)
             return AutoscaleResult(scale, None, signals.shape_only(observed), None)
-        entry: Status = {"observed": observed_status(observed)}
+        planning = self._planning_load(uid, observed, spec, status)
+        shown = replace(observed, demand_rate=planning.demand_rate)
+        entry: Status = {"observed": observed_status(shown)}
+        if uid in self.unthrottled:
+            entry[UNTHROTTLED_KEY] = self.unthrottled[uid]
         before = AutoState.from_status(status.get(STATUS_KEY))
         auto = self.auto.get(uid) or before
         if spec.ratio.mode != RatioMode.AUTO:
             self.auto.pop(uid, None)
-            return AutoscaleResult(scale, entry, observed, None)
+            return AutoscaleResult(scale, entry, planning, None)
         if canary is not None:
             entry["held"] = f"canary {canary} rolling out: Auto keeps its counts until it ends"
-            return AutoscaleResult(scale, entry, observed, auto.replicas if auto else None)
-        numbers = plan_for(observed)
+            return AutoscaleResult(scale, entry, planning, auto.replicas if auto else None)
+        numbers = plan_for(planning)
         if numbers is None:  # the spec is invalid: the reconcile reports it
-            return AutoscaleResult(scale, entry, observed, auto.replicas if auto else None)
+            return AutoscaleResult(scale, entry, planning, auto.replicas if auto else None)
         state = self._auto_step(uid, spec, auto, numbers, pods(), observed, scale, now)
         entry.update(state.to_status())
-        return AutoscaleResult(scale, entry, observed, state.replicas)
+        return AutoscaleResult(scale, entry, planning, state.replicas)
 
     def _kept_shape(self, uid: str, observed: ObservedSignals, status: Status) -> ObservedSignals:
         """The measured load with the request shape this resource keeps (`kept_shape`): this
@@ -123,6 +130,20 @@ class Autoscaler:
         if shape is not None:
             self.shapes[uid] = shape
         return signals.with_shape(observed, shape)
+
+    def _planning_load(
+        self, uid: str, observed: ObservedSignals, spec: CodingAgentServingSpec, status: Status
+    ) -> ObservedSignals:
+        """The measured load with the demand the planner sizes for while arrivals are
+        throttled (`signals.planning_load`), from this process's last unthrottled rate, else
+        the one its status kept."""
+        held = self.unthrottled.get(uid)
+        if held is None:
+            held = unthrottled_in_status(status)
+        load = signals.planning_load(observed, held, spec.slo.ttft_seconds)
+        if load.unthrottled_rate is not None:
+            self.unthrottled[uid] = load.unthrottled_rate
+        return load.observed
 
     def _auto_step(
         self,
@@ -159,9 +180,21 @@ class Autoscaler:
 
     def forget(self, live: set[str]) -> None:
         """Drop the state of resources that are gone."""
-        for states in (self.pressure, self.auto, self.shapes):
+        for states in (self.pressure, self.auto, self.shapes, self.unthrottled):
             for uid in set(states) - live:
                 del states[uid]
+
+
+UNTHROTTLED_KEY = "unthrottledArrivalRate"  # in status.autoscaler: survives a restart
+
+
+def unthrottled_in_status(status: Status) -> float | None:
+    """The last unthrottled arrival rate a resource's status kept (`UNTHROTTLED_KEY`)."""
+    value = (status.get(STATUS_KEY) or {}).get(UNTHROTTLED_KEY)
+    try:
+        return float(value) if value is not None and float(value) > 0 else None
+    except (TypeError, ValueError):
+        return None
 
 
 def pool_counts(status: Status) -> PoolCounts | None:
@@ -214,5 +247,6 @@ def observed_status(o: ObservedSignals) -> Status:
         "itlMilliseconds": o.itl_ms,
         "abortsPerSecond": o.aborts_per_s,
         "refusedPerSecond": o.refused_rate,
+        "demandRate": o.demand_rate,
     }
     return {k: v for k, v in fields.items() if v is not None}

@@ -173,6 +173,7 @@ class ObservedSignals:
     avg_input_tokens: float | None = None  # per finished request (prefill pods)
     avg_output_tokens: float | None = None  # per finished request (decode pods)
     refused_rate: float | None = None  # the routers' 429s per second (admission), retries too
+    demand_rate: float | None = None  # the rate to plan for while arrivals are throttled
 
 
 # ---------------------------------------------------------------- outputs

@@ -6,14 +6,15 @@ rate, prefill queue, decode KV use, TTFT p90 from the engines' histograms, abort
 refusals, which status.admission shows) -> `quantized` (so the planner's cache hits in steady
 state) -> `kept_shape` (the request shape, which admission (`desired.admission`) sizes for,
 held within a band; the autoscale loop keeps it per resource, `status.admission.requestShape`
-across restarts) -> the planner (`desired.recommend`) and the replica controller
-(`autoscale.controller`).
+across restarts) -> `planning_load` (the arrival rate raised to the last unthrottled window's
+while the routers refuse or the fleet is behind; the loop keeps that rate per resource) ->
+the planner (`desired.recommend`) and the replica controller (`autoscale.controller`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from cas_operator.api import constants as c
@@ -128,6 +129,44 @@ def with_shape(o: ObservedSignals, shape: Shape | None) -> ObservedSignals:
     return replace(o, avg_input_tokens=shape[0], avg_output_tokens=shape[1])
 
 
+OVERLOAD_TTFT_FACTOR = 2.0  # TTFT p90 over this x the SLO: the fleet is behind its load
+REFUSED_SHARE = 0.01  # the routers refusing more than this share of arrivals cap the load
+
+
+@dataclass(frozen=True)
+class PlanningLoad:
+    """The load the planner sizes for, and the rate the next window is held to."""
+
+    observed: ObservedSignals  # the measured load, with the demand while throttled
+    unthrottled_rate: float | None  # the arrival rate of the last window the fleet let in
+    throttled: bool  # the routers refused, or TTFT p90 was over twice the SLO
+
+
+def planning_load(
+    o: ObservedSignals, unthrottled_rate: float | None, slo_ttft_s: float
+) -> PlanningLoad:
+    """The measured load as the planner should see it. While the routers refuse more than
+    `REFUSED_SHARE` of the arrivals, or TTFT p90 is over `OVERLOAD_TTFT_FACTOR` x the SLO, the
+    measured arrival rate is what the fleet let in, not what its clients want (the routers
+    answer the rest 429, and agent sessions wait for their answers before the next turn, so
+    arrivals fall exactly when the fleet is short): the planner's rate (`demand_rate`) is then
+    never below the last unthrottled window's, and while TTFT is over, decode KV use (full of
+    backlog) does not recalibrate the model. A planner sizing for the admitted rate shrank
+    the fleet to the limit that throttled it (docs/planner.md, "Open problems": the output
+    shift's prefill drained 24 -> 11 behind the limit, then could not serve what the limit
+    let in)."""
+    rate = o.arrival_rate
+    if rate is None:
+        return PlanningLoad(o, unthrottled_rate, False)
+    refusing = (o.refused_rate or 0.0) > REFUSED_SHARE * rate
+    overloaded = o.ttft_p90_s is not None and o.ttft_p90_s > OVERLOAD_TTFT_FACTOR * slo_ttft_s
+    if not refusing and not overloaded:
+        return PlanningLoad(o, rate, False)
+    held = max(rate, unthrottled_rate or 0.0)
+    kv = None if overloaded else o.decode_kv_usage
+    return PlanningLoad(replace(o, demand_rate=held, decode_kv_usage=kv), unthrottled_rate, True)
+
+
 def request_shape_status(shape: Shape) -> dict[str, float]:
     """`status.admission.requestShape`: the shape the limits are sized for, which a restarted
     operator keeps (`shape_in_status`) instead of rolling the routers to the declared one."""
@@ -184,4 +223,5 @@ def quantized(o: ObservedSignals) -> ObservedSignals:
         avg_input_tokens=_significant(o.avg_input_tokens, 3),
         avg_output_tokens=_significant(o.avg_output_tokens, 3),
         refused_rate=_significant(o.refused_rate),
+        demand_rate=_significant(o.demand_rate),
     )
