@@ -5,13 +5,17 @@ workload mix, not a difference of code."""
 
 from __future__ import annotations
 
-from bench.fleetsim.engine import Metrics
+from dataclasses import replace
+
+from bench.fleetsim.engine import FleetView, Metrics
 from bench.fleetsim.policies import RatioPlannerPolicy
 from bench.planner import SLO, _bounds, _workload_fields, scenarios
 from cas_operator.autoscale.model import WorkloadInputs
+from cas_operator.desired.recommend import PLAN_HEADROOM
 
 SC = next(s for s in scenarios(True) if s.name == "output-shift")
 P, D = SC.profiles()
+_VIEW = FleetView(20, 8, 20, 8)
 
 
 def _metrics(inp: float, out: float, first_turns: float = 0.3, pause: float = 60.0) -> Metrics:
@@ -42,3 +46,16 @@ def test_operator_inputs_plan_from_the_kept_shape_and_the_declared_mix() -> None
     bench = RatioPlannerPolicy(P, D, SLO, _bounds(SC))
     mixed = _planned(bench, [_metrics(70_000.0, 400.0)])
     assert (mixed.first_turn_fraction, mixed.tool_pause_s) == (0.3, 60.0)
+
+
+def test_operator_inputs_hold_the_demand_behind_the_limit_as_the_operator_does() -> None:
+    """The benchmark's operator loop holds the last unthrottled rate while the simulated
+    routers refuse (`signals.planning_load`) and adds the operator's headroom, as
+    `desired.recommend.planned_rate` does; the simulator's refusals reach its metrics."""
+    product = RatioPlannerPolicy(P, D, SLO, _bounds(SC), operator_inputs=_workload_fields(SC))
+    free = replace(_metrics(70_000.0, 400.0), arrival_rate=20.0)
+    wl, _ = product._operator_load(free, _VIEW)
+    assert wl.request_rate == 20.0 * PLAN_HEADROOM
+    behind = replace(free, arrival_rate=8.0, refused_rate=30.0)
+    wl, observed = product._operator_load(behind, _VIEW)
+    assert wl.request_rate == 20.0 * PLAN_HEADROOM and observed is not None

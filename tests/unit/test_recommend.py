@@ -165,6 +165,7 @@ def test_the_planner_sizes_for_the_request_shape_the_fleet_measured() -> None:
     not the product's. The shape the loop keeps (`signals.kept_shape`) now replaces the
     declared lengths; without a measured shape the declared ones stand."""
     spec = parse_spec(glm5(mode="Recommend", min=0.1, max=10, gpuBudget=256))
+    # 10 req/s measured, 11 with the planner's headroom: below the declared 12, which stands
     declared = build_plan("x", "ns", spec).recommendation
     unmeasured = build_plan("x", "ns", spec, ObservedSignals(arrival_rate=10.0)).recommendation
     longer = ObservedSignals(arrival_rate=10.0, avg_input_tokens=70000.0, avg_output_tokens=2400.0)

@@ -15,9 +15,10 @@ only ever advice, never applied by Auto.
 
 Pure and cached: the same spec gives the same answer, computed once per process (the search
 takes up to a second). The fleet tick's measured load (`observed`) replaces or rescales
-the spec's estimates (`planner_workload`): the measured rate when none is declared, the
-measured request shape (held within a band by the autoscale loop) in place of the declared
-lengths, the hit rate and decode KV use rescaling the model.
+the spec's estimates: the measured rate with headroom when above the declared one, the demand
+held while the routers refuse (`planned_rate`), the measured request shape (held within a band
+by the autoscale loop) in place of the declared lengths (`planner_workload`), the hit rate and
+decode KV use rescaling the model.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from cas_operator.desired.resolve import Resolved, resolve
 from cas_operator.desired.shapes import InstanceShape
 
 # Measured rates are planned with 10% to spare: on the planner benchmark, without it, the
-# long-tool-pauses scenario fell from 18.0 to 14.0 req/s (seeds 1-3, median; docs/planner.md).
+# long-tool-pauses scenario fell from 18.0 to 14.7 req/s (seeds 1-3, median; docs/planner.md).
 PLAN_HEADROOM = 1.1
 
 PROFILE_BY_MODEL = (("glm-5", "glm5-fp8-h200"), ("deepseek-v3", "deepseek-v3-bf16kv-h200"))
