@@ -174,6 +174,8 @@ def test_the_planner_sizes_for_the_request_shape_the_fleet_measured() -> None:
     assert (unmeasured.prefill, unmeasured.decode) == (declared.prefill, declared.decode)
     assert measured.decode is not None and declared.decode is not None
     assert measured.decode > declared.decode, (declared.ratio, measured.ratio)
+    assert measured.shape is not None and declared.shape is not None  # the shape advice too
+    assert measured.shape.current.decode > declared.shape.current.decode
     shorter = ObservedSignals(arrival_rate=10.0, avg_input_tokens=20000.0, avg_output_tokens=600.0)
     short = build_plan("x", "ns", spec, shorter).recommendation
     assert short is not None and short.prefill is not None and declared.prefill is not None
