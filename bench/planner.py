@@ -8,11 +8,12 @@ For each scenario, run side by side on one workload seed:
   admission as sglang-router enforces it (a token bucket at the planner's stable rate);
 - ``ours-smg``: the same with smg's admission (``router.implementation: smg``): the same bucket,
   and no more requests in flight than the pools hold before any waits for decode KV;
-- ``ours-operator``: ``ours`` with the slow loop planning from what the operator has (the
-  resource's declared workload fields, the measured request shape held within its band, no
-  overload rule; ``RatioPlannerPolicy.operator_inputs``): the gap to ``ours`` is what the
-  planner gains from measuring the workload's mix (p95 prompt, first-turn share, tool pause),
-  which the operator does not yet;
+- ``ours-operator``: ``ours`` with the slow loop planning through the operator's own functions
+  (``RatioPlannerPolicy.operator_inputs``: the resource's declared workload fields, the
+  measured request shape held within its band, the measured rate with the operator's headroom,
+  the demand held while throttled; no forecast): the gap to ``ours`` is mostly what the planner
+  gains from measuring the workload's mix (p95 prompt, first-turn share, tool pause), which
+  the operator does not yet;
 - ``exhaustive``: the best static split of the budget for this scenario, found by simulating
   every split (coarse stride, then the neighbourhood of the best);
 - ``online-bound`` (scenarios with a shift): hindsight is not reachable online there (the best

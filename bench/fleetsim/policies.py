@@ -222,7 +222,8 @@ class RatioPlannerPolicy:
         )
         load = planning_load(seen, self.unthrottled_rate, self.slo.ttft_s)
         self.unthrottled_rate = load.unthrottled_rate
-        rate = planned_rate(None, load.observed) or m.arrival_rate
+        rate = planned_rate(None, load.observed)
+        assert rate is not None  # `_slow` plans only from a window with arrivals
         calibrate = load.observed.decode_kv_usage is not None
         return self._workload(m, rate), self._observed(m, fleet) if calibrate else None
 

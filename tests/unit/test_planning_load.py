@@ -15,7 +15,11 @@ SLO_TTFT = 3.0
 def test_an_unthrottled_window_is_planned_as_measured_and_remembered() -> None:
     seen = ObservedSignals(arrival_rate=20.0, refused_rate=0.1, ttft_p90_s=2.5)
     load = planning_load(seen, 30.0, SLO_TTFT)
-    assert not load.throttled and load.observed == seen and load.unthrottled_rate == 20.0
+    assert (
+        load.observed.demand_rate is None
+        and load.observed == seen
+        and load.unthrottled_rate == 20.0
+    )
     assert planned_rate(None, load.observed) == 20.0 * PLAN_HEADROOM
 
 
@@ -25,7 +29,7 @@ def test_refusals_hold_the_demand_and_keep_the_kv_calibration() -> None:
     shift: prefill 24 -> 11 instances, then TTFT p90 45-55 s to the end of the run)."""
     seen = ObservedSignals(arrival_rate=8.4, refused_rate=40.0, ttft_p90_s=2.8, decode_kv_usage=0.9)
     load = planning_load(seen, 24.0, SLO_TTFT)
-    assert load.throttled and load.observed.demand_rate == 24.0
+    assert load.observed.demand_rate == 24.0
     assert load.observed.arrival_rate == 8.4  # what was measured stays as measured
     assert load.observed.decode_kv_usage == 0.9  # TTFT is fine: KV use is a real reading
     assert load.unthrottled_rate == 24.0  # held, not replaced by the throttled reading
@@ -36,7 +40,7 @@ def test_refusals_hold_the_demand_and_keep_the_kv_calibration() -> None:
 def test_overload_holds_the_demand_and_drops_the_backlogged_kv_reading() -> None:
     seen = ObservedSignals(arrival_rate=9.0, ttft_p90_s=7.0, decode_kv_usage=0.98)
     load = planning_load(seen, 20.0, SLO_TTFT)
-    assert load.throttled and load.observed.demand_rate == 20.0
+    assert load.observed.demand_rate == 20.0
     assert load.observed.decode_kv_usage is None
 
 
@@ -48,6 +52,6 @@ def test_a_throttled_window_above_the_held_rate_plans_for_itself() -> None:
 
 def test_nothing_measured_leaves_the_declared_rate() -> None:
     load = planning_load(ObservedSignals(), 20.0, SLO_TTFT)
-    assert not load.throttled and load.unthrottled_rate == 20.0
+    assert load.observed.demand_rate is None and load.unthrottled_rate == 20.0
     assert planned_rate(12.0, load.observed) == 12.0
     assert planned_rate(None, ObservedSignals(arrival_rate=0.0)) is None

@@ -137,9 +137,8 @@ REFUSED_SHARE = 0.01  # the routers refusing more than this share of arrivals ca
 class PlanningLoad:
     """The load the planner sizes for, and the rate the next window is held to."""
 
-    observed: ObservedSignals  # the measured load, with the demand while throttled
+    observed: ObservedSignals  # the measured load, with `demand_rate` while throttled
     unthrottled_rate: float | None  # the arrival rate of the last window the fleet let in
-    throttled: bool  # the routers refused, or TTFT p90 was over twice the SLO
 
 
 def planning_load(
@@ -157,14 +156,14 @@ def planning_load(
     let in)."""
     rate = o.arrival_rate
     if rate is None:
-        return PlanningLoad(o, unthrottled_rate, False)
+        return PlanningLoad(o, unthrottled_rate)
     refusing = (o.refused_rate or 0.0) > REFUSED_SHARE * rate
     overloaded = o.ttft_p90_s is not None and o.ttft_p90_s > OVERLOAD_TTFT_FACTOR * slo_ttft_s
     if not refusing and not overloaded:
-        return PlanningLoad(o, rate, False)
+        return PlanningLoad(o, rate)
     held = max(rate, unthrottled_rate or 0.0)
     kv = None if overloaded else o.decode_kv_usage
-    return PlanningLoad(replace(o, demand_rate=held, decode_kv_usage=kv), unthrottled_rate, True)
+    return PlanningLoad(replace(o, demand_rate=held, decode_kv_usage=kv), unthrottled_rate)
 
 
 def request_shape_status(shape: Shape) -> dict[str, float]:
