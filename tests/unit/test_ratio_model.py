@@ -444,3 +444,20 @@ def test_kv_recalibration_uses_the_rate_it_was_observed_at() -> None:
     with_obs = recommend(forecast, SLO, PREFILL, DECODE, observed=obs)
     without = recommend(forecast, SLO, PREFILL, DECODE)
     assert (with_obs.n_prefill, with_obs.n_decode) == (without.n_prefill, without.n_decode)
+
+
+def test_fast_adjust_never_cuts_prefill_while_ttft_is_near_the_slo() -> None:
+    """Regression (planner benchmark, output shift, the operator's own loop): with decode
+    healthy, the slow loop's plan for fewer prefill instances cut 15 -> 13 at TTFT p90 4.3 s
+    against a 3 s SLO (below the 1.2x failing line, no prefill queue counted), and TTFT rose to
+    30-50 s for ten minutes. Over 0.8x the SLO the cut waits; under it, or while decode fails
+    (its wait is in the TTFT, and at the cap it takes prefill's instance), it goes through."""
+    slo = SloInputs(ttft_s=3.0, itl_ms=50.0)
+    near = ObservedSignals(ttft_p90_s=2.6, prefill_queue_depth=0.0, decode_kv_usage=0.7)
+    assert fast_adjust((13, 19), (15, 17), near, slo, at_budget=True) == (15, 19)
+    assert fast_adjust((13, 17), (15, 17), near, slo) == (15, 17)
+    calm = replace(near, ttft_p90_s=2.3)
+    assert fast_adjust((13, 19), (15, 17), calm, slo, at_budget=True) == (13, 19)
+    full = replace(near, ttft_p90_s=8.0, decode_kv_usage=0.98, decode_queue_depth=40.0)
+    assert fast_adjust((13, 19), (15, 17), full, slo, at_budget=True) == (13, 19)
+    assert fast_adjust((15, 17), (15, 17), full, slo, at_budget=True) == (14, 18)

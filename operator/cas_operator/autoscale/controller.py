@@ -289,6 +289,7 @@ def fast_adjust(
     tolerance: float = 1.2,
     at_budget: bool = False,
     decode_kv_keep: float = 0.8,
+    prefill_ttft_keep: float = 0.8,
 ) -> tuple[int, int]:
     """Fast loop: raise the slow loop's target one instance above the current size on the side
     that is failing now (TTFT p90 over ``tolerance`` x SLO with a prefill queue; decode KV over
@@ -302,7 +303,14 @@ def fast_adjust(
     Decode is never lowered below the size its observed KV use needs (used fraction x current
     size / ``decode_kv_keep``): a plan for a lower decode count made on other signals (a session
     storm reads as prefill demand, while the sessions it starts will soon fill decode) must not
-    cut KV that is in use, since a decode shortage is a cliff under closed-loop traffic."""
+    cut KV that is in use, since a decode shortage is a cliff under closed-loop traffic.
+
+    Prefill is never lowered while TTFT p90 is over ``prefill_ttft_keep`` x the SLO and decode
+    is not failing (then the TTFT is prefill's, or on its way there): the model's prefill is
+    optimistic at some shapes, and a plan for fewer prefill instances made from lengths and
+    rates alone took a pool already near its TTFT over it (planner benchmark, output shift:
+    15 -> 13 prefill at TTFT p90 4.3 s against a 3 s SLO, then 30-50 s for ten minutes). A
+    failing decode still takes prefill's instance at the cap (its wait is in that TTFT)."""
     want_p, want_d = target
     prefill_bad, decode_bad = failing_sides(observed, slo, tolerance)
     if prefill_bad:
@@ -321,6 +329,10 @@ def fast_adjust(
     if observed.decode_kv_usage is not None and want_d < current[1]:
         in_use = math.ceil(current[1] * observed.decode_kv_usage / decode_kv_keep - 1e-9)
         want_d = max(want_d, min(in_use, current[1]))
+    ttft = observed.ttft_p90_s
+    if want_p < current[0] and not decode_bad and ttft is not None:
+        if ttft > prefill_ttft_keep * slo.ttft_s:
+            want_p = current[0]
     return want_p, want_d
 
 
