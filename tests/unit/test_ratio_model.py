@@ -461,3 +461,25 @@ def test_fast_adjust_never_cuts_prefill_while_ttft_is_near_the_slo() -> None:
     full = replace(near, ttft_p90_s=8.0, decode_kv_usage=0.98, decode_queue_depth=40.0)
     assert fast_adjust((13, 19), (15, 17), full, slo, at_budget=True) == (13, 19)
     assert fast_adjust((15, 17), (15, 17), full, slo, at_budget=True) == (14, 18)
+
+
+def test_a_cap_that_serves_nothing_within_slo_gets_the_most_balanced_split() -> None:
+    """Regression (planner benchmark, output shift, with the measured hit rate): at 27 req/s of
+    4x answers a hit rate measured below the model's made the TTFT target unreachable at any
+    rate; every split of the cap scored 0 req/s within SLO and the tie went to the first one
+    scanned, 1P:31D (prefill at 829x its capacity). The split chosen now loads its busiest
+    side least, so its queues stay stable to the highest rate."""
+    unreachable = SloInputs(ttft_s=0.01, itl_ms=50.0)
+    wl = replace(WL, request_rate=27.0, avg_input_tokens=75_000, avg_output_tokens=1_500)
+    budget = 32 * PREFILL.gpus
+    bounds = Bounds(min_prefill=1, max_prefill=31, min_decode=1, max_decode=31, gpu_budget=budget)
+    rec = recommend(wl, unreachable, PREFILL, DECODE, bounds)
+    assert not rec.meets_slo and rec.goodput_rps == 0.0
+    assert "no split of the cap" in rec.reason
+
+    def busiest(n_p: int) -> float:
+        ev = evaluate(wl, unreachable, PREFILL, DECODE, n_p, 32 - n_p)
+        return max(ev.prefill_util, ev.link_util, ev.decode_kv_need_fraction)
+
+    assert 1 < rec.n_prefill < 31
+    assert busiest(rec.n_prefill) <= min(busiest(n) for n in range(1, 32)) * 1.01
