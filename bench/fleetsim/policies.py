@@ -20,7 +20,8 @@ and returns target (prefill, decode) replicas. State lives in the policy object.
   measured, held within its band (``desired.recommend.planner_workload``,
   ``autoscale.signals.kept_shape``), the measured rate with the operator's headroom and no
   forecast (``desired.recommend.planned_rate``), held while the routers refuse or the fleet
-  is behind (``autoscale.signals.planning_load``); the
+  is behind (``autoscale.signals.planning_load``), and the model's hit rate rescaled by the
+  measured one once the prefill pool has settled (``autoscale.signals.settled_hit_rate``); the
   p95 prompt, first-turn share and tool pause, which the operator does not measure, are the
   planner's defaults.
 - :class:`MeanBasedPolicy`: a Dynamo-style throughput planner from its published equations:
@@ -55,10 +56,17 @@ from cas_operator.autoscale.model import (
     WorkloadInputs,
 )
 from cas_operator.autoscale.search import recommend
-from cas_operator.autoscale.signals import Shape, kept_shape, planning_load
+from cas_operator.autoscale.signals import (
+    Shape,
+    kept_shape,
+    planning_load,
+    settled_hit_rate,
+)
 from cas_operator.desired.recommend import planned_rate, planner_workload
 
-from .engine import FleetView, Metrics
+from .engine import FleetConfig, FleetView, Metrics
+
+METRIC_WINDOW_S = FleetConfig.metric_window_s  # the window the simulator's metrics cover
 
 
 @dataclass
@@ -151,13 +159,13 @@ class RatioPlannerPolicy:
             arrival_rate=m.arrival_rate, decode_kv_usage=usage, decode_replicas=fleet.decode
         )
 
-    def _slow(self, m: Metrics, fleet: FleetView) -> tuple[int, int] | None:
+    def _slow(self, now: float, m: Metrics, fleet: FleetView) -> tuple[int, int] | None:
         """One slow-loop recommendation on forecast load (``_forecast``), or on what the
         operator plans for (``_operator_load``) with ``operator_inputs``."""
         if m.arrival_rate <= 0 or m.avg_output_tokens <= 0:
             return None
         if self.operator_inputs is not None:
-            wl, observed = self._operator_load(m, fleet)
+            wl, observed = self._operator_load(now, m, fleet)
         else:
             wl, observed = self._forecast(m, fleet)
         rec = recommend(
@@ -208,24 +216,32 @@ class RatioPlannerPolicy:
         return wl, observed
 
     def _operator_load(
-        self, m: Metrics, fleet: FleetView
-    ) -> tuple[WorkloadInputs, ObservedSignals | None]:
+        self, now: float, m: Metrics, fleet: FleetView
+    ) -> tuple[WorkloadInputs, ObservedSignals]:
         """What the operator plans for, through its own functions: the measured rate, or while
         the routers refuse or TTFT is over twice the SLO the last unthrottled window's
         (``signals.planning_load``), with the operator's headroom (``planned_rate``) and no
-        forecast."""
+        forecast; the hit rate rescales the model's once the prefill pool has settled after
+        its last change (``signals.settled_hit_rate``)."""
         seen = ObservedSignals(
             arrival_rate=m.arrival_rate,
             ttft_p90_s=m.ttft_p90_s,
             refused_rate=m.refused_rate,
             decode_kv_usage=m.decode_kv_usage,
+            hit_rate=m.hit_rate if m.hit_rate > 0 else None,
+            prefill_replicas=fleet.prefill,
         )
         load = planning_load(seen, self.unthrottled_rate, self.slo.ttft_s)
         self.unthrottled_rate = load.unthrottled_rate
         rate = planned_rate(None, load.observed)
         assert rate is not None  # `_slow` plans only from a window with arrivals
+        window = METRIC_WINDOW_S
+        hit = settled_hit_rate(load.observed, self.state.last_prefill_change, now, window)
         calibrate = load.observed.decode_kv_usage is not None
-        return self._workload(m, rate), self._observed(m, fleet) if calibrate else None
+        kv = self._observed(m, fleet) if calibrate else None
+        observed = kv or ObservedSignals(arrival_rate=m.arrival_rate)
+        observed = replace(observed, hit_rate=hit.hit_rate, prefill_replicas=fleet.prefill)
+        return self._workload(m, rate), observed
 
     def __call__(self, now: float, m: Metrics, fleet: FleetView) -> tuple[int, int]:
         observed = ObservedSignals(
@@ -239,7 +255,7 @@ class RatioPlannerPolicy:
         # latest window after ``replan_s`` instead of waiting out the slow period.
         due = self.slow_s if not any(failing) else min(self.slow_s, self.replan_s)
         if now >= self.start_s and now - self.last_slow >= due:
-            new = self._slow(m, fleet)
+            new = self._slow(now, m, fleet)
             if new is not None:
                 self.target = new
                 self.last_slow = now

@@ -11,6 +11,7 @@ from bench.fleetsim.engine import FleetView, Metrics
 from bench.fleetsim.policies import RatioPlannerPolicy
 from bench.planner import SLO, _bounds, _workload_fields, scenarios
 from cas_operator.autoscale.model import WorkloadInputs
+from cas_operator.autoscale.signals import HIT_SETTLE_S
 from cas_operator.desired.recommend import PLAN_HEADROOM
 
 SC = next(s for s in scenarios(True) if s.name == "output-shift")
@@ -54,8 +55,25 @@ def test_operator_inputs_hold_the_demand_behind_the_limit_as_the_operator_does()
     `desired.recommend.planned_rate` does; the simulator's refusals reach its metrics."""
     product = RatioPlannerPolicy(P, D, SLO, _bounds(SC), operator_inputs=_workload_fields(SC))
     free = replace(_metrics(70_000.0, 400.0), arrival_rate=20.0)
-    wl, _ = product._operator_load(free, _VIEW)
+    wl, _ = product._operator_load(0.0, free, _VIEW)
     assert wl.request_rate == 20.0 * PLAN_HEADROOM
     behind = replace(free, arrival_rate=8.0, refused_rate=30.0)
-    wl, observed = product._operator_load(behind, _VIEW)
+    wl, observed = product._operator_load(0.0, behind, _VIEW)
     assert wl.request_rate == 20.0 * PLAN_HEADROOM and observed is not None
+
+
+def test_operator_inputs_carry_the_hit_rate_once_the_prefill_pool_settled() -> None:
+    """The operator rescales the model's hit rate by the measured one (`search.recommend`), so
+    the benchmark's operator loop must too (it did not: `ours-operator` planned the output shift
+    without it, and with it the operator's planner answered 1P:31D); within `HIT_SETTLE_S` of
+    the loop's last prefill change the dip of moved sessions is not planned from
+    (`signals.settled_hit_rate`)."""
+    product = RatioPlannerPolicy(P, D, SLO, _bounds(SC), operator_inputs=_workload_fields(SC))
+    seen = _metrics(70_000.0, 400.0)
+    _, observed = product._operator_load(1_000.0, seen, _VIEW)
+    assert observed.hit_rate == seen.hit_rate and observed.prefill_replicas == _VIEW.prefill
+    product.state = replace(product.state, last_prefill_change=900.0)
+    _, observed = product._operator_load(1_000.0, seen, _VIEW)
+    assert observed.hit_rate is None
+    _, observed = product._operator_load(900.0 + HIT_SETTLE_S, seen, _VIEW)
+    assert observed.hit_rate == seen.hit_rate

@@ -14,6 +14,7 @@ from typing import Any
 from cas_operator.anomaly.drain import ANNOTATION_DRAINING_SINCE
 from cas_operator.api import constants as c
 from cas_operator.autoscale.loop import Autoscaler
+from cas_operator.autoscale.signals import HIT_SETTLE_S
 from cas_operator.fleet_tick import FleetTick, PodSnapshot
 from cas_operator.observe.types import PodSignals
 from cas_operator.types import rfc3339
@@ -443,3 +444,24 @@ def test_auto_plans_for_the_last_unthrottled_rate_while_the_routers_refuse() -> 
     restarted, _ = guard(store, source)
     restarted.tick([resource("a", status={"autoscaler": entry}) | {"spec": AUTO}], now=T0 + 60)
     assert sections(restarted, "a")["autoscaler"]["observed"]["demandRate"] == 0.4
+
+
+def test_auto_plans_without_the_hit_rate_of_a_prefill_pool_it_changed_minutes_ago() -> None:
+    """Regression (issue 18, planner benchmark's rebalance): minutes after Auto cut prefill
+    21 -> 17 the moved sessions re-prefilled their contexts, the measured hit rate dipped to
+    0.85 against a steady 0.93, the planner rescaled its model by it and planned 26P:2D for 4x
+    answers. Until `HIT_SETTLE_S` after Auto's last prefill change the plan's load carries no
+    hit rate (status still shows the measured one); after it, the measured one is planned."""
+    store, source = pd_fleet()
+    g, _ = guard(store, source)
+    changed = {"prefill": 1, "decode": 2, "lastPrefillChange": T0 - 60.0}
+    res = resource("a", status={"autoscaler": changed}) | {"spec": AUTO}
+    g.tick([res], now=T0)
+    planned = g.measured["uid-a"].observed
+    assert planned is not None and planned.hit_rate is None
+    assert sections(g, "a")["autoscaler"]["observed"]["hitRate"] == 0.8
+    settled, _ = guard(store, source)
+    changed["lastPrefillChange"] = T0 - HIT_SETTLE_S
+    settled.tick([resource("a", status={"autoscaler": changed}) | {"spec": AUTO}], now=T0)
+    planned = settled.measured["uid-a"].observed
+    assert planned is not None and planned.hit_rate == 0.8

@@ -260,7 +260,7 @@ def test_planner_policy_does_not_read_closed_loop_throttling_as_lower_demand() -
     bounds = Bounds(max_prefill=31, max_decode=31, gpu_budget=256)
     policy = RatioPlannerPolicy(P, D, slo, bounds)
     view = FleetView(24, 8, 24, 8)
-    policy._slow(_metrics(), view)
+    policy._slow(0.0, _metrics(), view)
     hot = _metrics(
         arrival_rate=8.0,
         ttft_p90_s=30.0,
@@ -269,7 +269,7 @@ def test_planner_policy_does_not_read_closed_loop_throttling_as_lower_demand() -
         decode_kv_usage=0.98,
         decode_waiting=500,
     )
-    policy._slow(hot, view)
+    policy._slow(0.0, hot, view)
     assert policy.last_rec is not None
     held = replace(policy._workload(hot, 20.0 * policy.headroom), first_turn_fraction=0.05)
     want = recommend(held, slo, P, D, bounds)

@@ -329,10 +329,9 @@ def fast_adjust(
     if observed.decode_kv_usage is not None and want_d < current[1]:
         in_use = math.ceil(current[1] * observed.decode_kv_usage / decode_kv_keep - 1e-9)
         want_d = max(want_d, min(in_use, current[1]))
-    ttft = observed.ttft_p90_s
-    if want_p < current[0] and not decode_bad and ttft is not None:
-        if ttft > prefill_ttft_keep * slo.ttft_s:
-            want_p = current[0]
+    near_slo = (observed.ttft_p90_s or 0.0) > prefill_ttft_keep * slo.ttft_s
+    if want_p < current[0] and near_slo and not decode_bad:
+        want_p = current[0]
     return want_p, want_d
 
 

@@ -11,7 +11,8 @@ and Auto's counts, which the reconcile reads (`reconcile.core.Measured`).
 The measured request shape, which admission sizes the routers' limits for, is held within a
 band (`signals.kept_shape`), so the limits move only when the shape really changed. While the
 routers refuse or the fleet is behind, the planner sizes for the last unthrottled arrival
-rate, not the admitted one (`signals.planning_load`).
+rate, not the admitted one (`signals.planning_load`), and for a hit rate measured only once the
+prefill pool settled after Auto's last change to it (`signals.settled_hit_rate`).
 Ownership: `Autoscaler.pressure`, `.auto`, `.shapes` and `.unthrottled` (per uid, memory
 only; `status.autoscaler` and `status.admission.requestShape` are the durable copies a
 restarted operator resumes from). No I/O here.
@@ -115,6 +116,8 @@ class Autoscaler:
         if canary is not None:
             entry["held"] = f"canary {canary} rolling out: Auto keeps its counts until it ends"
             return AutoscaleResult(scale, entry, planning, auto.replicas if auto else None)
+        changed = auto.control.last_prefill_change if auto else None
+        planning = signals.settled_hit_rate(planning, changed, now, window)
         numbers = plan_for(planning)
         if numbers is None:  # the spec is invalid: the reconcile reports it
             return AutoscaleResult(scale, entry, planning, auto.replicas if auto else None)

@@ -166,6 +166,26 @@ def planning_load(
     return PlanningLoad(replace(o, demand_rate=held, decode_kv_usage=kv), unthrottled_rate)
 
 
+HIT_SETTLE_S = 600.0  # after a prefill pool change, its measured hit rate is a transient this long
+
+
+def settled_hit_rate(
+    o: ObservedSignals, last_prefill_change: float | None, now: float, window_s: float
+) -> ObservedSignals:
+    """`o` without its hit rate while the prefill pool changed less than `HIT_SETTLE_S` (or the
+    metric window, when longer) ago. The planner rescales its modelled hit rate by the measured
+    one (`search.recommend`), but right after a change the sessions moved off a drained pod, or
+    onto a new one, prefill their whole context once: a dip that says nothing of the pool's
+    steady state. Planned from, it made the TTFT target look unreachable at any rate, and Auto
+    answered 4x answers with 26P:2D (planner benchmark, the rebalance: measured 0.85 against a
+    steady 0.93, minutes after a 21 -> 17 prefill cut)."""
+    if last_prefill_change is None or o.hit_rate is None:
+        return o
+    if now - last_prefill_change >= max(HIT_SETTLE_S, window_s):
+        return o
+    return replace(o, hit_rate=None)
+
+
 def request_shape_status(shape: Shape) -> dict[str, float]:
     """`status.admission.requestShape`: the shape the limits are sized for, which a restarted
     operator keeps (`shape_in_status`) instead of rolling the routers to the declared one."""
