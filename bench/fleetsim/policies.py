@@ -21,7 +21,8 @@ and returns target (prefill, decode) replicas. State lives in the policy object.
   ``autoscale.signals.kept_shape``), the measured rate with the operator's headroom and no
   forecast (``desired.recommend.planned_rate``), held while the routers refuse or the fleet
   is behind (``autoscale.signals.planning_load``), and the model's hit rate rescaled by the
-  measured one once the prefill pool has settled (``autoscale.signals.settled_hit_rate``); the
+  measured one once the prefill pool has settled after its last change or a prefill pod's start
+  (``autoscale.signals.settled_hit_rate``); the
   p95 prompt, first-turn share and tool pause, which the operator does not measure, are the
   planner's defaults.
 - :class:`MeanBasedPolicy`: a Dynamo-style throughput planner from its published equations:
@@ -129,6 +130,7 @@ class RatioPlannerPolicy:
     operator_inputs: WorkloadSpec | None = None  # plan from what the operator has (module doc)
     kept: Shape | None = None  # the request shape held within its band (`operator_inputs`)
     unthrottled_rate: float | None = None  # `signals.planning_load`'s (`operator_inputs`)
+    fleet_ready_s: float = 0.0  # when the simulated fleet's first pods became Ready
 
     def _workload(self, m: Metrics, rate: float) -> WorkloadInputs:
         if self.operator_inputs is not None:
@@ -235,13 +237,20 @@ class RatioPlannerPolicy:
         self.unthrottled_rate = load.unthrottled_rate
         rate = planned_rate(None, load.observed)
         assert rate is not None  # `_slow` plans only from a window with arrivals
-        window = METRIC_WINDOW_S
-        hit = settled_hit_rate(load.observed, self.state.last_prefill_change, now, window)
+        hit = settled_hit_rate(load.observed, self._prefill_changed_at(), now, METRIC_WINDOW_S)
         calibrate = load.observed.decode_kv_usage is not None
         kv = self._observed(m, fleet) if calibrate else None
         observed = kv or ObservedSignals(arrival_rate=m.arrival_rate)
         observed = replace(observed, hit_rate=hit.hit_rate, prefill_replicas=fleet.prefill)
         return self._workload(m, rate), observed
+
+    def _prefill_changed_at(self) -> float:
+        """As `autoscale.loop.prefill_changed_at`: the loop's last prefill change, or the
+        latest moment a prefill pod became Ready (the run's start, or a growth's pods one pod
+        start after it)."""
+        s = self.state
+        grown_ready = s.last_prefill_growth + self.prefill.pod_start_s
+        return max(s.last_prefill_change, grown_ready, self.fleet_ready_s)
 
     def __call__(self, now: float, m: Metrics, fleet: FleetView) -> tuple[int, int]:
         observed = ObservedSignals(

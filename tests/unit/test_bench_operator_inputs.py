@@ -67,9 +67,11 @@ def test_operator_inputs_carry_the_hit_rate_once_the_prefill_pool_settled() -> N
     the benchmark's operator loop must too (it did not: `ours-operator` planned the output shift
     without it, and with it the operator's planner answered 1P:31D); within `HIT_SETTLE_S` of
     the loop's last prefill change the dip of moved sessions is not planned from
-    (`signals.settled_hit_rate`)."""
+    (`signals.settled_hit_rate`), nor within it of the simulated pods' start."""
     product = RatioPlannerPolicy(P, D, SLO, _bounds(SC), operator_inputs=_workload_fields(SC))
     seen = _metrics(70_000.0, 400.0)
+    _, observed = product._operator_load(HIT_SETTLE_S - 1.0, seen, _VIEW)
+    assert observed.hit_rate is None  # the simulated pods became Ready at 0, caches cold
     _, observed = product._operator_load(1_000.0, seen, _VIEW)
     assert observed.hit_rate == seen.hit_rate and observed.prefill_replicas == _VIEW.prefill
     product.state = replace(product.state, last_prefill_change=900.0)

@@ -465,3 +465,21 @@ def test_auto_plans_without_the_hit_rate_of_a_prefill_pool_it_changed_minutes_ag
     settled.tick([resource("a", status={"autoscaler": changed}) | {"spec": AUTO}], now=T0)
     planned = settled.measured["uid-a"].observed
     assert planned is not None and planned.hit_rate == 0.8
+
+
+def test_a_prefill_pod_ready_minutes_ago_also_holds_back_the_hit_rate() -> None:
+    """A new pool, a grown one or a replaced pod starts with a cold cache: the planner
+    benchmark's long tool pauses planned 30P:2D from the first minutes' 0.88 (0.93 later),
+    before Auto had changed anything. A prefill pod Ready less than `HIT_SETTLE_S` ago holds
+    the hit rate back like Auto's own change; one Ready long before does not."""
+    store, source = pd_fleet()
+    ready = store.pod("a-p0")["status"]["conditions"][0]
+    ready["lastTransitionTime"] = rfc3339(T0 - 120.0)
+    g, _ = guard(store, source)
+    g.tick([resource("a") | {"spec": AUTO}], now=T0)
+    planned = g.measured["uid-a"].observed
+    assert planned is not None and planned.hit_rate is None
+    settled, _ = guard(store, source)
+    settled.tick([resource("a") | {"spec": AUTO}], now=T0 + HIT_SETTLE_S)
+    planned = settled.measured["uid-a"].observed
+    assert planned is not None and planned.hit_rate == 0.8

@@ -12,7 +12,8 @@ The measured request shape, which admission sizes the routers' limits for, is he
 band (`signals.kept_shape`), so the limits move only when the shape really changed. While the
 routers refuse or the fleet is behind, the planner sizes for the last unthrottled arrival
 rate, not the admitted one (`signals.planning_load`), and for a hit rate measured only once the
-prefill pool settled after Auto's last change to it (`signals.settled_hit_rate`).
+prefill pool settled after its last change (Auto's, or a prefill pod that became Ready:
+`prefill_changed_at`, `signals.settled_hit_rate`).
 Ownership: `Autoscaler.pressure`, `.auto`, `.shapes` and `.unthrottled` (per uid, memory
 only; `status.autoscaler` and `status.admission.requestShape` are the durable copies a
 restarted operator resumes from). No I/O here.
@@ -20,6 +21,7 @@ restarted operator resumes from). No I/O here.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -116,12 +118,14 @@ class Autoscaler:
         if canary is not None:
             entry["held"] = f"canary {canary} rolling out: Auto keeps its counts until it ends"
             return AutoscaleResult(scale, entry, planning, auto.replicas if auto else None)
-        changed = auto.control.last_prefill_change if auto else None
-        planning = signals.settled_hit_rate(planning, changed, now, window)
+        engine_pods = pods()
+        planning = signals.settled_hit_rate(
+            planning, prefill_changed_at(auto, engine_pods), now, window
+        )
         numbers = plan_for(planning)
         if numbers is None:  # the spec is invalid: the reconcile reports it
             return AutoscaleResult(scale, entry, planning, auto.replicas if auto else None)
-        state = self._auto_step(uid, spec, auto, numbers, pods(), observed, scale, now)
+        state = self._auto_step(uid, spec, auto, numbers, engine_pods, observed, scale, now)
         entry.update(state.to_status())
         return AutoscaleResult(scale, entry, planning, state.replicas)
 
@@ -219,6 +223,30 @@ def instances(pods: list[Manifest], role: str, pods_per_instance: int) -> int:
     """Instances of one role that still hold GPUs (terminating pods included)."""
     count = sum(1 for p in pods if p["metadata"].get("labels", {}).get(c.LABEL_ROLE) == role)
     return -(-count // max(1, pods_per_instance))
+
+
+def prefill_changed_at(auto: AutoState | None, pods: list[Manifest]) -> float | None:
+    """When the prefill pool last changed: Auto's last change to its count, or the latest
+    moment a prefill pod became Ready (a new pool, a pod grown, or one replaced), whichever is
+    later; None when neither is known. Until the cache settles after it, the measured hit
+    rate is a transient (`signals.settled_hit_rate`)."""
+    times = ready_times(pods, c.ROLE_PREFILL)
+    if auto is not None and math.isfinite(auto.control.last_prefill_change):
+        times.append(auto.control.last_prefill_change)
+    return max(times) if times else None
+
+
+def ready_times(pods: list[Manifest], role: str | None = None) -> list[float]:
+    """When each pod (of `role`, or any) last became Ready, where its status says."""
+    found = []
+    for pod in pods:
+        if role is not None and pod["metadata"].get("labels", {}).get(c.LABEL_ROLE) != role:
+            continue
+        for cond in pod.get("status", {}).get("conditions", []):
+            ready_at = parse_time(cond.get("lastTransitionTime"))
+            if cond.get("type") == "Ready" and cond.get("status") == "True" and ready_at:
+                found.append(ready_at)
+    return found
 
 
 def pod_start_seconds(pods: list[Manifest]) -> float:
