@@ -8,6 +8,7 @@ one, and the reconcile applies the autoscaler's counts to the Deployments.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -326,3 +327,18 @@ def test_the_request_shape_is_measured_per_finished_request() -> None:
     seen = observed_signals([prefill, decode], 60.0)
     assert (seen.avg_input_tokens, seen.avg_output_tokens) == (70_000.0, 2_400.0)
     assert observed_signals([prefill], 60.0).avg_output_tokens is None
+
+
+def test_auto_keeps_prefill_while_ttft_is_near_the_slo() -> None:
+    """Auto's own step (not only the controller's `fast_adjust`): a planner answer with fewer
+    prefill instances is held while TTFT p90 is over 0.8x the SLO and decode is healthy (the
+    benchmark's output shift: 15 -> 13 at 4.3 s of a 3 s SLO, then 30-50 s for ten minutes),
+    and taken, after its hold, once TTFT is clear of it."""
+    near = ObservedSignals(ttft_p90_s=0.9 * SLO.ttft_s, decode_kv_usage=0.6)
+    s = auto_step(inputs(8, 8), (6, 8), near, None, T0)
+    s = auto_step(inputs(8, 8, current=s), (6, 8), near, None, T0 + 3600)
+    assert s.replicas == (8, 8)
+    clear = replace(near, ttft_p90_s=0.5 * SLO.ttft_s)
+    s = auto_step(inputs(8, 8, current=s), (6, 8), clear, None, T0 + 3601)
+    s = auto_step(inputs(8, 8, current=s), (6, 8), clear, None, T0 + 3601 + 901)
+    assert s.replicas == (6, 8)

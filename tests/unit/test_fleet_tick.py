@@ -451,7 +451,7 @@ def test_auto_plans_without_the_hit_rate_of_a_prefill_pool_it_changed_minutes_ag
     21 -> 17 the moved sessions re-prefilled their contexts, the measured hit rate dipped to
     0.85 against a steady 0.93, the planner rescaled its model by it and planned 26P:2D for 4x
     answers. Until `HIT_SETTLE_S` after Auto's last prefill change the plan's load carries no
-    hit rate (status still shows the measured one); after it, the measured one is planned."""
+    hit rate (status shows the measured one, and until when it is held); after it, it is planned."""
     store, source = pd_fleet()
     g, _ = guard(store, source)
     changed = {"prefill": 1, "decode": 2, "lastPrefillChange": T0 - 60.0}
@@ -459,12 +459,15 @@ def test_auto_plans_without_the_hit_rate_of_a_prefill_pool_it_changed_minutes_ag
     g.tick([res], now=T0)
     planned = g.measured["uid-a"].observed
     assert planned is not None and planned.hit_rate is None
-    assert sections(g, "a")["autoscaler"]["observed"]["hitRate"] == 0.8
+    entry = sections(g, "a")["autoscaler"]
+    assert entry["observed"]["hitRate"] == 0.8  # status still shows what was measured
+    assert entry["hitRateHeldUntil"] == rfc3339(T0 - 60.0 + HIT_SETTLE_S)
     settled, _ = guard(store, source)
     changed["lastPrefillChange"] = T0 - HIT_SETTLE_S
     settled.tick([resource("a", status={"autoscaler": changed}) | {"spec": AUTO}], now=T0)
     planned = settled.measured["uid-a"].observed
     assert planned is not None and planned.hit_rate == 0.8
+    assert "hitRateHeldUntil" not in sections(settled, "a")["autoscaler"]
 
 
 def test_a_prefill_pod_ready_minutes_ago_also_holds_back_the_hit_rate() -> None:

@@ -43,7 +43,7 @@ from cas_operator.autoscale.controller import (
 )
 from cas_operator.autoscale.model import ObservedSignals, SloInputs
 from cas_operator.observe.types import PodView
-from cas_operator.types import Manifest, Status, parse_time
+from cas_operator.types import Manifest, Status, parse_time, rfc3339
 
 
 @dataclass(frozen=True)
@@ -119,9 +119,10 @@ class Autoscaler:
             entry["held"] = f"canary {canary} rolling out: Auto keeps its counts until it ends"
             return AutoscaleResult(scale, entry, planning, auto.replicas if auto else None)
         engine_pods = pods()
-        planning = signals.settled_hit_rate(
-            planning, prefill_changed_at(auto, engine_pods), now, window
-        )
+        changed = prefill_changed_at(auto, engine_pods)
+        planning = signals.settled_hit_rate(planning, changed, now, window)
+        if changed is not None and planning.hit_rate is None and observed.hit_rate is not None:
+            entry[HIT_HELD_KEY] = rfc3339(signals.hit_settles_at(changed, window))
         numbers = plan_for(planning)
         if numbers is None:  # the spec is invalid: the reconcile reports it
             return AutoscaleResult(scale, entry, planning, auto.replicas if auto else None)
@@ -193,6 +194,7 @@ class Autoscaler:
 
 
 UNTHROTTLED_KEY = "unthrottledArrivalRate"  # in status.autoscaler: survives a restart
+HIT_HELD_KEY = "hitRateHeldUntil"  # in status.autoscaler: the plan ignores the hit rate till then
 
 
 def unthrottled_in_status(status: Status) -> float | None:

@@ -181,9 +181,14 @@ def settled_hit_rate(
     steady 0.93, minutes after a 21 -> 17 prefill cut)."""
     if last_prefill_change is None or o.hit_rate is None:
         return o
-    if now - last_prefill_change >= max(HIT_SETTLE_S, window_s):
+    if now >= hit_settles_at(last_prefill_change, window_s):
         return o
     return replace(o, hit_rate=None)
+
+
+def hit_settles_at(last_prefill_change: float, window_s: float) -> float:
+    """When a prefill pool changed at `last_prefill_change` has a hit rate to plan from."""
+    return last_prefill_change + max(HIT_SETTLE_S, window_s)
 
 
 def request_shape_status(shape: Shape) -> dict[str, float]:
