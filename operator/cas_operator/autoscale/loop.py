@@ -238,11 +238,11 @@ def prefill_changed_at(auto: AutoState | None, pods: list[Manifest]) -> float | 
     return max(times) if times else None
 
 
-def ready_times(pods: list[Manifest], role: str | None = None) -> list[float]:
-    """When each pod (of `role`, or any) last became Ready, where its status says."""
+def ready_times(pods: list[Manifest], role: str) -> list[float]:
+    """When each pod of `role` last became Ready, where its status says."""
     found = []
     for pod in pods:
-        if role is not None and pod["metadata"].get("labels", {}).get(c.LABEL_ROLE) != role:
+        if pod["metadata"].get("labels", {}).get(c.LABEL_ROLE) != role:
             continue
         for cond in pod.get("status", {}).get("conditions", []):
             ready_at = parse_time(cond.get("lastTransitionTime"))
