@@ -524,6 +524,7 @@ def criteria(result: dict[str, Any]) -> list[str]:
 
 
 def _criteria(name: str, method: str, m: dict[str, Any]) -> list[str]:
+    """`criteria`'s lines for one method of one scenario (`m`: the scenario's methods)."""
     ours = m[method]["goodput_rps"]
     static = max(m["fixed-1:1"]["goodput_rps"], m["best-fixed"]["goodput_rps"])
     ex = m["exhaustive"]["goodput_rps"]

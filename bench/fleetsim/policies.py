@@ -68,6 +68,7 @@ from cas_operator.desired.recommend import planned_rate, planner_workload
 from .engine import FleetConfig, FleetView, Metrics
 
 METRIC_WINDOW_S = FleetConfig.metric_window_s  # the window the simulator's metrics cover
+FLEET_READY_S = 0.0  # the simulated fleet's first pods are Ready, caches cold, at its start
 
 
 @dataclass
@@ -130,7 +131,6 @@ class RatioPlannerPolicy:
     operator_inputs: WorkloadSpec | None = None  # plan from what the operator has (module doc)
     kept: Shape | None = None  # the request shape held within its band (`operator_inputs`)
     unthrottled_rate: float | None = None  # `signals.planning_load`'s (`operator_inputs`)
-    fleet_ready_s: float = 0.0  # when the simulated fleet's first pods became Ready
 
     def _workload(self, m: Metrics, rate: float) -> WorkloadInputs:
         if self.operator_inputs is not None:
@@ -230,7 +230,7 @@ class RatioPlannerPolicy:
             ttft_p90_s=m.ttft_p90_s,
             refused_rate=m.refused_rate,
             decode_kv_usage=m.decode_kv_usage,
-            hit_rate=m.hit_rate if m.hit_rate > 0 else None,
+            hit_rate=m.hit_rate if m.hit_rate > 0 else None,  # 0: no prompt in the window
             prefill_replicas=fleet.prefill,
         )
         load = planning_load(seen, self.unthrottled_rate, self.slo.ttft_s)
@@ -250,7 +250,7 @@ class RatioPlannerPolicy:
         start after it)."""
         s = self.state
         grown_ready = s.last_prefill_growth + self.prefill.pod_start_s
-        return max(s.last_prefill_change, grown_ready, self.fleet_ready_s)
+        return max(s.last_prefill_change, grown_ready, FLEET_READY_S)
 
     def __call__(self, now: float, m: Metrics, fleet: FleetView) -> tuple[int, int]:
         observed = ObservedSignals(

@@ -474,7 +474,8 @@ def test_a_prefill_pod_ready_minutes_ago_also_holds_back_the_hit_rate() -> None:
     """A new pool, a grown one or a replaced pod starts with a cold cache: the planner
     benchmark's long tool pauses planned 30P:2D from the first minutes' 0.88 (0.93 later),
     before Auto had changed anything. A prefill pod Ready less than `HIT_SETTLE_S` ago holds
-    the hit rate back like Auto's own change; one Ready long before does not."""
+    the hit rate back like Auto's own change, in Recommend too; one Ready long before does
+    not."""
     store, source = pd_fleet()
     ready = store.pod("a-p0")["status"]["conditions"][0]
     ready["lastTransitionTime"] = rfc3339(T0 - 120.0)
@@ -482,6 +483,12 @@ def test_a_prefill_pod_ready_minutes_ago_also_holds_back_the_hit_rate() -> None:
     g.tick([resource("a") | {"spec": AUTO}], now=T0)
     planned = g.measured["uid-a"].observed
     assert planned is not None and planned.hit_rate is None
+    recommend = {**AUTO, "ratio": {"mode": "Recommend"}}  # what it recommends is planned so too
+    advised, _ = guard(store, source)
+    advised.tick([resource("a") | {"spec": recommend}], now=T0)
+    planned = advised.measured["uid-a"].observed
+    assert planned is not None and planned.hit_rate is None
+    assert "hitRateHeldUntil" in sections(advised, "a")["autoscaler"]
     settled, _ = guard(store, source)
     settled.tick([resource("a") | {"spec": AUTO}], now=T0 + HIT_SETTLE_S)
     planned = settled.measured["uid-a"].observed

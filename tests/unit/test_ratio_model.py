@@ -449,9 +449,10 @@ def test_kv_recalibration_uses_the_rate_it_was_observed_at() -> None:
 def test_fast_adjust_never_cuts_prefill_while_ttft_is_near_the_slo() -> None:
     """Regression (planner benchmark, output shift, the operator's own loop): with decode
     healthy, the slow loop's plan for fewer prefill instances cut 15 -> 13 at TTFT p90 4.3 s
-    against a 3 s SLO (below the 1.2x failing line, no prefill queue counted), and TTFT rose to
-    30-50 s for ten minutes. Over 0.8x the SLO the cut waits; under it, or while decode fails
-    (its wait is in the TTFT, and at the cap it takes prefill's instance), it goes through."""
+    against a 3 s SLO (over the 1.2x line, but with no prefill queue counted, so not
+    "failing"), and TTFT rose to 30-50 s for ten minutes. Over 0.8x the SLO the cut waits;
+    under it, or while decode fails or requests wait for it (that wait is in the TTFT, and at
+    the cap decode takes prefill's instance), it goes through."""
     slo = SloInputs(ttft_s=3.0, itl_ms=50.0)
     near = ObservedSignals(ttft_p90_s=2.6, prefill_queue_depth=0.0, decode_kv_usage=0.7)
     assert fast_adjust((13, 19), (15, 17), near, slo, at_budget=True) == (15, 19)
@@ -461,6 +462,8 @@ def test_fast_adjust_never_cuts_prefill_while_ttft_is_near_the_slo() -> None:
     full = replace(near, ttft_p90_s=8.0, decode_kv_usage=0.98, decode_queue_depth=40.0)
     assert fast_adjust((13, 19), (15, 17), full, slo, at_budget=True) == (13, 19)
     assert fast_adjust((15, 17), (15, 17), full, slo, at_budget=True) == (14, 18)
+    waiting = replace(near, decode_queue_depth=3.0)  # TTFT near the SLO, from decode's wait
+    assert fast_adjust((13, 19), (15, 17), waiting, slo, at_budget=True) == (13, 19)
 
 
 def test_a_cap_that_serves_nothing_within_slo_gets_the_most_balanced_split() -> None:
@@ -468,7 +471,7 @@ def test_a_cap_that_serves_nothing_within_slo_gets_the_most_balanced_split() -> 
     4x answers a hit rate measured below the model's made the TTFT target unreachable at any
     rate; every split of the cap scored 0 req/s within SLO and the tie went to the first one
     scanned, 1P:31D (prefill at 829x its capacity). The split chosen now loads its busiest
-    side least, so its queues stay stable to the highest rate."""
+    side least against that side's limit, so its queues stay stable to the highest rate."""
     unreachable = SloInputs(ttft_s=0.01, itl_ms=50.0)
     wl = replace(WL, request_rate=27.0, avg_input_tokens=75_000, avg_output_tokens=1_500)
     budget = 32 * PREFILL.gpus
@@ -477,9 +480,32 @@ def test_a_cap_that_serves_nothing_within_slo_gets_the_most_balanced_split() -> 
     assert not rec.meets_slo and rec.goodput_rps == 0.0
     assert "no split of the cap" in rec.reason
 
-    def busiest(n_p: int) -> float:
+    def busiest(n_p: int) -> float:  # each side's load against its limit
         ev = evaluate(wl, unreachable, PREFILL, DECODE, n_p, 32 - n_p)
-        return max(ev.prefill_util, ev.link_util, ev.decode_kv_need_fraction)
+        caps = ModelLimits()
+        return max(
+            ev.prefill_util / caps.max_prefill_util,
+            ev.link_util / caps.max_link_util,
+            ev.decode_kv_need_fraction,
+        )
 
     assert 1 < rec.n_prefill < 31
     assert busiest(rec.n_prefill) <= min(busiest(n) for n in range(1, 32)) * 1.01
+
+
+def test_without_a_budget_a_plan_that_serves_nothing_within_slo_still_keeps_prefill_up() -> None:
+    """The unbudgeted twin of the tie above: with the TTFT target unreachable at every count,
+    every prefill count tied at zero and the fewest GPUs won, 1 prefill instance for 27 req/s.
+    Now the fewest that keep prefill under its utilisation cap."""
+    unreachable = SloInputs(ttft_s=0.01, itl_ms=50.0)
+    wl = replace(WL, request_rate=27.0, avg_input_tokens=75_000, avg_output_tokens=1_500)
+    bounds = Bounds(max_prefill=200, max_decode=200)
+    rec = recommend(wl, unreachable, PREFILL, DECODE, bounds)
+    assert not rec.meets_slo and rec.goodput_rps == 0.0
+    cap = ModelLimits().max_prefill_util
+
+    def util(n_p: int) -> float:
+        return evaluate(wl, unreachable, PREFILL, DECODE, n_p, rec.n_decode).prefill_util
+
+    assert util(rec.n_prefill) < cap <= util(rec.n_prefill - 1)
+    assert "best the replica bounds allow" in rec.reason

@@ -305,12 +305,14 @@ def fast_adjust(
     storm reads as prefill demand, while the sessions it starts will soon fill decode) must not
     cut KV that is in use, since a decode shortage is a cliff under closed-loop traffic.
 
-    Prefill is never lowered while TTFT p90 is over ``prefill_ttft_keep`` x the SLO and decode
-    is not failing (then the TTFT is prefill's, or on its way there): the model's prefill is
-    optimistic at some shapes, and a plan for fewer prefill instances made from lengths and
-    rates alone took a pool already near its TTFT over it (planner benchmark, output shift:
-    15 -> 13 prefill at TTFT p90 4.3 s against a 3 s SLO, then 30-50 s for ten minutes). A
-    failing decode still takes prefill's instance at the cap (its wait is in that TTFT)."""
+    Prefill is never lowered while TTFT p90 is over ``prefill_ttft_keep`` x the SLO and no
+    request waits for decode (then the TTFT is prefill's, or on its way there): the model's
+    prefill is optimistic at some shapes, and a plan for fewer prefill instances made from
+    lengths and rates alone took a pool already near its TTFT over it (planner benchmark,
+    output shift: 15 -> 13 prefill at TTFT p90 4.3 s against a 3 s SLO, with no prefill queue
+    counted, then 30-50 s for ten minutes). A failing or queueing decode still takes prefill's
+    instance at the cap (its wait is in that TTFT). The price: a pool whose prompts alone keep
+    TTFT near the SLO does not shrink at low load either."""
     want_p, want_d = target
     prefill_bad, decode_bad = failing_sides(observed, slo, tolerance)
     if prefill_bad:
@@ -330,7 +332,8 @@ def fast_adjust(
         in_use = math.ceil(current[1] * observed.decode_kv_usage / decode_kv_keep - 1e-9)
         want_d = max(want_d, min(in_use, current[1]))
     near_slo = (observed.ttft_p90_s or 0.0) > prefill_ttft_keep * slo.ttft_s
-    if want_p < current[0] and near_slo and not decode_bad:
+    decode_waits = decode_bad or (observed.decode_queue_depth or 0.0) > 0.0
+    if want_p < current[0] and near_slo and not decode_waits:
         want_p = current[0]
     return want_p, want_d
 

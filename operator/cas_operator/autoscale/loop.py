@@ -87,7 +87,8 @@ class Autoscaler:
         canary: str | None = None,
     ) -> AutoscaleResult:
         """One tick for one resource; `pods()` reads its engine pods (terminating ones
-        included; only Auto needs them, so Fixed and Recommend never filter the snapshot),
+        included; Recommend and Auto need them, for when a prefill pod became Ready, Auto for
+        its budget too, so Fixed never filters the snapshot),
         `status` its current status, `plan_for` plans it for a measured load. While a canary
         runs (`canary`: its revision) the load is still measured over both revisions, but
         nothing is sized from it: the rollout sizes both revisions' pools, and a pool's
@@ -111,18 +112,18 @@ class Autoscaler:
         if uid in self.unthrottled:
             entry[UNTHROTTLED_KEY] = self.unthrottled[uid]
         before = AutoState.from_status(status.get(STATUS_KEY))
-        auto = self.auto.get(uid) or before
+        auto = (self.auto.get(uid) or before) if spec.ratio.mode == RatioMode.AUTO else None
+        engine_pods = pods()
+        changed = prefill_changed_at(auto, engine_pods)
+        planning = signals.settled_hit_rate(planning, changed, now, window)
+        if changed is not None and planning.hit_rate is None and observed.hit_rate is not None:
+            entry[HIT_HELD_KEY] = rfc3339(signals.hit_settles_at(changed, window))
         if spec.ratio.mode != RatioMode.AUTO:
             self.auto.pop(uid, None)
             return AutoscaleResult(scale, entry, planning, None)
         if canary is not None:
             entry["held"] = f"canary {canary} rolling out: Auto keeps its counts until it ends"
             return AutoscaleResult(scale, entry, planning, auto.replicas if auto else None)
-        engine_pods = pods()
-        changed = prefill_changed_at(auto, engine_pods)
-        planning = signals.settled_hit_rate(planning, changed, now, window)
-        if changed is not None and planning.hit_rate is None and observed.hit_rate is not None:
-            entry[HIT_HELD_KEY] = rfc3339(signals.hit_settles_at(changed, window))
         numbers = plan_for(planning)
         if numbers is None:  # the spec is invalid: the reconcile reports it
             return AutoscaleResult(scale, entry, planning, auto.replicas if auto else None)

@@ -138,7 +138,8 @@ def _best_split(ctx: _Ctx, wl: WorkloadInputs, budget: int) -> tuple[PlanEvaluat
         if n_d < b.min_decode:
             return None
         ev = ctx.eval(wl, n_p, n_d)
-        return (ev.expected_goodput(wl.request_rate), -_worst_load(ev)), ev
+        good = ev.expected_goodput(wl.request_rate)
+        return (good if good > NO_GOODPUT else 0.0, -_worst_load(ev, ctx.limits)), ev
 
     hi = min(b.max_prefill, (budget - b.min_decode * gd) // gp)
     if hi < b.min_prefill:
@@ -154,10 +155,17 @@ def _best_split(ctx: _Ctx, wl: WorkloadInputs, budget: int) -> tuple[PlanEvaluat
     return ev, good
 
 
-def _worst_load(ev: PlanEvaluation) -> float:
-    """The busiest side's load at the offered rate: prefill or link utilisation, or the share
-    of decode KV the load needs."""
-    return max(ev.prefill_util, ev.link_util, ev.decode_kv_need_fraction)
+NO_GOODPUT = 1e-9  # requests/s within the SLOs below this are rounding, not goodput
+
+
+def _worst_load(ev: PlanEvaluation, limits: ModelLimits) -> float:
+    """The busiest side's load at the offered rate, each against its limit: prefill and link
+    utilisation over their caps, the decode KV the load needs over the KV kept for it."""
+    return max(
+        ev.prefill_util / limits.max_prefill_util,
+        ev.link_util / limits.max_link_util,
+        ev.decode_kv_need_fraction,
+    )
 
 
 def _spend_leftover(
@@ -201,13 +209,22 @@ def _plan(ctx: _Ctx, wl: WorkloadInputs) -> tuple[PlanEvaluation, float, bool]:
 
 def _unbudgeted_best_effort(ctx: _Ctx, wl: WorkloadInputs) -> tuple[PlanEvaluation, float]:
     """No budget and no plan meets the SLOs within the bounds: the fewest GPUs reaching (within
-    half a point) the best TTFT attainment the bounds allow, on the smallest workable decode."""
+    half a point) the best TTFT attainment the bounds allow, on the smallest workable decode;
+    when no count serves any request within the SLOs, the fewest prefill instances under
+    their utilisation cap (every count tied at zero, the fewest GPUs was 1 prefill)."""
     b = ctx.bounds
     n_d = _first_true(
         b.min_decode, b.max_decode, lambda n: _decode_ok(ctx.eval(wl, b.max_prefill, n))
     )
     n_d = b.max_decode if n_d is None else n_d
     top = ctx.eval(wl, b.max_prefill, n_d).expected_goodput(wl.request_rate)
+    if top <= NO_GOODPUT:  # no count serves any within the SLOs: the fewest that keep up
+        cap = ctx.limits.max_prefill_util
+        n_p = _first_true(
+            b.min_prefill, b.max_prefill, lambda n: ctx.eval(wl, n, n_d).prefill_util < cap
+        )
+        ev = ctx.eval(wl, b.max_prefill if n_p is None else n_p, n_d)
+        return ev, 0.0
     n_p = _first_true(
         b.min_prefill,
         b.max_prefill,
@@ -217,7 +234,7 @@ def _unbudgeted_best_effort(ctx: _Ctx, wl: WorkloadInputs) -> tuple[PlanEvaluati
     return ev, ev.expected_goodput(wl.request_rate)
 
 
-def _reason(ev: PlanEvaluation, meets: bool, rate: float, full: float) -> str:
+def _reason(ev: PlanEvaluation, meets: bool, rate: float, full: float, capped: bool) -> str:
     ratio = f"{ev.n_prefill}P:{ev.n_decode}D"
     detail = (
         f"hit {ev.hit_rate:.0%}, prefill util {ev.prefill_util:.0%}, "
@@ -226,10 +243,15 @@ def _reason(ev: PlanEvaluation, meets: bool, rate: float, full: float) -> str:
     )
     if meets:
         return f"{ratio} is the fewest GPUs ({ev.gpus}) meeting both SLOs: {detail}"
-    if rate <= 0.0:
+    if not capped:
+        return (
+            f"{ratio} is the best the replica bounds allow ({ev.gpus} GPUs): "
+            f"{rate:.1f} of {full:.1f} req/s within SLO; {detail}"
+        )
+    if rate <= NO_GOODPUT:
         return (
             f"no split of the cap ({ev.gpus} GPUs) serves {full:.1f} req/s within SLO; "
-            f"{ratio} loads its busiest side least: {detail}"
+            f"{ratio}: {detail}"
         )
     return (
         f"{ratio} maximises goodput at the cap ({ev.gpus} GPUs): "
@@ -271,7 +293,7 @@ def recommend(
         hit_rate=ev.hit_rate,
         goodput_rps=rate,
         meets_slo=meets,
-        reason=_reason(ev, meets, rate, wl.request_rate),
+        reason=_reason(ev, meets, rate, wl.request_rate, bounds.gpu_budget is not None),
     )
 
 

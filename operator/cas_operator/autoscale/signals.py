@@ -177,8 +177,8 @@ def settled_hit_rate(
     one (`search.recommend`), but right after a change the sessions moved off a drained pod, or
     onto a new one, prefill their whole context once: a dip that says nothing of the pool's
     steady state. Planned from, it made the TTFT target look unreachable at any rate, and Auto
-    answered 4x answers with 26P:2D (planner benchmark, the rebalance: measured 0.85 against a
-    steady 0.93, minutes after a 21 -> 17 prefill cut)."""
+    planned 26P:2D for a load whose answers had grown 4x (planner benchmark, the rebalance:
+    measured 0.85 against a steady 0.93, minutes after a 21 -> 17 prefill cut)."""
     if last_prefill_change is None or o.hit_rate is None:
         return o
     if now >= hit_settles_at(last_prefill_change, window_s):
