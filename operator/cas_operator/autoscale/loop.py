@@ -224,7 +224,7 @@ def pool_counts(status: Status) -> PoolCounts | None:
 
 def instances(pods: list[Manifest], role: str, pods_per_instance: int) -> int:
     """Instances of one role that still hold GPUs (terminating pods included)."""
-    count = sum(1 for p in pods if p["metadata"].get("labels", {}).get(c.LABEL_ROLE) == role)
+    count = sum(1 for p in pods if _role(p) == role)
     return -(-count // max(1, pods_per_instance))
 
 
@@ -233,23 +233,10 @@ def prefill_changed_at(auto: AutoState | None, pods: list[Manifest]) -> float | 
     moment a prefill pod became Ready (a new pool, a pod grown, or one replaced), whichever is
     later; None when neither is known. Until the cache settles after it, the measured hit
     rate is a transient (`signals.settled_hit_rate`)."""
-    times = ready_times(pods, c.ROLE_PREFILL)
+    times = [t for p in pods if _role(p) == c.ROLE_PREFILL and (t := _ready_at(p)) is not None]
     if auto is not None and math.isfinite(auto.control.last_prefill_change):
         times.append(auto.control.last_prefill_change)
     return max(times) if times else None
-
-
-def ready_times(pods: list[Manifest], role: str) -> list[float]:
-    """When each pod of `role` last became Ready, where its status says."""
-    found = []
-    for pod in pods:
-        if pod["metadata"].get("labels", {}).get(c.LABEL_ROLE) != role:
-            continue
-        for cond in pod.get("status", {}).get("conditions", []):
-            ready_at = parse_time(cond.get("lastTransitionTime"))
-            if cond.get("type") == "Ready" and cond.get("status") == "True" and ready_at:
-                found.append(ready_at)
-    return found
 
 
 def pod_start_seconds(pods: list[Manifest]) -> float:
@@ -258,15 +245,27 @@ def pod_start_seconds(pods: list[Manifest]) -> float:
     starts = []
     for pod in pods:
         created = parse_time(pod["metadata"].get("creationTimestamp"))
-        for cond in pod.get("status", {}).get("conditions", []):
-            ready_at = parse_time(cond.get("lastTransitionTime"))
-            ready = cond.get("type") == "Ready" and cond.get("status") == "True"
-            if ready and ready_at is not None and created is not None:
-                starts.append(max(1.0, ready_at - created))
+        ready_at = _ready_at(pod)
+        if ready_at is not None and created is not None:
+            starts.append(max(1.0, ready_at - created))
     if not starts:
         return DEFAULT_POD_START_SECONDS
     starts.sort()
     return starts[min(len(starts) - 1, int(0.9 * len(starts)))]
+
+
+def _role(pod: Manifest) -> str | None:
+    role: str | None = pod["metadata"].get("labels", {}).get(c.LABEL_ROLE)
+    return role
+
+
+def _ready_at(pod: Manifest) -> float | None:
+    """When the pod last became Ready, while it is; None when it is not or its status does
+    not say."""
+    for cond in pod.get("status", {}).get("conditions", []):
+        if cond.get("type") == "Ready" and cond.get("status") == "True":
+            return parse_time(cond.get("lastTransitionTime"))
+    return None
 
 
 def observed_status(o: ObservedSignals) -> Status:
