@@ -423,6 +423,16 @@ def _ttft_tail(
     return _tail_at(_tail_terms(classes, extra_s, waits), t)
 
 
+ATTAINMENT_NOISE = 1e-9  # the tail's sum of class masses is exact only to float rounding
+
+
+def _attainment(share: float) -> float:
+    """A share of requests meeting the TTFT target, in [0, 1], with float noise around 0 read
+    as 0: the tail sums class masses, so a split that serves none came out at +-6e-15, and the
+    planner's ties at zero goodput (`search._best_split`) missed it."""
+    return 0.0 if share < ATTAINMENT_NOISE else min(share, 1.0)
+
+
 def _ttft_quantile(
     classes: Sequence[_Class], extra_s: Sequence[float], waits: Sequence[_Waits], q: float
 ) -> float:
@@ -592,7 +602,7 @@ def evaluate(
         )
         waits = [hits if c.sticky else misses for c in classes]
         ttft = _ttft_quantile(classes, extra, waits, slo.ttft_quantile)
-        attain = 1.0 - _ttft_tail(classes, extra, waits, slo.ttft_s)
+        attain = _attainment(1.0 - _ttft_tail(classes, extra, waits, slo.ttft_s))
     else:
         ttft, attain = math.inf, 0.0
     return PlanEvaluation(

@@ -138,8 +138,7 @@ def _best_split(ctx: _Ctx, wl: WorkloadInputs, budget: int) -> tuple[PlanEvaluat
         if n_d < b.min_decode:
             return None
         ev = ctx.eval(wl, n_p, n_d)
-        good = ev.expected_goodput(wl.request_rate)
-        return (good if good > NO_GOODPUT else 0.0, -_worst_load(ev, ctx.limits)), ev
+        return (ev.expected_goodput(wl.request_rate), -_worst_load(ev, ctx.limits)), ev
 
     hi = min(b.max_prefill, (budget - b.min_decode * gd) // gp)
     if hi < b.min_prefill:
@@ -153,9 +152,6 @@ def _best_split(ctx: _Ctx, wl: WorkloadInputs, budget: int) -> tuple[PlanEvaluat
     scored = [r for n in around if (r := at(n)) is not None] + [best]
     (good, _), ev = max(scored, key=lambda r: r[0])
     return ev, good
-
-
-NO_GOODPUT = 1e-9  # requests/s within the SLOs below this are rounding, not goodput
 
 
 def _worst_load(ev: PlanEvaluation, limits: ModelLimits) -> float:
@@ -218,7 +214,7 @@ def _unbudgeted_best_effort(ctx: _Ctx, wl: WorkloadInputs) -> tuple[PlanEvaluati
     )
     n_d = b.max_decode if n_d is None else n_d
     top = ctx.eval(wl, b.max_prefill, n_d).expected_goodput(wl.request_rate)
-    if top <= NO_GOODPUT:  # no count serves any within the SLOs: the fewest that keep up
+    if top <= 0.0:  # no count serves any within the SLOs: the fewest that keep up
         cap = ctx.limits.max_prefill_util
         n_p = _first_true(
             b.min_prefill, b.max_prefill, lambda n: ctx.eval(wl, n, n_d).prefill_util < cap
@@ -248,7 +244,7 @@ def _reason(ev: PlanEvaluation, meets: bool, rate: float, full: float, capped: b
             f"{ratio} is the best the replica bounds allow ({ev.gpus} GPUs): "
             f"{rate:.1f} of {full:.1f} req/s within SLO; {detail}"
         )
-    if rate <= NO_GOODPUT:
+    if rate <= 0.0:
         return (
             f"no split of the cap ({ev.gpus} GPUs) serves {full:.1f} req/s within SLO; "
             f"{ratio}: {detail}"
