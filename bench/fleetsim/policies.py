@@ -231,7 +231,6 @@ class RatioPlannerPolicy:
             refused_rate=m.refused_rate,
             decode_kv_usage=m.decode_kv_usage,
             hit_rate=m.hit_rate if m.hit_rate > 0 else None,  # 0: no prompt in the window
-            prefill_replicas=fleet.prefill,
         )
         load = planning_load(seen, self.unthrottled_rate, self.slo.ttft_s)
         self.unthrottled_rate = load.unthrottled_rate

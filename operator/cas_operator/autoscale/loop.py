@@ -114,10 +114,10 @@ class Autoscaler:
         before = AutoState.from_status(status.get(STATUS_KEY))
         auto = (self.auto.get(uid) or before) if spec.ratio.mode == RatioMode.AUTO else None
         engine_pods = pods()
-        changed = prefill_changed_at(auto, engine_pods)
-        planning = signals.settled_hit_rate(planning, changed, now, window)
-        if changed is not None and planning.hit_rate is None and observed.hit_rate is not None:
-            entry[HIT_HELD_KEY] = rfc3339(signals.hit_settles_at(changed, window))
+        held = signals.hit_held_until(planning, prefill_changed_at(auto, engine_pods), now, window)
+        if held is not None:
+            planning = replace(planning, hit_rate=None)
+            entry[HIT_HELD_KEY] = rfc3339(held)
         if spec.ratio.mode != RatioMode.AUTO:
             self.auto.pop(uid, None)
             return AutoscaleResult(scale, entry, planning, None)

@@ -179,16 +179,19 @@ def settled_hit_rate(
     steady state. Planned from, it made the TTFT target look unreachable at any rate, and Auto
     planned 26P:2D for a load whose answers had grown 4x (planner benchmark, the rebalance:
     measured 0.85 against a steady 0.93, minutes after a 21 -> 17 prefill cut)."""
+    held = hit_held_until(o, last_prefill_change, now, window_s)
+    return o if held is None else replace(o, hit_rate=None)
+
+
+def hit_held_until(
+    o: ObservedSignals, last_prefill_change: float | None, now: float, window_s: float
+) -> float | None:
+    """Until when `settled_hit_rate` holds back `o`'s measured hit rate; None when it does not
+    (no hit rate, no known change, or the pool has settled)."""
     if last_prefill_change is None or o.hit_rate is None:
-        return o
-    if now >= hit_settles_at(last_prefill_change, window_s):
-        return o
-    return replace(o, hit_rate=None)
-
-
-def hit_settles_at(last_prefill_change: float, window_s: float) -> float:
-    """When a prefill pool changed at `last_prefill_change` has a hit rate to plan from."""
-    return last_prefill_change + max(HIT_SETTLE_S, window_s)
+        return None
+    settles = last_prefill_change + max(HIT_SETTLE_S, window_s)
+    return settles if now < settles else None
 
 
 def request_shape_status(shape: Shape) -> dict[str, float]:
