@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from cas_engine.sim.worker import REPEAT_JUDGED_BY_TOKENS
 from cas_operator.anomaly.drain import ANNOTATION_DRAINING_SINCE
 from e2e.fleet.anomaly_stack import AnomalyStack, wait_for
 from e2e.fleet.fleetview import long_chat, running
@@ -116,7 +117,9 @@ async def test_real_router_with_kubernetes_discovery_loses_no_request(
         wait_for, "router sees 3 workers", lambda: router_workers(router_url) == 3, 60
     )
     stop, stats = asyncio.Event(), LoadStats()
-    load = asyncio.create_task(steady_traffic(router_url, stop, stats))
+    load = asyncio.create_task(
+        steady_traffic(router_url, stop, stats, max_tokens=REPEAT_JUDGED_BY_TOKENS)
+    )
     try:
         await asyncio.to_thread(wait_for, "traffic", lambda: stats.ok > 20, 30)
         await set_fault(urls[1], {"repetition": 0.5})

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from cas_engine.sim.worker import REPEAT_JUDGED_BY_TOKENS
 from cas_operator.anomaly.detect import GuardState, Policy, decide
 from cas_operator.api.models import AnomalyGuardSpec
 from cas_operator.observe import MetricsSource, Observation, PodTarget
@@ -156,7 +157,9 @@ async def loop_under_repetition_fault(
     """Steady traffic through `router_url` while the sim at `faulty_url` repeats itself half
     the time; run the observe -> decide loop meanwhile, then clear the fault and stop."""
     stop, stats = asyncio.Event(), LoadStats()
-    load = asyncio.create_task(steady_traffic(router_url, stop, stats))
+    load = asyncio.create_task(
+        steady_traffic(router_url, stop, stats, max_tokens=REPEAT_JUDGED_BY_TOKENS)
+    )
     await set_fault(faulty_url, {"repetition": 0.5})
     try:
         trace = await observe_decide_loop(

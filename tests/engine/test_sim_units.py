@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ import numpy as np
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from cas_engine.guard import GuardConfig, GuardMonitor
 from cas_engine.sim.config import build_parser, parse_args
 from cas_engine.sim.faults import parse_faults
 from cas_engine.sim.fleet import free_port
@@ -27,7 +29,7 @@ from cas_engine.sim.prefix_cache import PrefixCache
 from cas_engine.sim.server import SimServer
 from cas_engine.sim.textgen import TokenStream, request_seed, tokenize
 from cas_engine.sim.timing import TimingParams, decode_step_seconds, prefill_seconds
-from cas_engine.sim.worker import SimWorker
+from cas_engine.sim.worker import REPEAT_ACCEPT_PROB, REPEAT_JUDGED_BY_TOKENS, SimWorker
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -396,3 +398,37 @@ async def test_admin_key_guards_sglangs_admin_endpoints_as_sglang_decides() -> N
 
 async def test_without_keys_nothing_is_guarded(client: TestClient) -> None:
     assert (await client.post("/flush_cache")).status == 200
+
+
+def test_the_gate_judges_every_sim_repetition_before_its_last_token() -> None:
+    """Regression (a CI failure of e2e test_real_router_with_kubernetes_discovery_loses_no_request):
+    the e2e tests under a repetition fault assert that no client gets a repeating answer, and
+    asked for 200 tokens. The gate judges a request only past 144 tokens, and the sim's loop
+    accepts each draft with p 0.998: a few early rejections hold the accept rate at or under
+    0.96 for the dozen steps a 200-token answer leaves (12 of 20,000 finished unjudged).
+    Driven as the worker's decode step drives it (3 drafts, every running request observed
+    once per step with its own output), every seed's repetition of REPEAT_JUDGED_BY_TOKENS is
+    aborted before its last token."""
+    n, drafts, length = 4000, parse_args([]).spec_num_steps, REPEAT_JUDGED_BY_TOKENS
+    monitor = GuardMonitor(GuardConfig(), n)
+    slots = [monitor.allocate(f"loop-{seed}") for seed in range(n)]
+    streams = {slot: TokenStream(seed) for seed, slot in enumerate(slots)}
+    draws = {slot: random.Random(seed ^ 0x5EED) for seed, slot in enumerate(slots)}
+    for stream in streams.values():
+        stream.set_style("repeat")
+    running, unjudged = set(slots), []
+    while running:
+        batch = sorted(running)
+        accepted = []
+        for slot in batch:
+            acc = 0
+            while acc < drafts and draws[slot].random() < REPEAT_ACCEPT_PROB:
+                acc += 1
+            streams[slot].take(min(acc + 1, length - streams[slot].count))
+            accepted.append(acc)
+        trips = monitor.observe(batch, accepted, drafts, lambda s: list(streams[s].ids))
+        running -= {trip.slot for trip in trips}
+        finished = {slot for slot in running if streams[slot].count >= length}
+        unjudged += sorted(finished)
+        running -= finished
+    assert unjudged == [], f"{len(unjudged)} of {n} repetitions answered in full"

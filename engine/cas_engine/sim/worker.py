@@ -51,6 +51,12 @@ log = logging.getLogger("cas_engine.sim.worker")
 CORRUPTED_ACCEPT_PROB = 0.05
 PREFILL_CHUNK_TOKENS = 16384  # new tokens per prefill batch (SGLang --chunked-prefill-size)
 REPEAT_ACCEPT_PROB = 0.998
+# An answer of at least this many tokens that degenerates into repetition is always aborted by
+# the gate (default config) before its last token: the gate judges only past 144 tokens (128
+# generated; 96 + 48 for the repetition evidence), and at 200 a few early rejected drafts kept
+# 12 of 20,000 repetitions at or under its accept-rate line to the end. Tests that assert no
+# client sees a repetition ask for answers this long.
+REPEAT_JUDGED_BY_TOKENS = 400
 # A verbatim copy: the draft model predicts nearly every token. An assumed figure, chosen above
 # the gate's 0.96 accept-rate limit: the case where the rate alone would abort a healthy copy.
 COPY_ACCEPT_PROB = 0.985
