@@ -364,6 +364,23 @@ def test_fast_adjust_never_cuts_decode_kv_that_is_in_use() -> None:
     assert fast_adjust((4, 12), (6, 8), ObservedSignals(decode_kv_usage=0.9), slo) == (4, 12)
 
 
+def test_fast_adjust_at_the_cap_lets_a_fleet_behind_its_load_rebalance_toward_prefill() -> None:
+    """Regression (planner benchmark, output shift, seed 3, 1-hour run): after the shift the
+    fleet sat at 14P:18D at the cap with TTFT p90 10-15 s and a prefill queue; the slow loop
+    asked for 16P:16D, but decode's KV (79-93% used by what the routers let in) floored decode
+    at 18, so prefill could never grow and TTFT stayed at 3-5x the SLO to the end of the run.
+    Behind its load at the cap (TTFT over 2x the SLO) with decode not failing, the floor is
+    lifted; off the cap, under 2x (the storm's 4.1 s) or with decode failing, it holds."""
+    slo = SloInputs(ttft_s=3.0, itl_ms=50.0)
+    behind = ObservedSignals(ttft_p90_s=11.2, prefill_queue_depth=2.1, decode_kv_usage=0.87)
+    assert fast_adjust((16, 16), (14, 18), behind, slo, at_budget=True) == (16, 16)
+    assert fast_adjust((16, 16), (14, 18), behind, slo) == (16, 18)
+    near = replace(behind, ttft_p90_s=5.5)
+    assert fast_adjust((16, 16), (14, 18), near, slo, at_budget=True) == (16, 18)
+    full = replace(behind, decode_kv_usage=0.97)
+    assert fast_adjust((16, 16), (14, 18), full, slo, at_budget=True) == (16, 19)
+
+
 def test_fast_adjust_at_the_cap_does_not_take_from_a_side_the_plan_wants_to_grow() -> None:
     """Regression (simulator, 1-hour budget-capped rebalance): after the move to 13P:15D the
     queued sessions kept decode KV full, the slow loop asked for 14P:14D, and the fast loop

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cas_operator.autoscale.model import Bounds, ObservedSignals, RatioRecommendation, SloInputs
+from cas_operator.autoscale.signals import OVERLOAD_TTFT_FACTOR
 from cas_operator.observe.types import PodView
 
 DEFAULT_POD_START_SECONDS = 600.0  # until pods of this resource have been seen starting
@@ -303,7 +304,13 @@ def fast_adjust(
     Decode is never lowered below the size its observed KV use needs (used fraction x current
     size / ``decode_kv_keep``): a plan for a lower decode count made on other signals (a session
     storm reads as prefill demand, while the sessions it starts will soon fill decode) must not
-    cut KV that is in use, since a decode shortage is a cliff under closed-loop traffic.
+    cut KV that is in use, since a decode shortage is a cliff under closed-loop traffic. Except
+    at the cap while the fleet is behind its load (TTFT p90 over `OVERLOAD_TTFT_FACTOR` x the
+    SLO) and decode is not the side failing: decode's KV then holds what the routers let in
+    for the current split, and the floor kept a misallocated fleet there for good (planner
+    benchmark, output shift, seed 3 at full length: 14P:18D with the plan asking for 16-18
+    prefill, TTFT p90 10-15 s to the end of the run, KV 79-93% used). The lower target still
+    waits out the rebalance hold and the cooldown (``next_replicas``).
 
     Prefill is never lowered while TTFT p90 is over ``prefill_ttft_keep`` x the SLO and no
     request waits for decode (then the TTFT is prefill's, or on its way there): the model's
@@ -328,7 +335,9 @@ def fast_adjust(
             want_d = min(want_d, current[1] - 1)
         elif decode_bad and target[0] <= current[0]:
             want_p = min(want_p, current[0] - 1)
-    if observed.decode_kv_usage is not None and want_d < current[1]:
+    behind = (observed.ttft_p90_s or 0.0) > OVERLOAD_TTFT_FACTOR * slo.ttft_s
+    kv_floor = not (at_budget and behind and not decode_bad)
+    if kv_floor and observed.decode_kv_usage is not None and want_d < current[1]:
         in_use = math.ceil(current[1] * observed.decode_kv_usage / decode_kv_keep - 1e-9)
         want_d = max(want_d, min(in_use, current[1]))
     near_slo = (observed.ttft_p90_s or 0.0) > prefill_ttft_keep * slo.ttft_s
