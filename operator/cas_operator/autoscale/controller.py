@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cas_operator.autoscale.model import Bounds, ObservedSignals, RatioRecommendation, SloInputs
-from cas_operator.autoscale.signals import OVERLOAD_TTFT_FACTOR
+from cas_operator.autoscale.signals import behind_load
 from cas_operator.observe.types import PodView
 
 DEFAULT_POD_START_SECONDS = 600.0  # until pods of this resource have been seen starting
@@ -305,7 +305,7 @@ def fast_adjust(
     size / ``decode_kv_keep``): a plan for a lower decode count made on other signals (a session
     storm reads as prefill demand, while the sessions it starts will soon fill decode) must not
     cut KV that is in use, since a decode shortage is a cliff under closed-loop traffic. Except
-    at the cap while the fleet is behind its load (TTFT p90 over `OVERLOAD_TTFT_FACTOR` x the
+    at the cap while the fleet is behind its load (`signals.behind_load`: TTFT p90 over twice the
     SLO) and decode is not the side failing: decode's KV then holds what the routers let in
     for the current split, and the floor kept a misallocated fleet there for good (planner
     benchmark, output shift, seed 3 at full length: 14P:18D with the plan asking for 16-18
@@ -335,8 +335,7 @@ def fast_adjust(
             want_d = min(want_d, current[1] - 1)
         elif decode_bad and target[0] <= current[0]:
             want_p = min(want_p, current[0] - 1)
-    behind = (observed.ttft_p90_s or 0.0) > OVERLOAD_TTFT_FACTOR * slo.ttft_s
-    kv_floor = not (at_budget and behind and not decode_bad)
+    kv_floor = not (at_budget and behind_load(observed, slo.ttft_s) and not decode_bad)
     if kv_floor and observed.decode_kv_usage is not None and want_d < current[1]:
         in_use = math.ceil(current[1] * observed.decode_kv_usage / decode_kv_keep - 1e-9)
         want_d = max(want_d, min(in_use, current[1]))

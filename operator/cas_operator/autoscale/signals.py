@@ -130,6 +130,13 @@ def with_shape(o: ObservedSignals, shape: Shape | None) -> ObservedSignals:
 
 
 OVERLOAD_TTFT_FACTOR = 2.0  # TTFT p90 over this x the SLO: the fleet is behind its load
+
+
+def behind_load(o: ObservedSignals, slo_ttft_s: float) -> bool:
+    """Whether the fleet is behind its load: TTFT p90 over `OVERLOAD_TTFT_FACTOR` x the SLO."""
+    return o.ttft_p90_s is not None and o.ttft_p90_s > OVERLOAD_TTFT_FACTOR * slo_ttft_s
+
+
 REFUSED_SHARE = 0.01  # the routers refusing more than this share of arrivals cap the load
 
 
@@ -158,7 +165,7 @@ def planning_load(
     if rate is None:
         return PlanningLoad(o, unthrottled_rate)
     refusing = (o.refused_rate or 0.0) > REFUSED_SHARE * rate
-    overloaded = o.ttft_p90_s is not None and o.ttft_p90_s > OVERLOAD_TTFT_FACTOR * slo_ttft_s
+    overloaded = behind_load(o, slo_ttft_s)
     if not refusing and not overloaded:
         return PlanningLoad(o, rate)
     held = max(rate, unthrottled_rate or 0.0)
