@@ -29,7 +29,12 @@ from cas_engine.sim.prefix_cache import PrefixCache
 from cas_engine.sim.server import SimServer
 from cas_engine.sim.textgen import TokenStream, request_seed, tokenize
 from cas_engine.sim.timing import TimingParams, decode_step_seconds, prefill_seconds
-from cas_engine.sim.worker import REPEAT_ACCEPT_PROB, REPEAT_JUDGED_BY_TOKENS, SimWorker
+from cas_engine.sim.worker import (
+    REPEAT_ACCEPT_PROB,
+    REPEAT_JUDGED_BY_TOKENS,
+    SimWorker,
+    accepted_drafts,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -406,9 +411,9 @@ def test_the_gate_judges_every_sim_repetition_before_its_last_token() -> None:
     asked for 200 tokens. The gate judges a request only past 144 tokens, and the sim's loop
     accepts each draft with p 0.998: a few early rejections hold the accept rate at or under
     0.96 for the dozen steps a 200-token answer leaves (12 of 20,000 finished unjudged).
-    Driven as the worker's decode step drives it (3 drafts, every running request observed
-    once per step with its own output), every seed's repetition of REPEAT_JUDGED_BY_TOKENS is
-    aborted before its last token."""
+    Driven as the worker's decode step drives it (`accepted_drafts` of 3 drafts, every running
+    request observed once per step with its own output), every seed's repetition of
+    REPEAT_JUDGED_BY_TOKENS is aborted before its last token."""
     n, drafts, length = 4000, parse_args([]).spec_num_steps, REPEAT_JUDGED_BY_TOKENS
     monitor = GuardMonitor(GuardConfig(), n)
     slots = [monitor.allocate(f"loop-{seed}") for seed in range(n)]
@@ -421,9 +426,7 @@ def test_the_gate_judges_every_sim_repetition_before_its_last_token() -> None:
         batch = sorted(running)
         accepted = []
         for slot in batch:
-            acc = 0
-            while acc < drafts and draws[slot].random() < REPEAT_ACCEPT_PROB:
-                acc += 1
+            acc = accepted_drafts(draws[slot], drafts, REPEAT_ACCEPT_PROB)
             streams[slot].take(min(acc + 1, length - streams[slot].count))
             accepted.append(acc)
         trips = monitor.observe(batch, accepted, drafts, lambda s: list(streams[s].ids))

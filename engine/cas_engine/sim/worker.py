@@ -62,6 +62,15 @@ REPEAT_JUDGED_BY_TOKENS = 400
 COPY_ACCEPT_PROB = 0.985
 
 
+def accepted_drafts(rng: random.Random, drafts: int, accept_prob: float) -> int:
+    """Drafts one verify step accepts: each in turn with `accept_prob`, up to the first
+    rejection (speculative decoding's prefix rule)."""
+    acc = 0
+    while acc < drafts and rng.random() < accept_prob:
+        acc += 1
+    return acc
+
+
 @dataclass(frozen=True, slots=True)
 class GenRequest:
     """A parsed generation request (any endpoint)."""
@@ -478,9 +487,7 @@ class SimWorker:
                 done.append(run)
                 continue
             self._check_kv(run)
-            acc = 0
-            while acc < steps and run.spec.random() < run.accept_prob:
-                acc += 1
+            acc = accepted_drafts(run.spec, steps, run.accept_prob)
             n = min(acc + 1, run.req.max_new_tokens - run.generated)
             self._emit(run, run.stream.take(n), now)
             emitted += n
