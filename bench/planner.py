@@ -27,8 +27,9 @@ For each scenario, run side by side on one workload seed:
   split's goodput at the shifted load (with admission, simulated), then the exhaustive split's
   (each phase at its best static goodput). For the output shift
   it also reports the goodput after the shift against the capacity of the fleet's ready pools
-  at the new request shape (the planner's model), and the end pools' goodput in the simulator
-  with the shifted load from the start.
+  at the new request shape (the planner's model, as it is and calibrated by the settled fleet's
+  measured hit rate as the planner calibrates it), and the end pools' goodput in the simulator
+  with the shifted load from the start (the simulator's check of that capacity).
 
 Reports goodput (requests meeting both SLOs per second), goodput per GPU, SLO attainment,
 average and peak GPUs and scale actions; prints one table and writes JSON.
@@ -55,8 +56,15 @@ from bench.fleetsim.engine import ADMISSION_BURST_S, FleetView, Limit, Metrics, 
 from bench.fleetsim.policies import MeanBasedPolicy, RatioPlannerPolicy, SwitchPolicy
 from cas_operator.api.models import WorkloadSpec
 from cas_operator.autoscale import profiles as pf
-from cas_operator.autoscale.model import Bounds, InstanceProfile, SloInputs, WorkloadInputs
-from cas_operator.autoscale.search import recommend
+from cas_operator.autoscale.model import (
+    Bounds,
+    InstanceProfile,
+    ModelLimits,
+    ObservedSignals,
+    SloInputs,
+    WorkloadInputs,
+)
+from cas_operator.autoscale.search import hit_scale, recommend
 from cas_operator.autoscale.signals import SHAPE_BAND, Shape, kept_shape
 from cas_operator.desired.admission import highest_rate, in_flight_at, sustainable_rate
 
@@ -303,9 +311,11 @@ def after_shift(
     sc: Scenario, res: SimResult, seed: int, variant: AdmissionVariant = PRODUCT
 ) -> dict[str, Any]:
     """Goodput after the shift against the ready pools' capacity at the new request shape
-    (within the SLOs, the planner's model, averaged over the ticks after the shift); and, once
-    the fleet settled (its last 600 s), against the end pools' goodput in the simulator with
-    the shifted load from the start and the product's admission."""
+    (within the SLOs, the planner's model, averaged over the ticks after the shift), the model
+    as it is and calibrated as the planner calibrates it (`settled_hit_scale`); and, once the
+    fleet settled (its last 600 s), against the end pools' goodput in the simulator with the
+    shifted load from the start and the product's admission: the simulator's check of the
+    model's capacity for those pools."""
     assert sc.shift_s is not None
     p, d = sc.profiles()
     after = res.arrival >= sc.shift_s
@@ -315,25 +325,76 @@ def after_shift(
         avg_output_tokens=float(res.output_tokens[after].mean()),
     )
     ticks = [r for r in res.series if r["t"] >= sc.shift_s]
-    capacity = sum(
-        highest_rate(
-            shape, SLO, p, d, int(r["ready_prefill"]), int(r["ready_decode"]), within_slo=True
-        )
-        for r in ticks
-    ) / max(len(ticks), 1)
+    settled_ticks = [r for r in ticks if r["t"] >= sc.duration_s - 600.0] or ticks[-1:]
+    scale = settled_hit_scale(shape, settled_ticks, p, d, _bounds(sc))
+    capacity = ready_pools_capacity(shape, ticks, p, d)
+    calibrated = ready_pools_capacity(shape, ticks, p, d, scale)
     good = _good(res, sc.shift_s, sc.duration_s)
     end = (int(ticks[-1]["prefill"]), int(ticks[-1]["decode"]))
     settled = _good(res, sc.duration_s - 600.0, sc.duration_s)
     check = _run(shifted_from_start(sc), "fixed-admitted", end, seed, variant)["goodput_rps"]
+    end_model = highest_rate(shape, SLO, p, d, *end, within_slo=True)
+    end_calibrated = highest_rate(shape, SLO, p, d, *end, within_slo=True, hit_scale=scale)
     return {
         "goodput_rps": good,
         "model_capacity_rps": capacity,
         "share_of_model_capacity": good / capacity if capacity else 0.0,
+        "hit_scale": scale,
+        "calibrated_capacity_rps": calibrated,
+        "share_of_calibrated_capacity": good / calibrated if calibrated else 0.0,
         "end_split": f"{end[0]}P:{end[1]}D",
         "settled_goodput_rps": settled,
         "end_split_simulated_rps": check,
+        "end_split_model_rps": end_model,
+        "end_split_calibrated_rps": end_calibrated,
         "settled_share_of_simulated": settled / check if check else 0.0,
     }
+
+
+def ready_pools_capacity(
+    shape: WorkloadInputs,
+    ticks: list[dict[str, float]],
+    p: InstanceProfile,
+    d: InstanceProfile,
+    hit_scale: float = 1.0,
+) -> float:
+    """The model's within-SLO rate of the ready pools at `shape`, averaged over `ticks` (the
+    simulator's series rows), with the hit rate rescaled by `hit_scale`."""
+    rates = [
+        highest_rate(
+            shape,
+            SLO,
+            p,
+            d,
+            int(r["ready_prefill"]),
+            int(r["ready_decode"]),
+            within_slo=True,
+            hit_scale=hit_scale,
+        )
+        for r in ticks
+    ]
+    return sum(rates) / max(len(rates), 1)
+
+
+def settled_hit_scale(
+    shape: WorkloadInputs,
+    settled: list[dict[str, float]],
+    p: InstanceProfile,
+    d: InstanceProfile,
+    bounds: Bounds,
+) -> float:
+    """The planner's calibration of its modelled hit rate (`autoscale.search.hit_scale`: the
+    measured over the modelled, at the measured rate and prefill size) from the settled fleet:
+    the mean over `settled` (series rows, the last ticks at the end split). The settled fleet's
+    and not each tick's: right after a prefill change the sessions moved re-prefill once, a dip
+    that says nothing of the pools' capacity (`autoscale.signals.settled_hit_rate`)."""
+    n = max(len(settled), 1)
+    observed = ObservedSignals(
+        arrival_rate=sum(r["arrival_rate"] for r in settled) / n,
+        hit_rate=sum(r["hit_rate"] for r in settled) / n,
+        prefill_replicas=int(settled[-1]["ready_prefill"]),
+    )
+    return hit_scale(shape, SLO, p, d, bounds, observed, ModelLimits())
 
 
 def shifted_from_start(sc: Scenario) -> Scenario:
@@ -543,10 +604,15 @@ def _criteria(name: str, method: str, m: dict[str, Any]) -> list[str]:
         lines.append(
             f"  after the shift {shift['goodput_rps']:.2f} req/s = "
             f"{shift['share_of_model_capacity']:.0%} of the ready pools' capacity at the new "
-            f"shape ({shift['model_capacity_rps']:.2f}, the model); settled at "
+            f"shape ({shift['model_capacity_rps']:.2f}, the model), "
+            f"{shift['share_of_calibrated_capacity']:.0%} of it calibrated by the settled "
+            f"fleet's hit rate ({shift['calibrated_capacity_rps']:.2f}, hit x"
+            f"{shift['hit_scale']:.3f}); settled at "
             f"{shift['end_split']}: {shift['settled_goodput_rps']:.2f} = "
             f"{shift['settled_share_of_simulated']:.0%} of what those pools serve in the "
-            f"simulator with the shifted load ({shift['end_split_simulated_rps']:.2f})"
+            f"simulator with the shifted load ({shift['end_split_simulated_rps']:.2f}; the "
+            f"model {shift['end_split_model_rps']:.2f}, calibrated "
+            f"{shift['end_split_calibrated_rps']:.2f})"
         )
     return lines
 

@@ -276,9 +276,9 @@ def recommend(
     if observed is not None and observed.arrival_rate is not None:
         seen = replace(wl, request_rate=observed.arrival_rate)
         wl = replace(wl, request_rate=max(wl.request_rate, observed.arrival_rate))
-    hit_scale = _hit_scale(seen, slo, prefill, decode, bounds, observed, limits)
+    scale = hit_scale(seen, slo, prefill, decode, bounds, observed, limits)
     limits = replace(limits, kv_scale=_kv_scale(seen, decode, observed))
-    ctx = _Ctx(slo, prefill, decode, bounds, limits, hit_scale)
+    ctx = _Ctx(slo, prefill, decode, bounds, limits, scale)
     ev, rate, meets = _plan(ctx, wl)
     return RatioRecommendation(
         n_prefill=ev.n_prefill,
@@ -313,7 +313,7 @@ def _kv_scale(
     return min(2.5, max(1.0, observed.decode_kv_usage / model))
 
 
-def _hit_scale(
+def hit_scale(
     wl: WorkloadInputs,
     slo: SloInputs,
     prefill: InstanceProfile,

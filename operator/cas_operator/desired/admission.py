@@ -228,9 +228,12 @@ def highest_rate(
     n_decode: int,
     *,
     within_slo: bool,
+    hit_scale: float = 1.0,
 ) -> float:
     """The highest request rate the pools serve (bisection; the model is monotone in the rate):
-    within the SLOs, or only with every queue stable (utilisations below 1, decode KV fits)."""
+    within the SLOs, or only with every queue stable (utilisations below 1, decode KV fits).
+    `hit_scale`: the measured / modelled hit rate (`autoscale.search.hit_scale`), 1 for the
+    model as it is."""
 
     def serves(rate: float) -> bool:
         ev = evaluate(
@@ -240,6 +243,7 @@ def highest_rate(
             decode,
             n_prefill,
             n_decode,
+            hit_scale=hit_scale,
         )
         if within_slo:
             return ev.feasible
