@@ -37,7 +37,7 @@ def test_operator_inputs_plan_from_the_kept_shape_and_the_declared_mix() -> None
     planner. With `operator_inputs` those are the planner's defaults whatever the fleet shows,
     and the lengths are the measured ones held within their band, as the operator keeps them."""
     product = RatioPlannerPolicy(P, D, SLO, _bounds(SC), operator_inputs=_workload_fields(SC))
-    wl = _planned(product, [_metrics(70_000.0, 400.0), _metrics(74_000.0, 420.0)])
+    wl = _planned(product, [_metrics(70_000.0, 400.0), _metrics(71_500.0, 370.0)])
     assert (wl.avg_input_tokens, wl.avg_output_tokens) == (70_000.0, 400.0)  # within the band
     defaults = WorkloadInputs(request_rate=10.0, avg_input_tokens=1.0, avg_output_tokens=1.0)
     assert wl.first_turn_fraction == defaults.first_turn_fraction

@@ -34,7 +34,8 @@ per finished request), else the declared `workload`: a fleet whose outputs grow 
 fewer requests, and a limit sized for the declared shape would admit the backlog it is meant to
 refuse (the planner benchmark's output shift, quick run: 0.96 req/s within SLO with the declared
 shape, 4.42 with the measured one). The measured shape is held within a band
-(`autoscale.signals.kept_shape`: a length moves when the measured one is more than 10% off),
+(`autoscale.signals.kept_shape`: a length moves when the measured one is over 3% longer or
+over 10% shorter),
 so the limit, and the routers' template with it, moves only when the shape really changed; a
 restarted operator keeps it from `status.admission.requestShape`.
 
