@@ -107,16 +107,10 @@ def kept_shape(
     Asymmetric, because the two errors are not alike: a kept length shorter than the requests
     sizes a limit above what the pools serve, and what it admits becomes the backlog the limit
     exists to refuse; a kept length longer than them refuses a little load the pools would
-    serve. With 10% both ways, the planner benchmark's output shift collapsed on 3 of 12 seeds
-    (4.57, 5.52, 7.34 req/s within SLO: prompts measured while the routers refused, short
-    because first turns were over-represented, held while the returning sessions' prompts grew
-    back 4-9%, and 14 prefill instances took 21 req/s); with growth taken beyond 3% none did
-    (lowest 8.33, median unchanged), at 1-3% of the rebalance's median (docs/planner.md,
-    "Admission control").
-
-    The geometric grid this replaced (lengths rounded up to a power of 1.25) sized the limit
-    for a prompt up to 25% longer than measured (70,600 tokens read as 87,581) and, near a grid
-    line, changed it more often than this band does."""
+    serve. Prompts measured while the routers refuse are short (first turns are
+    over-represented), and a symmetric band held them while the returning sessions' prompts
+    grew back, so the limit stayed above what prefill served (docs/planner.md, "Admission
+    control": "The band, asymmetric", with the benchmark's measurements)."""
     if measured is None:
         return kept
     if kept is None:
