@@ -40,6 +40,7 @@ Usage: python bench/planner.py [--quick] [--scale-tables] [--out bench/results/p
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import itertools
 import json
@@ -359,21 +360,14 @@ def ready_pools_capacity(
     hit_scale: float = 1.0,
 ) -> float:
     """The model's within-SLO rate of the ready pools at `shape`, averaged over `ticks` (the
-    simulator's series rows), with the hit rate rescaled by `hit_scale`."""
-    rates = [
-        highest_rate(
-            shape,
-            SLO,
-            p,
-            d,
-            int(r["ready_prefill"]),
-            int(r["ready_decode"]),
-            within_slo=True,
-            hit_scale=hit_scale,
-        )
-        for r in ticks
-    ]
-    return sum(rates) / max(len(rates), 1)
+    simulator's series rows), with the hit rate rescaled by `hit_scale`. Each distinct pair of
+    pools is searched once: the pools stay the same for most ticks."""
+    pools = collections.Counter((int(r["ready_prefill"]), int(r["ready_decode"])) for r in ticks)
+    total = sum(
+        count * highest_rate(shape, SLO, p, d, n_p, n_d, within_slo=True, hit_scale=hit_scale)
+        for (n_p, n_d), count in pools.items()
+    )
+    return total / max(len(ticks), 1)
 
 
 def settled_hit_scale(
