@@ -89,6 +89,16 @@ def deployment(replicas: int, drain_seconds: int | None = None) -> dict[str, Any
     return manifest
 
 
+def lone_pod(name: str, sim_fault: str) -> dict[str, Any]:
+    """One engine pod as `deployment`'s template makes them, without a controller, its sim
+    started with `sim_fault` (e.g. ``hang=1``: /health silent, so the pod stays not Ready)."""
+    template = deployment(1)["spec"]["template"]
+    spec = template["spec"]
+    spec["containers"][0]["args"] += ["--sim-fault", sim_fault]
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {**template["metadata"], "name": name}, "spec": spec}  # fmt: skip
+
+
 def sims_up(urls: list[str]) -> bool:
     """Every URL answers /health with 200."""
     try:

@@ -20,7 +20,7 @@ import pytest
 
 from cas_engine.sim.worker import REPEAT_JUDGED_BY_TOKENS
 from cas_operator.anomaly.drain import ANNOTATION_DRAINING_SINCE
-from e2e.fleet.anomaly_stack import AnomalyStack, wait_for
+from e2e.fleet.anomaly_stack import AnomalyStack, lone_pod, url_of, wait_for
 from e2e.fleet.fleetview import long_chat, running
 from e2e.traffic.simload import LoadStats, set_fault, steady_traffic
 
@@ -140,6 +140,51 @@ async def test_real_router_with_kubernetes_discovery_loses_no_request(
     assert deleted is not None, stack.events
     assert any(e[1] == "WorkerDeregistered" and bad in e[2] for e in stack.events), stack.events
     assert stats.failures_beyond_rare_trips() == [] and stats.ok > 40, stats.failures[:3]
+
+
+async def test_the_real_router_registers_a_pod_only_once_it_is_ready(
+    stack: AnomalyStack, kubectl: Callable[..., str], kubeconfig: Path, tmp_path: Path
+) -> None:
+    """Regression guard for docs/resource.md ("Health checks"): the operator relies on the real
+    router's Kubernetes discovery registering a pod only once it is Running and Ready
+    (sglang-router 0.3.2, `src/service_discovery.rs:121-124,196-197,408`), so an engine still
+    loading its weights gets no request. A pod whose /health stays silent (as SGLang's does
+    until its scheduler answers) must stay out of the router's workers, then join once it
+    answers and turns Ready."""
+    router_url = stack.start_sglang_router(kubeconfig, tmp_path / "router")
+    stack.deploy(kubectl, 1)
+    await asyncio.to_thread(wait_for, "router sees the ready pod",
+                            lambda: router_workers(router_url) == 1, 60)  # fmt: skip
+    name = "anomaly-demo-late"
+    kubectl("apply", "-n", stack.namespace, "-f", "-",
+            stdin=json.dumps(lone_pod(name, "hang=1")))  # fmt: skip
+
+    def started() -> str | None:  # its sim answers its admin endpoint (health is silent)
+        pod = stack.kube.get("Pod", stack.namespace, name)
+        if not pod or not pod.get("status", {}).get("podIP"):
+            return None
+        try:
+            with urllib.request.urlopen(f"{url_of(pod)}/sim/fault", timeout=2):
+                return url_of(pod)
+        except OSError:
+            return None
+
+    url = await asyncio.to_thread(wait_for, "the late pod's sim", started, 60)
+    watched_until = time.monotonic() + 15  # three readiness periods, every probe silent
+    while time.monotonic() < watched_until:
+        assert not pod_ready(stack, name), "a silent /health was taken for Ready"
+        assert router_workers(router_url) == 1, "the router registered a pod not Ready"
+        await asyncio.sleep(1)
+    await set_fault(url, {"hang": 0})
+    await asyncio.to_thread(wait_for, "the late pod Ready", lambda: pod_ready(stack, name), 60)
+    await asyncio.to_thread(wait_for, "router sees the late pod once Ready",
+                            lambda: router_workers(router_url) == 2, 60)  # fmt: skip
+
+
+def pod_ready(stack: AnomalyStack, name: str) -> bool:
+    pod = stack.kube.get("Pod", stack.namespace, name) or {}
+    conditions = pod.get("status", {}).get("conditions") or []
+    return any(x["type"] == "Ready" and x["status"] == "True" for x in conditions)
 
 
 def router_workers(url: str) -> int:
