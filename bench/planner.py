@@ -27,9 +27,9 @@ For each scenario, run side by side on one workload seed:
   split's goodput at the shifted load (with admission, simulated), then the exhaustive split's
   (each phase at its best static goodput). For the output shift
   it also reports the goodput after the shift against the capacity of the fleet's ready pools
-  at the new request shape (the planner's model, as it is and calibrated by the settled fleet's
-  measured hit rate as the planner calibrates it), and the end pools' goodput in the simulator
-  with the shifted load from the start (the simulator's check of that capacity).
+  at the new request shape: what each pair of them serves in the simulator (static, the shifted
+  load from the start, the product's admission), and the planner's model's rate for them, as it
+  is and calibrated by the settled fleet's measured hit rate as the planner calibrates it.
 
 Reports goodput (requests meeting both SLOs per second), goodput per GPU, SLO attainment,
 average and peak GPUs and scale actions; prints one table and writes JSON.
@@ -48,6 +48,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
@@ -311,12 +312,12 @@ def _limit_changes(res: SimResult) -> int:
 def after_shift(
     sc: Scenario, res: SimResult, seed: int, variant: AdmissionVariant = PRODUCT
 ) -> dict[str, Any]:
-    """Goodput after the shift against the ready pools' capacity at the new request shape
-    (within the SLOs, the planner's model, averaged over the ticks after the shift), the model
-    as it is and calibrated as the planner calibrates it (`settled_hit_scale`); and, once the
-    fleet settled (its last 600 s), against the end pools' goodput in the simulator with the
-    shifted load from the start and the product's admission: the simulator's check of the
-    model's capacity for those pools."""
+    """Goodput after the shift against the ready pools' capacity at the new request shape,
+    averaged over the ticks after the shift: what each pair of ready pools serves in the
+    simulator (a static split with the shifted load from the start and the product's admission:
+    `ready_pools_simulated`), and the planner's model's within-SLO rate of those pools, as it is
+    and calibrated as the planner calibrates it (`settled_hit_scale`); and, once the fleet
+    settled (its last 600 s), the end pools' goodput against the simulator's for them."""
     assert sc.shift_s is not None
     p, d = sc.profiles()
     after = res.arrival >= sc.shift_s
@@ -330,14 +331,23 @@ def after_shift(
     scale = settled_hit_scale(shape, settled_ticks, p, d, _bounds(sc))
     capacity = ready_pools_capacity(shape, ticks, p, d)
     calibrated = ready_pools_capacity(shape, ticks, p, d, scale)
+
+    @functools.cache
+    def simulated(n_p: int, n_d: int) -> float:
+        run = _run(shifted_from_start(sc), "fixed-admitted", (n_p, n_d), seed, variant)
+        return float(run["goodput_rps"])
+
+    served = tick_weighted(ticks, simulated)
     good = _good(res, sc.shift_s, sc.duration_s)
     end = (int(ticks[-1]["prefill"]), int(ticks[-1]["decode"]))
     settled = _good(res, sc.duration_s - 600.0, sc.duration_s)
-    check = _run(shifted_from_start(sc), "fixed-admitted", end, seed, variant)["goodput_rps"]
+    check = simulated(*end)
     end_model = highest_rate(shape, SLO, p, d, *end, within_slo=True)
     end_calibrated = highest_rate(shape, SLO, p, d, *end, within_slo=True, hit_scale=scale)
     return {
         "goodput_rps": good,
+        "simulated_capacity_rps": served,
+        "share_of_simulated_capacity": good / served if served else 0.0,
         "model_capacity_rps": capacity,
         "share_of_model_capacity": good / capacity if capacity else 0.0,
         "hit_scale": scale,
@@ -352,6 +362,15 @@ def after_shift(
     }
 
 
+def tick_weighted(ticks: list[dict[str, float]], serves: Callable[[int, int], float]) -> float:
+    """`serves(prefill, decode)` of the ready pools, averaged over `ticks` (the simulator's
+    series rows). Each distinct pair of pools is asked once: the pools stay the same for most
+    ticks, and an answer may be a search or a whole simulation."""
+    pools = collections.Counter((int(r["ready_prefill"]), int(r["ready_decode"])) for r in ticks)
+    total = sum(count * serves(n_p, n_d) for (n_p, n_d), count in pools.items())
+    return total / max(len(ticks), 1)
+
+
 def ready_pools_capacity(
     shape: WorkloadInputs,
     ticks: list[dict[str, float]],
@@ -359,15 +378,14 @@ def ready_pools_capacity(
     d: InstanceProfile,
     hit_scale: float = 1.0,
 ) -> float:
-    """The model's within-SLO rate of the ready pools at `shape`, averaged over `ticks` (the
-    simulator's series rows), with the hit rate rescaled by `hit_scale`. Each distinct pair of
-    pools is searched once: the pools stay the same for most ticks."""
-    pools = collections.Counter((int(r["ready_prefill"]), int(r["ready_decode"])) for r in ticks)
-    total = sum(
-        count * highest_rate(shape, SLO, p, d, n_p, n_d, within_slo=True, hit_scale=hit_scale)
-        for (n_p, n_d), count in pools.items()
+    """The model's within-SLO rate of the ready pools at `shape`, averaged over `ticks`, with
+    the hit rate rescaled by `hit_scale`."""
+    return tick_weighted(
+        ticks,
+        lambda n_p, n_d: highest_rate(
+            shape, SLO, p, d, n_p, n_d, within_slo=True, hit_scale=hit_scale
+        ),
     )
-    return total / max(len(ticks), 1)
 
 
 def settled_hit_scale(
@@ -597,8 +615,11 @@ def _criteria(name: str, method: str, m: dict[str, Any]) -> list[str]:
     if shift and name == "output-shift":
         lines.append(
             f"  after the shift {shift['goodput_rps']:.2f} req/s = "
-            f"{shift['share_of_model_capacity']:.0%} of the ready pools' capacity at the new "
-            f"shape ({shift['model_capacity_rps']:.2f}, the model), "
+            f"{shift['share_of_simulated_capacity']:.0%} of what the ready pools serve in the "
+            f"simulator ({shift['simulated_capacity_rps']:.2f}: each pair static, the shifted "
+            f"load from the start, the product's admission), "
+            f"{shift['share_of_model_capacity']:.0%} of their capacity at the new "
+            f"shape in the planner's model ({shift['model_capacity_rps']:.2f}), "
             f"{shift['share_of_calibrated_capacity']:.0%} of it calibrated by the settled "
             f"fleet's hit rate ({shift['calibrated_capacity_rps']:.2f}, hit x"
             f"{shift['hit_scale']:.3f}); settled at "

@@ -15,6 +15,7 @@ from bench.planner import (
     ready_pools_capacity,
     scenarios,
     settled_hit_scale,
+    tick_weighted,
 )
 from cas_operator.autoscale.model import evaluate
 
@@ -58,3 +59,19 @@ def test_the_settled_hit_rate_is_the_mean_of_the_settled_ticks() -> None:
     dipped = settled_hit_scale(SHIFTED, [_row(0.91)] * 3 + [_row(0.83)], P, D, _bounds(SC))
     assert dipped < steady
     assert abs(dipped - (0.89 / 0.91) * steady) < 1e-3
+
+
+def test_the_ready_pools_are_weighted_by_their_ticks_and_each_pair_is_asked_once() -> None:
+    """The simulator's check of the ready pools' capacity runs one simulation per pair of
+    pools; a pair asked once per tick would cost a simulation per tick (about 60 after the
+    shift), and a pair counted once instead of per tick would weigh a two-tick transition like
+    the settled pools."""
+    asked: list[tuple[int, int]] = []
+
+    def serves(n_p: int, n_d: int) -> float:
+        asked.append((n_p, n_d))
+        return float(n_d)
+
+    ticks = [_row(0.9, n_p=19, n_d=8)] * 2 + [_row(0.9, n_p=15, n_d=16)] * 6
+    assert tick_weighted(ticks, serves) == (2 * 8 + 6 * 16) / 8
+    assert sorted(asked) == [(15, 16), (19, 8)]
