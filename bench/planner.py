@@ -314,10 +314,11 @@ def after_shift(
 ) -> dict[str, Any]:
     """Goodput after the shift against the ready pools' capacity at the new request shape,
     averaged over the ticks after the shift: what each pair of ready pools serves in the
-    simulator (a static split with the shifted load from the start and the product's admission:
-    `ready_pools_simulated`), and the planner's model's within-SLO rate of those pools, as it is
-    and calibrated as the planner calibrates it (`settled_hit_scale`); and, once the fleet
-    settled (its last 600 s), the end pools' goodput against the simulator's for them."""
+    simulator (a static split with the shifted load from the start behind the product's default
+    admission, sglang-router's rate; `tick_weighted`), and the planner's model's within-SLO rate
+    of those pools, as it is and calibrated as the planner calibrates it (`settled_hit_scale`);
+    and, once the fleet settled (its last 600 s), the end pools' goodput against the
+    simulator's for them."""
     assert sc.shift_s is not None
     p, d = sc.profiles()
     after = res.arrival >= sc.shift_s
