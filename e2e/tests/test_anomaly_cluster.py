@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from cas_engine.sim.worker import REPEAT_JUDGED_BY_TOKENS
-from cas_operator.anomaly.drain import ANNOTATION_DRAINING_SINCE
+from cas_operator.anomaly.drain import ANNOTATION_DRAINING_SINCE, is_ready
 from e2e.fleet.anomaly_stack import AnomalyStack, lone_pod, url_of, wait_for
 from e2e.fleet.fleetview import long_chat, running
 from e2e.traffic.simload import LoadStats, set_fault, steady_traffic
@@ -163,9 +163,10 @@ async def test_the_real_router_registers_a_pod_only_once_it_is_ready(
         pod = stack.kube.get("Pod", stack.namespace, name)
         if not pod or not pod.get("status", {}).get("podIP"):
             return None
+        url = url_of(pod)
         try:
-            with urllib.request.urlopen(f"{url_of(pod)}/sim/fault", timeout=2):
-                return url_of(pod)
+            with urllib.request.urlopen(f"{url}/sim/fault", timeout=2):
+                return url
         except OSError:
             return None
 
@@ -182,9 +183,7 @@ async def test_the_real_router_registers_a_pod_only_once_it_is_ready(
 
 
 def pod_ready(stack: AnomalyStack, name: str) -> bool:
-    pod = stack.kube.get("Pod", stack.namespace, name) or {}
-    conditions = pod.get("status", {}).get("conditions") or []
-    return any(x["type"] == "Ready" and x["status"] == "True" for x in conditions)
+    return is_ready(stack.kube.get("Pod", stack.namespace, name) or {})
 
 
 def router_workers(url: str) -> int:

@@ -63,7 +63,7 @@ def test_the_settled_hit_rate_is_the_mean_of_the_settled_ticks() -> None:
 
 def test_the_ready_pools_are_weighted_by_their_ticks_and_each_pair_is_asked_once() -> None:
     """The simulator's check of the ready pools' capacity runs one simulation per pair of
-    pools; a pair asked once per tick would cost a simulation per tick (about 60 after the
+    pools; a pair asked once per tick would cost a simulation per tick (about 50 after the
     shift), and a pair counted once instead of per tick would weigh a two-tick transition like
     the settled pools."""
     asked: list[tuple[int, int]] = []
