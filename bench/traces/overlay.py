@@ -110,7 +110,7 @@ def trace_starts(
         stretch = len(times) / rate / span
         times, span = times * stretch, span * stretch
     if horizon_s is None:
-        return times
+        return np.asarray(times, dtype=float)
     copies = int(np.ceil(horizon_s / span)) if span > 0 else 1
     tiled = np.concatenate([times + k * span for k in range(max(copies, 1))])
     return tiled[tiled < horizon_s]
