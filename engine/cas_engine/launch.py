@@ -401,7 +401,8 @@ def sglang_plugin() -> None:
 
 def install_patches() -> None:
     """Strict reclaim first (its absence silently reopens the KV race), then the optional
-    parts: the quality gate, the HiCache ordering fixes, the read detector."""
+    parts: the quality gate, the prefix reuse tracker, the HiCache ordering fixes, the read
+    detector."""
     from prometheus_client import REGISTRY
 
     if os.environ.get(KV_RECLAIM_ENV, "strict") == "strict":
@@ -423,6 +424,11 @@ def install_patches() -> None:
 
     config = GuardConfig.from_env()
     install_guard_patch(config, metrics=GuardMetrics.create(REGISTRY, config))
+    from cas_engine.prefixreuse import ReuseMetrics
+    from cas_engine.sglang.prefix_reuse import install_prefix_reuse
+
+    # prompt reuse times for the operator's hit-rate model (prefill and non-PD schedulers)
+    install_prefix_reuse(metrics=ReuseMetrics(REGISTRY))
     from cas_engine.sglang import hicache_check
 
     # HiCache load-use ordering fixes the start-up check credits (hicache.source_check.PATCHED);

@@ -300,10 +300,13 @@ def test_plugin_installs_patches_configured_by_the_environment(
     """Regression: each SGLang process must apply exactly the launcher's configuration."""
     import prometheus_client
 
-    from cas_engine.sglang import guard_patch, hicache_check
+    from cas_engine.sglang import guard_patch, hicache_check, prefix_reuse
 
     calls: dict[str, object] = {}
     monkeypatch.setattr(prometheus_client, "REGISTRY", prometheus_client.CollectorRegistry())
+    monkeypatch.setattr(
+        prefix_reuse, "install_prefix_reuse", lambda metrics: calls.setdefault("reuse", metrics)
+    )
     monkeypatch.setattr(
         guard_patch,
         "install_guard_patch",
@@ -324,6 +327,7 @@ def test_plugin_installs_patches_configured_by_the_environment(
     launch.sglang_plugin()
     assert calls["guard"] == GuardConfig(min_accept_length=1.7)
     assert calls["detector"] is prometheus_client.REGISTRY
+    assert calls["reuse"] is not None  # the prefix reuse tracker, on the same registry
     monkeypatch.setenv("CAS_HICACHE_DETECTOR", "false")
     calls.clear()
     monkeypatch.setattr(prometheus_client, "REGISTRY", prometheus_client.CollectorRegistry())
@@ -339,7 +343,7 @@ def test_strict_reclaim_gets_its_quarantine_budget_and_is_installed_first(
     guard first. The operator's budget (--cas-kv-quarantine-rooms, env) reaches the patch."""
     import prometheus_client
 
-    from cas_engine.sglang import guard_patch, hicache_check, prefill_pin, reclaim
+    from cas_engine.sglang import guard_patch, hicache_check, prefill_pin, prefix_reuse, reclaim
 
     order: list[tuple[str, object]] = []
     monkeypatch.setattr(prometheus_client, "REGISTRY", prometheus_client.CollectorRegistry())
@@ -357,6 +361,9 @@ def test_strict_reclaim_gets_its_quarantine_budget_and_is_installed_first(
         guard_patch, "install_guard_patch", lambda config, metrics: order.append(("guard", 0))
     )
     monkeypatch.setattr(hicache_check, "install_ordering_patches", lambda: None)
+    monkeypatch.setattr(
+        prefix_reuse, "install_prefix_reuse", lambda metrics: order.append(("reuse", 0))
+    )
     plan = plan_launch(
         ["--cas-kv-quarantine-rooms", "12", "--cas-prefill-gone-file", "/etc/g/p.json"], env={}
     )
@@ -365,7 +372,12 @@ def test_strict_reclaim_gets_its_quarantine_budget_and_is_installed_first(
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     launch.sglang_plugin()
-    assert order == [("reclaim", (12, Path("/etc/g/p.json"))), ("pin", 0), ("guard", 0)]
+    assert order == [
+        ("reclaim", (12, Path("/etc/g/p.json"))),
+        ("pin", 0),
+        ("guard", 0),
+        ("reuse", 0),
+    ]
     assert plan_launch([], env={}).kv_quarantine_rooms == launch.DEFAULT_QUARANTINE_ROOMS
     with pytest.raises(SystemExit):
         plan_launch(["--cas-kv-quarantine-rooms", "0"], env={})

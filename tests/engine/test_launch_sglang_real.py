@@ -70,6 +70,7 @@ def test_launcher_hands_over_to_sglang_with_patches_installed(tmp_path: Path) ->
         "preflight: HiCache load-use ordering ok",
         "Loaded plugin cas_engine",
         "cas guard patch installed",
+        "cas prefix reuse patch installed on Scheduler.handle_generate_request",
         "window=16",
         "strict KV reclaim installed",
         "read-before-ready detector installed",

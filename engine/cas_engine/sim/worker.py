@@ -37,6 +37,7 @@ from cas_engine.guard import GuardConfig, GuardMetrics, GuardMonitor, GuardTrip
 from cas_engine.kvfence import KvFenceMetrics, ReclaimLedger, ReclaimMode, WriteTracker
 from cas_engine.kvfence.gone_feed import GoneFeed, GoneFeedMetrics, GonePrefill
 from cas_engine.kvfence.peer_probe import PeerProbeMetrics, PeerProber
+from cas_engine.prefixreuse import ReuseMetrics, ReuseTracker
 from cas_engine.sim.config import SimConfig
 from cas_engine.sim.faults import Faults, parse_faults
 from cas_engine.sim.kvpool import KvPool, expected_kv
@@ -152,6 +153,8 @@ class SimWorker:
         self.metrics = SimMetrics(self.registry, cfg.model_name, cfg.mode)
         self.m = cfg.model_name
         self.cache = PrefixCache(cfg.timing.block_size, cfg.timing.kv_capacity_tokens)
+        # the prompt reuse times the operator's hit-rate model reads (as SGLang's prefill does)
+        self.reuse = ReuseTracker(metrics=ReuseMetrics(self.registry))
         self.guard = self._make_guard()
         self.rng = np.random.default_rng(cfg.seed)
         self.fence_metrics = KvFenceMetrics(self.registry)
@@ -344,6 +347,7 @@ class SimWorker:
                 if fut.done():
                     continue
                 tokens = run.req.tokens
+                self.reuse.observe(tokens)
                 hit = self.cache.match_and_insert(tokens)
                 run.cached_tokens = hit
                 self.metrics.cached_tokens.labels(self.m).inc(hit)
