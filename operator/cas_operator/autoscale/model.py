@@ -6,13 +6,20 @@ controller (`autoscale.controller`) reads `ObservedSignals` and `SloInputs` from
 
 Model (per request class, see docs/planner.md for the derivation):
 
-1. Hit rate depends on the plan. Live sessions ``L = rate * cycle`` (Little's law; a session sends
-   one request per cycle = tool pause + its own service time). Each session's cached prefix is an
-   object of ``S`` tokens in an LRU spread over the prefill pool by prefix-aware routing. Che's
-   approximation gives the characteristic time ``T`` from
-   ``capacity = L*S*(1 - exp(-T/cycle)) + end_rate*S*T`` (live sessions plus finished sessions
-   that linger until evicted); a returning turn hits with probability ``1 - exp(-T/cycle)``.
-   Computed for the GPU tier and for GPU + host (HiCache) tier.
+1. Hit rate depends on the plan. With the prefill engines' measured prompt reuse times
+   (``WorkloadInputs.reuse``, a ``reuse.ReuseProfile`` the fleet tick sums from
+   ``cas_prefix_*``), a returning turn's prefix hits with the probability ``reuse`` predicts
+   for the pooled capacity at the planned rate: a token comes back after its measured reuse
+   time and hits when the tokens referenced meanwhile, plus its own request's above it, fit
+   (see ``autoscale/reuse.py``; within 0.01 of an exact LRU replay of real sessions).
+   Without a measurement (before traffic, or engines that do not export it) the fallback is
+   Che's approximation with exponential gaps: live sessions ``L = rate * cycle`` (Little's
+   law; one request per cycle = tool pause + its own service time), each session's prefix an
+   object of ``S`` tokens, ``T`` from ``capacity = L*S*(1 - exp(-T/cycle)) + end_rate*S*T``
+   (live sessions plus finished ones that linger until evicted), P(hit) ``1 - exp(-T/cycle)``;
+   on real sessions it asks for 1.4-3.4x the cache the replay needs (docs/planner.md), an
+   error on the safe side that the measured hit rate (``search.hit_scale``) narrows at the
+   running plan. Computed for the GPU tier and for GPU + host (HiCache) tier.
 2. Uncached tokens per class: first turns miss (only a shared system prefix hits), returning
    hits prefill only their new tokens, returning misses prefill the whole context.
 3. Prefill pool: hits queue at their cache home (one M/G/1 queue per instance, sticky load
@@ -50,6 +57,8 @@ from dataclasses import dataclass, replace
 from statistics import NormalDist
 from typing import Any
 
+from cas_operator.autoscale.reuse import ReuseProfile, hit_probability
+
 Z95 = 1.645
 
 
@@ -72,6 +81,7 @@ class WorkloadInputs:
     first_turn_sigma: float = 0.5  # lognormal log-sd of first-turn input
     new_tokens_sigma: float = 1.0  # lognormal log-sd of new tokens per returning turn
     prefix_cache_hit_rate: float | None = None  # declared; used only by mean-based baselines
+    reuse: ReuseProfile | None = None  # measured prompt reuse times: the hit-rate curve's input
 
     def resolved(self) -> WorkloadInputs:
         """Fill derived fields: p95 = 1.8 x mean, first turn = half the mean context, and new
@@ -174,6 +184,7 @@ class ObservedSignals:
     avg_output_tokens: float | None = None  # per finished request (decode pods)
     refused_rate: float | None = None  # the routers' 429s per second (admission), retries too
     demand_rate: float | None = None  # the rate to plan for while arrivals are throttled
+    reuse: ReuseProfile | None = None  # prefill pods' prompt reuse times (cas_prefix_*), summed
 
 
 # ---------------------------------------------------------------- outputs
@@ -321,7 +332,13 @@ def _che_time(capacity: float, live: float, size: float, end_rate: float, cycle:
 def hit_probabilities(
     wl: WorkloadInputs, gpu_tokens: float, host_tokens: float, cycle_s: float
 ) -> tuple[float, float]:
-    """P(returning turn finds its prefix on GPU), P(on GPU or host) for pooled capacities."""
+    """P(returning turn finds its prefix on GPU), P(on GPU or host) for pooled capacities:
+    from the measured reuse times when `wl.reuse` is there, else Che's approximation with
+    exponential gaps of `cycle_s` (module doc, item 1)."""
+    if wl.reuse is not None:
+        rate = wl.request_rate
+        gpu = hit_probability(wl.reuse, gpu_tokens, rate)
+        return gpu, max(gpu, hit_probability(wl.reuse, gpu_tokens + host_tokens, rate))
     w = wl.resolved()
     live = wl.request_rate * cycle_s
     size = float(w.avg_input_tokens) + w.avg_output_tokens

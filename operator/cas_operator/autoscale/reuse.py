@@ -227,3 +227,24 @@ def returning_hit_rate(
         return None
     share = reused_share_hit(profile, capacity_tokens, request_rate)
     return min(share / profile.returning_share, 1.0)
+
+
+def _significant(value: float, digits: int) -> float:
+    return float(f"{value:.{digits}g}") if value > 0 else value
+
+
+def quantized_profile(profile: ReuseProfile) -> ReuseProfile:
+    """`profile` in coarse steps (shares to 0.005, sizes to 3 and 2 significant digits), so a
+    steady load gives the same planner input tick after tick (`signals.quantized`)."""
+    reused = []
+    floor = 0.0
+    for bound, share in profile.reused:
+        floor = max(floor, round(round(share / 0.005) * 0.005, 6))
+        reused.append((bound, floor))
+    returning = profile.returning_share
+    return ReuseProfile(
+        reused=tuple(reused),
+        tokens_per_request=_significant(profile.tokens_per_request, 3),
+        size_biased_tokens=_significant(profile.size_biased_tokens, 2),
+        returning_share=None if returning is None else round(returning, 2),
+    )

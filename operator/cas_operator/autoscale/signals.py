@@ -3,8 +3,9 @@
 Data flow: per engine and router pod `PodSignals` over the anomaly window (the observe layer),
 joined with the pod as `PodView` by the fleet tick -> `observed_signals` (arrival rate, hit
 rate, prefill queue, decode KV use, TTFT p90 from the engines' histograms, aborts, the routers'
-refusals, which status.admission shows) -> `quantized` (so the planner's cache hits in steady
-state) -> `kept_shape` (the request shape, which admission (`desired.admission`) sizes for,
+refusals, which status.admission shows, and the prefill pods' prompt reuse times, which the
+planner's hit-rate curve reads: `prompt_reuse`) -> `quantized` (so the planner's cache hits in
+steady state) -> `kept_shape` (the request shape, which admission (`desired.admission`) sizes for,
 held within a band; the autoscale loop keeps it per resource, `status.admission.requestShape`
 across restarts) -> `planning_load` (the arrival rate raised to the last unthrottled window's
 while the routers refuse or the fleet is behind; the loop keeps that rate per resource) ->
@@ -19,6 +20,7 @@ from typing import Any
 
 from cas_operator.api import constants as c
 from cas_operator.autoscale.model import ObservedSignals
+from cas_operator.autoscale.reuse import ReuseProfile, profile_from_counts, quantized_profile
 from cas_operator.observe.histogram import histogram_quantile, merged_buckets
 from cas_operator.observe.types import PodSignals, PodView
 
@@ -43,6 +45,29 @@ def _mean(values: Sequence[float | None]) -> float | None:
     return sum(present) / len(present) if present else None
 
 
+def prompt_reuse(prefill: Sequence[PodSignals]) -> ReuseProfile | None:
+    """The prefill pods' prompt reuse over the window as one profile: their token-weighted
+    reuse histograms summed per bound and their `cas_prefix_*` counters summed (the engines
+    share bucket bounds: one image). None when no pod tracked a request in the window (before
+    traffic, or engines without cas_engine's tracker): the planner then falls back to Che's
+    approximation (`model.hit_probabilities`)."""
+    pods = [s for s in prefill if s.reuse_buckets and s.reuse_requests]
+    if not pods:
+        return None
+    buckets: dict[float, float] = {}
+    for s in pods:
+        for bound, tokens in s.reuse_buckets or ():
+            buckets[bound] = buckets.get(bound, 0.0) + tokens
+    return profile_from_counts(
+        sorted(buckets.items()),
+        first_seen_tokens=_total([s.first_seen_tokens for s in pods]) or 0.0,
+        requests=_total([s.reuse_requests for s in pods]) or 0.0,
+        request_tokens=_total([s.reuse_request_tokens for s in pods]) or 0.0,
+        request_token_squares=_total([s.reuse_request_token_squares for s in pods]) or 0.0,
+        returning_prompt_tokens=_total([s.returning_prompt_tokens for s in pods]),
+    )
+
+
 def observed_signals(pods: Sequence[PodView], window_s: float) -> ObservedSignals:
     """The fleet's load over the window: arrivals from the decode pods' finished requests (each
     PD request ends on one decode; prefill pods count when there are no decode numbers), hit
@@ -51,8 +76,9 @@ def observed_signals(pods: Sequence[PodView], window_s: float) -> ObservedSignal
     streams the answer, so its TTFT includes prefill, transfer and admission; prefill pods'
     when decodes have none), the median ITL from the decode pods' inter-token histograms, and
     the request shape: prompt tokens per request on the prefill pods, generated tokens per
-    request on the decode pods (what admission control sizes for), and the routers' 429s (a
-    router that answered but never refused has no 429 series: zero)."""
+    request on the decode pods (what admission control sizes for), the routers' 429s (a
+    router that answered but never refused has no 429 series: zero), and the prefill pods'
+    prompt reuse times, the hit-rate model's input (`prompt_reuse`)."""
     prefill, decode = _measured(pods, c.ROLE_PREFILL), _measured(pods, c.ROLE_DECODE)
     routers = [s for s in _measured(pods, c.ROLE_ROUTER) if s.responses is not None]
     ttft = histogram_quantile(0.9, merged_buckets(decode))
@@ -83,6 +109,7 @@ def observed_signals(pods: Sequence[PodView], window_s: float) -> ObservedSignal
         avg_input_tokens=prompt / prefilled if prompt and prefilled else None,
         avg_output_tokens=generated / finished if generated and finished else None,
         refused_rate=sum(s.refused or 0.0 for s in routers) / window if routers else None,
+        reuse=prompt_reuse(prefill),
     )
 
 
@@ -269,4 +296,5 @@ def quantized(o: ObservedSignals) -> ObservedSignals:
         avg_output_tokens=_significant(o.avg_output_tokens, 3),
         refused_rate=_significant(o.refused_rate),
         demand_rate=_significant(o.demand_rate),
+        reuse=None if o.reuse is None else quantized_profile(o.reuse),
     )

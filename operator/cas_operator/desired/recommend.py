@@ -168,7 +168,9 @@ def planner_workload(
     """The planner's workload at `rate`: the request shape the fleet measured (prompt and
     generated tokens per request; the autoscale loop holds it within `signals.SHAPE_BAND`,
     `signals.kept_shape`) in place of the declared lengths once it has measured one, else the
-    declared lengths. The admission limit is sized for the same shape (`desired.admission`):
+    declared lengths; and the prefill pods' measured prompt reuse times, from which the model
+    draws the hit-rate curve (`autoscale.reuse`; Che's approximation until they are measured).
+    The admission limit is sized for the same shape (`desired.admission`):
     a fleet whose answers grew 4x is planned for them, not for the spec's estimate, and the
     plan moves with the limit, only when the shape really changed."""
     inp, out = shape_of(observed) or (declared.avg_input_tokens, declared.avg_output_tokens)
@@ -177,6 +179,7 @@ def planner_workload(
         avg_input_tokens=float(inp),
         avg_output_tokens=float(out),
         prefix_cache_hit_rate=declared.prefix_cache_hit_rate,
+        reuse=observed.reuse if observed is not None else None,
     )
 
 

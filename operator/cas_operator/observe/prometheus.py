@@ -78,7 +78,7 @@ class PrometheusSource:
             m.ABORTED: self._query("aborted", f"sum {by} (increase({m.ABORTED}{sel}{w}))"),
             **{
                 name: self._query(name, f"sum {by} (increase({name}{sel}{w}))")
-                for name in m.LOAD_COUNTERS
+                for name in (*m.LOAD_COUNTERS, *m.REUSE_COUNTERS)
             },
             m.RESPONSES: self._query(
                 "router answers", f"sum {by} ({born_counted(answers, window, up_sel, pod)})"
@@ -94,14 +94,18 @@ class PrometheusSource:
         counters[m.KV_FAILURES] = self._query(
             "kv failures", f'sum {by} (increase({{__name__=~"{failures}",{sel[1:]}{w}))'
         )
-        ttft, itl = (
+        ttft, itl, reuse = (
             self._query(
                 purpose,
                 f"sum by ({self.namespace_label}, {self.pod_label}, le) "
                 f"(increase({histogram}{sel}{w}))",
                 extra="le",
             )
-            for purpose, histogram in (("ttft", m.TTFT_BUCKET), ("itl", m.ITL_BUCKET))
+            for purpose, histogram in (
+                ("ttft", m.TTFT_BUCKET),
+                ("itl", m.ITL_BUCKET),
+                ("prompt reuse", m.REUSE_BUCKET),
+            )
         )
         trips = self._query(
             "trips",
@@ -131,6 +135,9 @@ class PrometheusSource:
             pod_counters.update({m.bucket_key(le): v for le, v in ttft.get(key, {}).items()})
             pod_counters.update(
                 {m.bucket_key(le, m.ITL_BUCKET): v for le, v in itl.get(key, {}).items()}
+            )
+            pod_counters.update(
+                {m.bucket_key(le, m.REUSE_BUCKET): v for le, v in reuse.get(key, {}).items()}
             )
             pod_gauges = {k: v[key][""] for k, v in gauges.items() if key in v}
             result[target.name] = m.signals_from(

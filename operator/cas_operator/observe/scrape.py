@@ -33,6 +33,7 @@ COUNTER_KEYS = (
     m.REASON_HIGH,
     m.ABORTED,
     *m.LOAD_COUNTERS,
+    *m.REUSE_COUNTERS,
     m.KV_FAILURES,
     m.RESPONSES,
     m.ERRORS_5XX,
@@ -50,8 +51,8 @@ class Scrape:
 
 
 def parse_exposition(text: str, at: float) -> Scrape:
-    """Counters summed across their labels (model_name etc.), trips split by `reason`, TTFT
-    histogram buckets split by `le` (types.bucket_key); gauges
+    """Counters summed across their labels (model_name etc.), trips split by `reason`, TTFT,
+    ITL and prompt-reuse histogram buckets split by `le` (types.bucket_key); gauges
     combined across series (quarantine flag: max, KV usage: mean, queues: sum).
     Raises ValueError on malformed text."""
     counters: dict[str, float] = {}
@@ -64,7 +65,7 @@ def parse_exposition(text: str, at: float) -> Scrape:
             if sample.name == m.TRIPS:
                 key = sample.labels.get("reason", "")
                 counters[key] = counters.get(key, 0.0) + value
-            elif sample.name in (m.CHECKED, m.ABORTED, *m.LOAD_COUNTERS):
+            elif sample.name in (m.CHECKED, m.ABORTED, *m.LOAD_COUNTERS, *m.REUSE_COUNTERS):
                 counters[sample.name] = counters.get(sample.name, 0.0) + value
             elif sample.name in m.KV_FAILURE_COUNTERS:
                 counters[m.KV_FAILURES] = counters.get(m.KV_FAILURES, 0.0) + value

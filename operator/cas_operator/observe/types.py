@@ -28,7 +28,22 @@ LOAD_COUNTERS: Final = (REQUESTS, PROMPT_TOKENS, CACHED_TOKENS, GENERATION_TOKEN
 TTFT_BUCKET: Final = "sglang:time_to_first_token_seconds_bucket"  # cumulative, label `le`
 # SGLang 0.5.23 srt/observability/metrics_collector.py:2051; decode pods observe it per token.
 ITL_BUCKET: Final = "sglang:inter_token_latency_seconds_bucket"
-HISTOGRAMS: Final = (TTFT_BUCKET, ITL_BUCKET)
+# Prompt reuse times from the prefill engines (cas_engine.prefixreuse): a token-weighted
+# histogram (bucket values are tokens) and its counters, the hit-rate model's inputs.
+REUSE_BUCKET: Final = "cas_prefix_reuse_seconds_bucket"
+HISTOGRAMS: Final = (TTFT_BUCKET, ITL_BUCKET, REUSE_BUCKET)
+FIRST_SEEN_TOKENS: Final = "cas_prefix_first_seen_tokens_total"
+REUSE_REQUESTS: Final = "cas_prefix_requests_total"
+REUSE_REQUEST_TOKENS: Final = "cas_prefix_request_tokens_total"
+REUSE_REQUEST_TOKEN_SQUARES: Final = "cas_prefix_request_token_squares_total"
+RETURNING_PROMPT_TOKENS: Final = "cas_prefix_returning_prompt_tokens_total"
+REUSE_COUNTERS: Final = (
+    FIRST_SEEN_TOKENS,
+    REUSE_REQUESTS,
+    REUSE_REQUEST_TOKENS,
+    REUSE_REQUEST_TOKEN_SQUARES,
+    RETURNING_PROMPT_TOKENS,
+)
 # Failed PD KV hand-offs (SGLang 0.5.23 srt/observability/metrics_collector.py:667-673).
 KV_FAILURE_COUNTERS: Final = (
     "sglang:num_transfer_failed_reqs_total",
@@ -80,6 +95,14 @@ class PodSignals:
     # TTFT histogram over the window: (bucket upper bound s, cumulative count), by bound
     ttft_buckets: tuple[tuple[float, float], ...] | None = None
     itl_buckets: tuple[tuple[float, float], ...] | None = None  # inter-token latency, the same way
+    # prompt reuse over the window (REUSE_BUCKET: tokens by reuse seconds, cumulative; and the
+    # REUSE_COUNTERS' increases), None where the engine does not export them
+    reuse_buckets: tuple[tuple[float, float], ...] | None = None
+    first_seen_tokens: float | None = None
+    reuse_requests: float | None = None
+    reuse_request_tokens: float | None = None
+    reuse_request_token_squares: float | None = None
+    returning_prompt_tokens: float | None = None
     kv_failures: float | None = None  # failed KV transfers and bootstraps in the window
     responses: float | None = None  # a router pod's answers in the window
     errors_5xx: float | None = None  # ... of which 5xx
@@ -169,9 +192,9 @@ def signals_from(
 ) -> PodSignals:
     """Assemble PodSignals from windowed increases and latest gauges of one pod.
 
-    `counters` keys: CHECKED, REASON_LOW, REASON_HIGH, ABORTED, LOAD_COUNTERS, KV_FAILURES,
-    RESPONSES, ERRORS_5XX, REFUSED and `bucket_key(le, histogram)` per TTFT and ITL bucket (absent =
-    series missing); `gauges`
+    `counters` keys: CHECKED, REASON_LOW, REASON_HIGH, ABORTED, LOAD_COUNTERS, REUSE_COUNTERS,
+    KV_FAILURES, RESPONSES, ERRORS_5XX, REFUSED and `bucket_key(le, histogram)` per TTFT, ITL and
+    reuse bucket (absent = series missing); `gauges`
     keys: GAUGES and KV_TRANSFERS (the sum of the pod's KV_TRANSFER_QUEUES; absent outside PD).
     A pod without guard series (a prefill, or an engine without the guard) gets None trip fields,
     which the planner reads as "insufficient data", not as healthy.
@@ -193,6 +216,12 @@ def signals_from(
         generation_tokens=counters.get(GENERATION_TOKENS),
         ttft_buckets=_buckets(counters),
         itl_buckets=_buckets(counters, ITL_BUCKET),
+        reuse_buckets=_buckets(counters, REUSE_BUCKET),
+        first_seen_tokens=counters.get(FIRST_SEEN_TOKENS),
+        reuse_requests=counters.get(REUSE_REQUESTS),
+        reuse_request_tokens=counters.get(REUSE_REQUEST_TOKENS),
+        reuse_request_token_squares=counters.get(REUSE_REQUEST_TOKEN_SQUARES),
+        returning_prompt_tokens=counters.get(RETURNING_PROMPT_TOKENS),
         kv_failures=counters.get(KV_FAILURES),
         responses=counters.get(RESPONSES),
         errors_5xx=counters.get(ERRORS_5XX),
