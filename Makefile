@@ -82,7 +82,7 @@ sim-demo: setup ## Router + 1 prefill + 2 decode sims on loopback, coding-agent 
 
 ##@ Benchmarks
 
-bench: bench-race bench-guard bench-sim bench-operator bench-anomaly bench-planner bench-lifecycle bench-canary ## All benchmarks (never part of make test)
+bench: bench-race bench-guard bench-sim bench-operator bench-anomaly bench-planner bench-hitrate bench-lifecycle bench-canary ## All benchmarks (never part of make test)
 
 bench-sim: setup ## Sim: 256-stream throughput; PD reclaim race Immediate/Upstream/Strict side by side
 	$(PY) -m bench.sim_throughput --streams 256 --tokens 400 --runs 3
@@ -104,6 +104,11 @@ bench-planner: setup ## P:D planner vs 1:1, best fixed, mean-based, exhaustive; 
 	$(PY) -m bench.planner --quick --scale-tables --out bench/results/planner.json
 	$(PY) -m bench.layersplit --out bench/results/layersplit.json
 
+TRACES ?= ../shared/traces/claude-code-sessions.tar.gz
+
+bench-hitrate: setup ## Hit-rate model vs an exact LRU replay of real Claude Code sessions (TRACES=folder or tarball); draws docs/results/hitrate.png
+	$(PY) -m bench.hitrate --sessions $(TRACES) --out bench/results/hitrate.json --figure docs/results/hitrate.png
+
 bench-guard: setup ## Quality-gate overhead per verify step (batch 1/64/256); its false trips on copy-like output
 	$(PY) -m bench.guard_overhead
 	$(PY) -m bench.guard_calibration
@@ -117,5 +122,5 @@ gpu-check: ## One-shot check on a CUDA machine: GPU tests, HiCache race on real 
 	bash tools/gpu-check.sh $(GPU_CHECK_ARGS)
 
 .PHONY: run test help setup sysdeps cluster-status e2e crds verify lint lint-docker image typecheck unit bins cluster-up \
-	cluster-down bench bench-race bench-anomaly bench-lifecycle bench-canary bench-planner bench-guard bench-operator bench-sim sim-demo \
+	cluster-down bench bench-race bench-anomaly bench-lifecycle bench-canary bench-planner bench-hitrate bench-guard bench-operator bench-sim sim-demo \
 	gpu-check
