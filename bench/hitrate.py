@@ -55,8 +55,14 @@ from bench.traces import (
     read_claude_sessions,
     think_scaled,
 )
+from cas_engine.prefixreuse import DEFAULT_GHOST_ENTRIES, DEFAULT_SAMPLE_RATE, REUSE_BUCKETS_S
 from cas_operator.autoscale.model import WorkloadInputs, hit_probabilities
-from cas_operator.autoscale.reuse import ReuseProfile, profile_from_counts, returning_hit_rate
+from cas_operator.autoscale.reuse import (
+    ReuseProfile,
+    profile_from_counts,
+    quantized_profile,
+    returning_hit_rate,
+)
 
 I64 = npt.NDArray[np.int64]
 F64 = npt.NDArray[np.float64]
@@ -65,16 +71,11 @@ LIVE_SESSIONS = (25, 50, 100, 200)
 CAPACITIES = tuple(m * 1_000_000 for m in (1, 2, 4, 8, 16, 32, 64))
 THINK_SCALES = (1.0, 0.25)
 SEEDS = (1, 2, 3)
-BLOCK_SIZE = 64
-# The engines' defaults (cas_engine.prefixreuse): 1 in 16 blocks tracked, a ghost of 2^18
-# sampled blocks (2^18 * 16 * 64 tokens = 268M tokens of distinct prompt blocks).
-SAMPLE_RATE = 16
-GHOST_ENTRIES = 1 << 18
-# cas_engine.prefixreuse.REUSE_BUCKETS_S (the operator reads whatever bounds the engines use).
-REUSE_BUCKETS_S = (
-    1, 2, 3, 5, 7.5, 10, 15, 20, 30, 45, 60, 90, 120, 180, 240, 300, 450, 600, 900, 1200,
-    1800, 2700, 3600, 5400, 7200, 10800, 14400, 21600, 28800, 43200, 86400,
-)  # fmt: skip
+BLOCK_SIZE = 64  # the Claude Code traces' blocks, and the engines' tracked block
+# What the engines would export is emulated with their defaults: 1 in DEFAULT_SAMPLE_RATE blocks
+# tracked, a ghost of DEFAULT_GHOST_ENTRIES tracked blocks, the same histogram bounds.
+SAMPLE_RATE = DEFAULT_SAMPLE_RATE
+GHOST_ENTRIES = DEFAULT_GHOST_ENTRIES
 
 
 # ---------------------------------------------------------------- compaction
@@ -361,7 +362,7 @@ def measure(
     n = float(in_window.sum())
     ret = in_window & o.returning
     return Measured(
-        profile=profile,
+        profile=quantized_profile(profile),  # as the operator's planner sees it
         request_rate=n / o.window_s,
         avg_input_tokens=float(o.prompt[in_window].mean()),
         avg_output_tokens=float(o.outputs[in_window].mean()),
