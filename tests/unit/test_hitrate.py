@@ -150,12 +150,12 @@ def test_the_measurement_is_what_the_engines_would_export() -> None:
         rate=0.01,
     )
     m = h.measure(o, sample_rate=1)
-    p = m.profile
+    p = m.profile  # quantised as the operator's planner sees it (shares to 0.005)
     assert p.tokens_per_request == pytest.approx((128 + 192) / 2)
     assert p.seen_share == pytest.approx(128 / (128 + 192))  # 2 reused of 5 referenced blocks
     assert dict(p.reused)[20] == 0.0 and dict(p.reused)[30] == pytest.approx(128 / 320)
-    assert p.returning_share == pytest.approx(200 / 320)
-    assert p.size_biased_tokens == pytest.approx((128**2 + 192**2) / 320)
+    assert p.returning_share == pytest.approx(200 / 320, abs=0.01)  # to 0.01
+    assert p.size_biased_tokens == pytest.approx((128**2 + 192**2) / 320, rel=0.02)
     assert m.first_turn_fraction == 0.5 and m.request_rate == pytest.approx(0.02)
 
 
