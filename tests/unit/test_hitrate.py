@@ -155,7 +155,7 @@ def test_the_measurement_is_what_the_engines_would_export() -> None:
     assert p.seen_share == pytest.approx(128 / (128 + 192))  # 2 reused of 5 referenced blocks
     assert dict(p.reused)[20] == 0.0 and dict(p.reused)[30] == pytest.approx(128 / 320)
     assert p.returning_share == pytest.approx(200 / 320, abs=0.01)  # to 0.01
-    assert p.size_biased_tokens == pytest.approx((128**2 + 192**2) / 320, rel=0.02)
+    assert p.size_biased_tokens == pytest.approx((128**2 + 192**2) / 320, rel=0.05)  # 2 digits
     assert m.first_turn_fraction == 0.5 and m.request_rate == pytest.approx(0.02)
 
 
