@@ -1,8 +1,9 @@
 """Hit-rate model against an exact LRU replay of real sessions (issue 39, part 2).
 
-Usage: python -m bench.hitrate --sessions DIR --out FILE [--figure PNG] [--quick]
-(DIR: a folder of Claude Code session files or their tarball, e.g. ../shared/traces/
-claude-code-sessions.tar.gz).
+Usage: python -m bench.hitrate --sessions DIR --out FILE [--figure PNG] [--limit N] [--live
+25,50,...] [--capacities-m 1,2,...] [--think-scales 1,0.25] [--seeds 1,2,3] (DIR: a folder of
+Claude Code session files or their tarball, e.g. ../shared/traces/claude-code-sessions.tar.gz;
+`make bench-hitrate` runs the full grid and draws docs/results/hitrate.png).
 
 Data flow: `bench.traces.read_claude_sessions` streams the sessions -> `compact` keeps per
 session, for each think-time scale, only what the replay needs (request times, prompt
