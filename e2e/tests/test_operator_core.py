@@ -357,6 +357,10 @@ SCHEMA_REJECTIONS = [
     ({"engine": {"args": ["--tp-size", "4"]}}, "engine.args must not set a flag the operator"),
     ({"engine": {"args": ["--cas-guard-enabled=false"]}}, "engine.args must not set a flag"),
     ({"engine": {"env": [{"name": "LWS_LEADER_ADDRESS", "value": "x"}]}}, "engine.env must not"),
+    # the engine layer's own variables (issue 41 item 11): the HiCache check, the gate, plugins
+    ({"engine": {"env": [{"name": "CAS_HICACHE_CHECK", "value": "off"}]}}, "spec.engine.env: "),
+    ({"engine": {"env": [{"name": "CAS_GUARD_ENABLED", "value": "0"}]}}, "the engine layer"),
+    ({"engine": {"env": [{"name": "SGLANG_PLUGINS", "value": " "}]}}, "the engine layer"),
     # env.valueFrom takes only what an engine needs, one source, never beside a value
     (
         {"engine": {"env": [{"name": "X", "valueFrom": {"resourceFieldRef": {"resource": "a"}}}]}},

@@ -260,7 +260,8 @@ class SpeculativeSpec(Spec):
 
 
 _OWNED_FLAGS_RE = "^(" + "|".join(sorted(c.OWNED_ENGINE_FLAGS)) + ")(=.*)?$"
-_OWNED_ENV = ", ".join(f"'{name}'" for name in sorted(c.OWNED_ENGINE_ENV))
+_RESERVED_ENV = ", ".join(f"'{name}'" for name in sorted(c.RESERVED_ENGINE_ENV))
+_RESERVED_PREFIXES = ", ".join(f"'{prefix}'" for prefix in c.RESERVED_ENGINE_ENV_PREFIXES)
 
 
 class RdmaSpec(Spec):
@@ -295,10 +296,12 @@ class EngineSpec(Spec):
             ".args",
         ),
         cel(
-            f"!has(self.env) || self.env.all(e, !(e.name in [{_OWNED_ENV}]) "
-            f"&& !e.name.startsWith('{c.OWNED_ENGINE_ENV_PREFIX}'))",
-            "engine.env must not set a variable the operator or LeaderWorkerSet sets "
-            f"({', '.join(sorted(c.OWNED_ENGINE_ENV))}, {c.OWNED_ENGINE_ENV_PREFIX}*)",
+            f"!has(self.env) || self.env.all(e, !(e.name in [{_RESERVED_ENV}]) "
+            f"&& ![{_RESERVED_PREFIXES}].exists(p, e.name.startsWith(p)))",
+            "engine.env must not set a variable the operator, the engine layer (cas_engine) or "
+            f"LeaderWorkerSet sets or reads ({', '.join(sorted(c.RESERVED_ENGINE_ENV))}, "
+            f"{', '.join(p + '*' for p in c.RESERVED_ENGINE_ENV_PREFIXES)}): set the spec "
+            "field instead",
             ".env",
         ),
     )

@@ -157,10 +157,22 @@ def _engine_errors(spec: CodingAgentServingSpec) -> list[SpecError]:
             why = f"{arg!r} sets {owned}, which the operator renders from the spec; set the field"
             errors.append(SpecError(f"engine.args[{i}]", why))
     for i, var in enumerate(spec.engine.env or []):
-        if var.name in c.OWNED_ENGINE_ENV or var.name.startswith(c.OWNED_ENGINE_ENV_PREFIX):
-            errors.append(SpecError(f"engine.env[{i}].name", f"{var.name} is set by the operator"))
+        if (reserved := reserved_env(var.name)) is not None:
+            where, text = f"engine.env[{i}].name", f"{var.name} is reserved: {reserved}"
+            errors.append(SpecError(where, text))
         errors += _env_source_errors(f"engine.env[{i}]", var)
     return errors
+
+
+def reserved_env(name: str) -> str | None:
+    """Why `engine.env` may not set `name` (the CRD's CEL rule on `engine.env`), or None."""
+    if name in c.OWNED_ENGINE_ENV:
+        return "the operator sets it from the spec"
+    if name.startswith(c.OWNED_ENGINE_ENV_PREFIX):
+        return "LeaderWorkerSet sets it"
+    if name in c.ENGINE_LAYER_ENV or name.startswith(c.ENGINE_LAYER_ENV_PREFIX):
+        return "the engine layer (cas_engine) reads or sets it; the operator configures it"
+    return None
 
 
 def _env_source_errors(where: str, var: EnvVar) -> list[SpecError]:
