@@ -401,6 +401,18 @@ SCHEMA_REJECTIONS = [
         },
         "a network peer is either cidr or pod/namespace labels",
     ),
+    # fields copied into children, checked as the child's API checks them (issue 41 item 12)
+    (
+        {"gateway": {"parentRefs": [{"name": "gw"}], "hostnames": ["-bad-host-"]}},
+        "spec.gateway.hostnames[0]",
+    ),
+    ({"podMetadata": {"labels": {"bad key!": "v"}}}, "spec.podMetadata.labels: "),
+    ({"podMetadata": {"labels": {"team": "bad value!"}}}, "spec.podMetadata.labels.team"),
+    ({"podMetadata": {"annotations": {"bad key!": "v"}}}, "spec.podMetadata.annotations: "),
+    (
+        {"security": {"networkPolicy": {"clientsFrom": [{"cidr": "300.0.0.0/8"}]}}},
+        "spec.security.networkPolicy.clientsFrom[0].cidr",
+    ),
 ]
 
 
