@@ -357,6 +357,10 @@ SCHEMA_REJECTIONS = [
     ({"engine": {"args": ["--tp-size", "4"]}}, "engine.args must not set a flag the operator"),
     ({"engine": {"args": ["--cas-guard-enabled=false"]}}, "engine.args must not set a flag"),
     ({"engine": {"env": [{"name": "LWS_LEADER_ADDRESS", "value": "x"}]}}, "engine.env must not"),
+    # the engine layer's own variables (issue 41 item 11): the HiCache check, the gate, plugins
+    ({"engine": {"env": [{"name": "CAS_HICACHE_CHECK", "value": "off"}]}}, "spec.engine.env: "),
+    ({"engine": {"env": [{"name": "CAS_GUARD_ENABLED", "value": "0"}]}}, "the engine layer"),
+    ({"engine": {"env": [{"name": "SGLANG_PLUGINS", "value": " "}]}}, "the engine layer"),
     # env.valueFrom takes only what an engine needs, one source, never beside a value
     (
         {"engine": {"env": [{"name": "X", "valueFrom": {"resourceFieldRef": {"resource": "a"}}}]}},
@@ -396,6 +400,18 @@ SCHEMA_REJECTIONS = [
             }
         },
         "a network peer is either cidr or pod/namespace labels",
+    ),
+    # fields copied into children, checked as the child's API checks them (issue 41 item 12)
+    (
+        {"gateway": {"parentRefs": [{"name": "gw"}], "hostnames": ["-bad-host-"]}},
+        "spec.gateway.hostnames[0]",
+    ),
+    ({"podMetadata": {"labels": {"bad key!": "v"}}}, "spec.podMetadata.labels: "),
+    ({"podMetadata": {"labels": {"team": "bad value!"}}}, "spec.podMetadata.labels.team"),
+    ({"podMetadata": {"annotations": {"bad key!": "v"}}}, "spec.podMetadata.annotations: "),
+    (
+        {"security": {"networkPolicy": {"clientsFrom": [{"cidr": "300.0.0.0/8"}]}}},
+        "spec.security.networkPolicy.clientsFrom[0].cidr",
     ),
 ]
 

@@ -4,7 +4,9 @@ Argo CD runs resource health scripts in gopher-lua (Lua 5.1) with only the safe 
 here `lupa.lua51` runs the same file with the same globals only (no os, io, require, load),
 over Argo CD's own test layout (health_test.yaml, testdata/). Regression guarded: the script
 shipped untested, concatenated a possibly missing `reason` (a Lua error shows every fleet as
-Unknown in Argo CD), and called a fleet Healthy while an older revision was still rolling out.
+Unknown in Argo CD), called a fleet Healthy while an older revision was still rolling out, and
+reported the old `Degraded` of a spec the user had just fixed (the Degraded check ran before
+the generation check: case fixed-spec-not-observed).
 """
 
 from __future__ import annotations

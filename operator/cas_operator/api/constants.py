@@ -154,6 +154,32 @@ OWNED_ENGINE_ENV: Final = frozenset(
     }
 )
 OWNED_ENGINE_ENV_PREFIX: Final = "LWS_"  # LeaderWorkerSet injects these into every container
+# The engine layer's own variables (cas_engine in the engine pods): its launcher's and plugin's
+# configuration, which the operator renders as `--cas-*` flags or leaves at the safe default
+# (flags > env > default: `CAS_HICACHE_CHECK=off` would skip the HiCache load-use check,
+# `CAS_KV_RECLAIM=upstream` the strict reclaim of a pool without flags, `CAS_ENGINE_PATCHES`
+# every patch), the guard's `CAS_GUARD_*`, and what the launcher sets or checks for SGLang
+# (`SGLANG_PLUGINS`: which plugins load, ours included; `SGLANG_USE_PICKLE_IPC`: false makes
+# the launcher refuse to start with the gate on; `PROMETHEUS_MULTIPROC_DIR`: launch_server.py).
+# `engine.env` may not set them; tests/unit/test_engine_layer_env.py derives the set from
+# cas_engine's source (engine/cas_engine/launch.py, launch_server.py, guard/config.py).
+ENGINE_LAYER_ENV: Final = frozenset(
+    {
+        "CAS_ENGINE_PATCHES",
+        "CAS_HICACHE_CHECK",
+        "CAS_HICACHE_DETECTOR",
+        "CAS_KV_QUARANTINE_ROOMS",
+        "CAS_KV_RECLAIM",
+        "CAS_PREFILL_GONE_FILE",
+        "PROMETHEUS_MULTIPROC_DIR",
+        "SGLANG_PLUGINS",
+        "SGLANG_USE_PICKLE_IPC",
+    }
+)
+ENGINE_LAYER_ENV_PREFIX: Final = "CAS_GUARD_"  # GuardConfig.from_env: CAS_GUARD_<FIELD>
+# Everything `engine.env` may not set: the CRD's CEL rule and desired.validate read these.
+RESERVED_ENGINE_ENV: Final = OWNED_ENGINE_ENV | ENGINE_LAYER_ENV
+RESERVED_ENGINE_ENV_PREFIXES: Final = (OWNED_ENGINE_ENV_PREFIX, ENGINE_LAYER_ENV_PREFIX)
 MAX_ENGINE_ARGS: Final = 128
 MAX_ENGINE_ARG_LENGTH: Final = 1024
 

@@ -260,7 +260,8 @@ class SpeculativeSpec(Spec):
 
 
 _OWNED_FLAGS_RE = "^(" + "|".join(sorted(c.OWNED_ENGINE_FLAGS)) + ")(=.*)?$"
-_OWNED_ENV = ", ".join(f"'{name}'" for name in sorted(c.OWNED_ENGINE_ENV))
+_RESERVED_ENV = ", ".join(f"'{name}'" for name in sorted(c.RESERVED_ENGINE_ENV))
+_RESERVED_PREFIXES = ", ".join(f"'{prefix}'" for prefix in c.RESERVED_ENGINE_ENV_PREFIXES)
 
 
 class RdmaSpec(Spec):
@@ -295,10 +296,12 @@ class EngineSpec(Spec):
             ".args",
         ),
         cel(
-            f"!has(self.env) || self.env.all(e, !(e.name in [{_OWNED_ENV}]) "
-            f"&& !e.name.startsWith('{c.OWNED_ENGINE_ENV_PREFIX}'))",
-            "engine.env must not set a variable the operator or LeaderWorkerSet sets "
-            f"({', '.join(sorted(c.OWNED_ENGINE_ENV))}, {c.OWNED_ENGINE_ENV_PREFIX}*)",
+            f"!has(self.env) || self.env.all(e, !(e.name in [{_RESERVED_ENV}]) "
+            f"&& ![{_RESERVED_PREFIXES}].exists(p, e.name.startsWith(p)))",
+            "engine.env must not set a variable the operator, the engine layer (cas_engine) or "
+            f"LeaderWorkerSet sets or reads ({', '.join(sorted(c.RESERVED_ENGINE_ENV))}, "
+            f"{', '.join(p + '*' for p in c.RESERVED_ENGINE_ENV_PREFIXES)}): set the spec "
+            "field instead",
             ".env",
         ),
     )
@@ -540,6 +543,15 @@ class NetworkPeer(Spec):
             "a network peer is either cidr or pod/namespace labels",
             "",
         ),
+        cel(
+            # Kubernetes' CIDR library (CEL, 1.31 and later): Go's netip.ParsePrefix, no
+            # IPv4-mapped IPv6; and no bits beyond the prefix length, which a NetworkPolicy's
+            # ipBlock.cidr refuses under strict IP/CIDR validation (KEP-4858)
+            "!has(self.cidr) || (isCIDR(self.cidr) && cidr(self.cidr) == cidr(self.cidr).masked())",
+            "cidr must be an IP range such as 10.0.0.0/8 or fd00::/8 (no bits set beyond the "
+            "prefix length, no leading zeros)",
+            ".cidr",
+        ),
     )
 
     pod_labels: dict[str, str] | None = Field(default=None, max_length=16)
@@ -580,12 +592,74 @@ class SecuritySpec(Spec):
     )
 
 
+# Kubernetes' rules for object metadata (k8s.io/apimachinery pkg/util/validation/validation.go
+# and pkg/api/validation/objectmeta.go): a key is a qualified name, an optional DNS-1123
+# subdomain prefix (at most 253) and "/", then a name of at most 63 (alphanumerics, "-", "_",
+# "." inside); annotation keys are checked lowercased (`IsQualifiedName(strings.ToLower(k))`);
+# a label value is at most 63 of the same name characters, or empty; all annotations of an
+# object together at most 256 KiB (keys and values, in bytes). CEL strings have no "\."
+# escape, so a literal dot is "[.]".
+_DNS_LABEL = "[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_NAME_PART = "([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9]"
+QUALIFIED_NAME = f"^({_DNS_LABEL}([.]{_DNS_LABEL})*/)?{_NAME_PART}$"
+# An annotation key's prefix may have capitals (checked lowercased). Both layers check ASCII
+# only: a key Go's ToLower brings to ASCII (the Kelvin sign) is refused here, accepted there.
+_ANY_CASE_LABEL = "[a-zA-Z0-9]([-a-zA-Z0-9]*[a-zA-Z0-9])?"
+ANNOTATION_KEY = f"^({_ANY_CASE_LABEL}([.]{_ANY_CASE_LABEL})*/)?{_NAME_PART}$"
+MAX_QUALIFIED_PREFIX = 253
+MAX_QUALIFIED_NAME = MAX_QUALIFIED_PREFIX + 1 + 63
+LABEL_VALUE = "^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+MAX_LABEL_VALUE = 63
+MAX_ANNOTATIONS_BYTES = 256 * 1024
+MAX_POD_METADATA_KEYS = 64  # bounds the CEL rules' cost (a map of unknown size is not allowed)
+
+
+def _qualified(key: str, pattern: str) -> str:
+    """CEL: `key` is a qualified name (its prefix, before the one "/", at most 253)."""
+    return (
+        f"{key}.size() <= {MAX_QUALIFIED_NAME} && {key}.matches('{pattern}') "
+        f"&& (!{key}.contains('/') || {key}.indexOf('/') <= {MAX_QUALIFIED_PREFIX})"
+    )
+
+
+LabelValue = Annotated[str, Field(max_length=MAX_LABEL_VALUE, pattern=LABEL_VALUE)]
+AnnotationValue = Annotated[str, Field(max_length=MAX_ANNOTATIONS_BYTES)]
+
+
 class PodMetadata(Spec):
     """Labels and annotations added to every engine and router pod (the operator's own keys
-    win; a key it sets or any `cas.dev/` key is dropped, and `status.warnings` says so)."""
+    win; a key it sets or any `cas.dev/` key is dropped, and `status.warnings` says so).
+    Keys and values are checked as Kubernetes checks a pod's, at apply."""
 
-    labels: dict[str, str] | None = None
-    annotations: dict[str, str] | None = None
+    model_config = _config(
+        cel(
+            f"!has(self.labels) || self.labels.all(k, {_qualified('k', QUALIFIED_NAME)})",
+            "podMetadata.labels keys must be qualified names, as Kubernetes requires of a "
+            "label key: an optional DNS subdomain prefix and '/', then at most 63 letters, "
+            "digits, '-', '_' or '.', starting and ending with a letter or digit "
+            "(e.g. 'team' or 'example.com/team')",
+            ".labels",
+        ),
+        cel(
+            f"!has(self.annotations) || self.annotations.all(k, {_qualified('k', ANNOTATION_KEY)})",
+            "podMetadata.annotations keys must be qualified names, as Kubernetes requires of "
+            "an annotation key: an optional DNS subdomain prefix and '/', then at most 63 "
+            "letters, digits, '-', '_' or '.', starting and ending with a letter or digit",
+            ".annotations",
+        ),
+        cel(
+            "!has(self.annotations) || self.annotations.map(k, bytes(k).size() "
+            f"+ bytes(self.annotations[k]).size()).sum() <= {MAX_ANNOTATIONS_BYTES}",
+            f"podMetadata.annotations must total at most {MAX_ANNOTATIONS_BYTES} bytes (keys "
+            "and values), as Kubernetes requires of an object's annotations",
+            ".annotations",
+        ),
+    )
+
+    labels: dict[str, LabelValue] | None = Field(default=None, max_length=MAX_POD_METADATA_KEYS)
+    annotations: dict[str, AnnotationValue] | None = Field(
+        default=None, max_length=MAX_POD_METADATA_KEYS
+    )
 
 
 class AnomalyGuardSpec(Spec):
@@ -733,6 +807,13 @@ DNS_1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0
 DNS_1123_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
 
+# Gateway API v1.4.0's `Hostname`, the items of an HTTPRoute's spec.hostnames (apis/v1/
+# shared_types.go:616-619, the same in its generated CRD): 1 to 253 characters, DNS labels
+# with an optional leading "*." wildcard label.
+GATEWAY_HOSTNAME = r"^(\*\.)?[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+GatewayHostname = Annotated[str, Field(min_length=1, max_length=253, pattern=GATEWAY_HOSTNAME)]
+
+
 class ParentRef(Spec):
     """A Gateway (Gateway API) the fleet's HTTPRoute attaches to."""
 
@@ -760,8 +841,11 @@ class GatewaySpec(Spec):
     )
 
     parent_refs: list[ParentRef] | None = Field(default=None, min_length=1, max_length=8)
-    hostnames: list[Annotated[str, Field(max_length=253)]] | None = Field(
-        default=None, max_length=16
+    hostnames: list[GatewayHostname] | None = Field(
+        default=None,
+        max_length=16,
+        description="The HTTPRoute's hostnames, each as the Gateway API requires: a DNS name, "
+        "optionally with a leading '*.' wildcard label.",
     )
     http_route: str | None = Field(
         default=None, min_length=1, max_length=253, pattern=DNS_1123_SUBDOMAIN

@@ -8,13 +8,19 @@ The CEL rules in `api/models.py` are mirrored here so both layers agree (a test 
 from __future__ import annotations
 
 import ipaddress
+import re
 from dataclasses import dataclass
 
 from cas_operator.api import constants as c
 from cas_operator.api.limits import MAX_GPUS_ENV, OperatorLimits
 from cas_operator.api.models import (
+    ANNOTATION_KEY,
     DSA_MODELS,
+    MAX_ANNOTATIONS_BYTES,
     MAX_DSA_CP_TENSOR_PARALLEL,
+    MAX_QUALIFIED_NAME,
+    MAX_QUALIFIED_PREFIX,
+    QUALIFIED_NAME,
     CodingAgentServingSpec,
     EnvVar,
     PoolSpec,
@@ -157,10 +163,22 @@ def _engine_errors(spec: CodingAgentServingSpec) -> list[SpecError]:
             why = f"{arg!r} sets {owned}, which the operator renders from the spec; set the field"
             errors.append(SpecError(f"engine.args[{i}]", why))
     for i, var in enumerate(spec.engine.env or []):
-        if var.name in c.OWNED_ENGINE_ENV or var.name.startswith(c.OWNED_ENGINE_ENV_PREFIX):
-            errors.append(SpecError(f"engine.env[{i}].name", f"{var.name} is set by the operator"))
+        if (reserved := reserved_env(var.name)) is not None:
+            where, text = f"engine.env[{i}].name", f"{var.name} is reserved: {reserved}"
+            errors.append(SpecError(where, text))
         errors += _env_source_errors(f"engine.env[{i}]", var)
     return errors
+
+
+def reserved_env(name: str) -> str | None:
+    """Why `engine.env` may not set `name` (the CRD's CEL rule on `engine.env`), or None."""
+    if name in c.OWNED_ENGINE_ENV:
+        return "the operator sets it from the spec"
+    if name.startswith(c.OWNED_ENGINE_ENV_PREFIX):
+        return "LeaderWorkerSet sets it"
+    if name in c.ENGINE_LAYER_ENV or name.startswith(c.ENGINE_LAYER_ENV_PREFIX):
+        return "the engine layer (cas_engine) reads or sets it; the operator configures it"
+    return None
 
 
 def _env_source_errors(where: str, var: EnvVar) -> list[SpecError]:
@@ -249,11 +267,43 @@ def _network_errors(spec: CodingAgentServingSpec) -> list[SpecError]:
 
 
 def _is_cidr(text: str) -> bool:
+    """What the CRD's rule accepts: `isCIDR` (Go's netip.ParsePrefix, which also refuses a
+    leading zero in the prefix length; no IPv4-mapped IPv6 address) and no bits set beyond the
+    prefix length (`ip_network` strict), as a NetworkPolicy's ipBlock.cidr requires."""
+    bits = text.partition("/")[2]
+    if not bits.isdigit() or (len(bits) > 1 and bits.startswith("0")):
+        return False
     try:
-        ipaddress.ip_network(text, strict=False)
+        network = ipaddress.ip_network(text, strict=True)
     except ValueError:
         return False
-    return True
+    return not (isinstance(network, ipaddress.IPv6Network) and network.network_address.ipv4_mapped)
+
+
+def _pod_metadata_errors(spec: CodingAgentServingSpec) -> list[SpecError]:
+    """The CRD's CEL rules on `podMetadata` keys and the annotations' total size (values are
+    checked by the models' patterns); Kubernetes' own rules for a pod's metadata."""
+    meta = spec.pod_metadata
+    errors = []
+    for kind, keys, pattern in (
+        ("labels", meta.labels, QUALIFIED_NAME),
+        ("annotations", meta.annotations, ANNOTATION_KEY),
+    ):
+        for key in keys or {}:
+            if not _qualified(key, pattern):
+                why = "not a qualified name ([prefix/]name, name at most 63 characters)"
+                errors.append(SpecError(f"podMetadata.{kind}[{key!r}]", why))
+    total = sum(len(k.encode()) + len(v.encode()) for k, v in (meta.annotations or {}).items())
+    if total > MAX_ANNOTATIONS_BYTES:
+        why = f"{total} bytes of keys and values, above Kubernetes' {MAX_ANNOTATIONS_BYTES}"
+        errors.append(SpecError("podMetadata.annotations", why))
+    return errors
+
+
+def _qualified(key: str, pattern: str) -> bool:
+    prefix, slash, _ = key.partition("/")
+    short = not slash or len(prefix) <= MAX_QUALIFIED_PREFIX
+    return len(key) <= MAX_QUALIFIED_NAME and short and re.fullmatch(pattern, key) is not None
 
 
 def limit_errors(spec: CodingAgentServingSpec, limits: OperatorLimits) -> list[SpecError]:
@@ -279,4 +329,5 @@ def validate(spec: CodingAgentServingSpec, resolved: Resolved | None = None) -> 
         *_hicache_errors(spec),
         *_rollout_errors(spec),
         *_network_errors(spec),
+        *_pod_metadata_errors(spec),
     ]

@@ -2,12 +2,15 @@
 -- Install: resource.customizations.health.serving.cas.dev_CodingAgentServing in argocd-cm
 -- (docs/architecture.md, GitOps rules). Tested by tests/unit/test_argocd_health.py against health_test.yaml.
 --
--- Healthy only when the operator observed the current generation, Ready is True, no older
--- revision is still rolling out and the stable revision is the spec's; Degraded when the
+-- The generation first, as Argo CD's built-in checks do: until the operator has observed the
+-- spec's generation (status.observedGeneration), the status is about an older spec, so the
+-- fleet is Progressing whatever it says (a Degraded for a spec the user just fixed included);
+-- a condition about an older generation than the spec's is ignored. Then: Degraded when the
 -- Degraded condition is True (an invalid spec, a failed apply, a fleet-wide anomaly, an
--- aborted canary); Suspended while a canary rollout is paused (a step held until promoted,
--- an inconclusive analysis, a fleet-wide anomaly); Progressing otherwise. Any field may be
--- missing: nothing here indexes a nil.
+-- aborted canary); Suspended while a canary rollout is paused (a step held until promoted, an
+-- inconclusive analysis, a fleet-wide anomaly); Healthy only when Ready is True, no older
+-- revision is still rolling out and the stable revision is the spec's; Progressing otherwise.
+-- Any field may be missing: nothing here indexes a nil.
 local function conditions(o)
   if type(o.status) ~= "table" or type(o.status.conditions) ~= "table" then return {} end
   local found = {}
@@ -25,20 +28,40 @@ local function said(c, fallback)
   return table.concat(parts, ": ")
 end
 
-local generation = type(obj.metadata) == "table" and obj.metadata.generation or nil
+local function number(v)
+  if type(v) == "number" then return v end
+  return nil
+end
+
+local generation = type(obj.metadata) == "table" and number(obj.metadata.generation) or nil
 local conds = conditions(obj)
 local status = type(obj.status) == "table" and obj.status or {}
+local not_observed = {status = "Progressing",
+  message = "the operator has not observed generation " .. tostring(generation) .. " yet"}
 
+-- A condition written for the current generation (one without a generation counts as current).
+local function current(c)
+  local seen = number(c.observedGeneration)
+  return generation == nil or seen == nil or seen >= generation
+end
+
+if next(conds) == nil then
+  return {status = "Progressing", message = "waiting for the operator"}
+end
+local observed = number(status.observedGeneration)
+if generation ~= nil and (observed == nil or observed < generation) then
+  return not_observed
+end
 local degraded = conds["Degraded"]
-if degraded ~= nil and degraded.status == "True" then
+if degraded ~= nil and degraded.status == "True" and current(degraded) then
   return {status = "Degraded", message = said(degraded, "degraded")}
 end
 local ready = conds["Ready"]
 if ready == nil then
   return {status = "Progressing", message = "waiting for the operator"}
 end
-if generation ~= nil and ready.observedGeneration ~= generation then
-  return {status = "Progressing", message = "the operator has not observed generation " .. tostring(generation) .. " yet"}
+if not current(ready) then
+  return not_observed
 end
 local rollout = type(status.rollout) == "table" and status.rollout or {}
 if rollout.phase == "Paused" then
