@@ -5,6 +5,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SGLANG_VERSION := 0.5.23
 SGLANG_REQS := engine/requirements-sglang-cpu.txt
+# pytest-xdist workers for make test: the e2e tests mostly wait on clocks (ticks, windows,
+# drains), so more workers than cores (conftest.py orders and groups the suite)
+TEST_WORKERS ?= 4
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile $(SGLANG_REQS) | sha1sum | cut -c1-12)
 
 ##@ Quick start
@@ -13,7 +16,8 @@ run: setup bins ## Local stack, operator, sample fleets with live traffic; view 
 	$(PY) -m e2e.demo.run_local $(RUN_ARGS)
 
 test: setup bins verify lint typecheck ## CRD drift, lint, types, then unit, engine and e2e tests (CI)
-	$(PY) -m pytest -q tests e2e/tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder \
+		--junitxml=run/junit.xml tests e2e/tests
 
 ##@ Development
 
@@ -50,7 +54,10 @@ typecheck: setup ## mypy (strict on cas_operator and cas_engine)
 	$(VENV)/bin/mypy
 
 unit: setup ## Unit and engine tests only (no cluster)
-	$(PY) -m pytest -q tests/unit tests/engine
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder tests/unit tests/engine
+
+test-durations: ## Refresh tests/durations.json (the suite's longest-first order) from run/junit.xml
+	$(PY) tools/test_durations.py run/junit.xml
 
 lint-docker: setup ## hadolint on the Dockerfiles
 	$(VENV)/bin/hadolint engine/Dockerfile operator/Dockerfile
@@ -73,7 +80,7 @@ cluster-status: setup ## Processes of the local control plane; crashed ones with
 	$(PY) -m e2e.cluster status
 
 e2e: setup bins ## End-to-end tests only (reuses a running cluster-up)
-	$(PY) -m pytest -q e2e/tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder e2e/tests
 
 ##@ Simulator (no GPU)
 
@@ -121,6 +128,6 @@ bench-operator: setup bins ## N = 10, 50, 200 resources at once -> Ready latency
 gpu-check: ## One-shot check on a CUDA machine: GPU tests, HiCache race on real streams, wait and gate costs (GPU_CHECK_ARGS=--cpu-dry-run without one)
 	bash tools/gpu-check.sh $(GPU_CHECK_ARGS)
 
-.PHONY: run test help setup sysdeps cluster-status e2e crds verify lint lint-docker image typecheck unit bins cluster-up \
+.PHONY: run test help setup sysdeps cluster-status e2e crds verify lint lint-docker image typecheck unit test-durations bins cluster-up \
 	cluster-down bench bench-race bench-anomaly bench-lifecycle bench-canary bench-planner bench-hitrate bench-guard bench-operator bench-sim sim-demo \
 	gpu-check

@@ -273,7 +273,8 @@ class AnomalyStack:
         """The real SGLang router with Kubernetes discovery of serving pods (KUBECONFIG from
         the local cluster); `routers` then points anomaly_tick at it. Returns its URL."""
         port = free_port()
-        argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+        argv = [sys.executable, "-m", "cas_engine.sim.router_launch",
+                "sglang_router.launch_router", "--host", "127.0.0.1",
                 "--port", str(port), "--prometheus-port", str(free_port()),
                 "--service-discovery", "--selector", *[f"{k}={v}" for k, v in SELECTOR.items()],
                 f"{c.LABEL_SERVING}=true", "--service-discovery-namespace", self.namespace,

@@ -5,18 +5,20 @@ that it keeps its command line.
 Both routers rename their process (``setproctitle("sglang::router")``, ``"smg::router"``), which
 rewrites ``/proc/<pid>/cmdline``; :mod:`e2e.cluster.procs` identifies the processes it started by
 that command line, so a renamed router would look exited (restarted twice, "address in use") and
-could not be stopped by the pod runner. This shim only turns the renaming into a no-op.
+could not be stopped by the pod runner. This shim turns the renaming into a no-op, then runs
+the launcher without SGLang, as the router's image does (:mod:`cas_engine.sim.router_launch`).
 """
 
 from __future__ import annotations
 
-import importlib
 import sys
 
 import setproctitle
 
+from cas_engine.sim import router_launch
+
 # the module a router container's command runs -> the same, importable here
-ROUTER_LAUNCHERS = ("sglang_router.launch_router", "smg.launch_router")
+ROUTER_LAUNCHERS = router_launch.ROUTER_LAUNCHERS
 
 
 def _keep_title(*_args: object, **_kwargs: object) -> None:
@@ -24,13 +26,8 @@ def _keep_title(*_args: object, **_kwargs: object) -> None:
 
 
 def main() -> None:
-    module = sys.argv[1]
-    if module not in ROUTER_LAUNCHERS:
-        raise SystemExit(f"router_shim: {module!r} is not one of {ROUTER_LAUNCHERS}")
     setproctitle.setproctitle = _keep_title
-    launcher = importlib.import_module(module)
-    sys.argv = [module, *sys.argv[2:]]  # the launcher parses sys.argv[1:]
-    launcher.main()
+    router_launch.run(sys.argv[1], sys.argv[2:])
 
 
 if __name__ == "__main__":

@@ -9,6 +9,14 @@ Which cluster (session-scoped ``cluster`` fixture), in this order:
 Per test: ``namespace`` (created, default service account awaited, deleted afterwards) and
 ``kubectl`` (the pinned kubectl bound to the cluster's kubeconfig).
 
+Under pytest-xdist (``make test`` runs ``-n``): the controller names one run folder
+(``$CAS_E2E_SHARED_RUN``, ``run/pytest-<controller pid>``) before its workers start; the first
+worker that needs a cluster starts it there under a file lock, the others reuse it, and the
+controller stops it when the run ends. One cluster, one pod network, every worker's namespaces
+side by side. ``clusterwide`` tests (an operator watching every namespace) run first, on one
+worker (the root ``conftest.py`` orders and groups them); until they are done, a test that
+starts an operator of its own (it needs ``crds``) waits, so no namespace ever has two operators.
+
 This folder is the package ``e2e.tests`` (it has an ``__init__.py``): pytest imports its modules
 as ``e2e.tests.<name>`` with the repository root on ``sys.path``, so they never clash with
 same-named test modules elsewhere, and ``e2e`` is always the harness package beside it.
@@ -27,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from filelock import FileLock
 
 from e2e.cluster.bins import BUILD_SCRIPT, resolve
 from e2e.cluster.stack import ClusterError, ClusterHandle, load_cluster, start_cluster
@@ -35,6 +44,11 @@ from e2e.paths import REPO_ROOT
 
 Kubectl = Callable[..., str]
 NAMESPACE_READY_TIMEOUT_S = 30.0
+SHARED_RUN_ENV = "CAS_E2E_SHARED_RUN"  # the xdist controller's run folder, for its workers
+CLUSTERWIDE_DONE = "clusterwide.done"  # written in that folder once the clusterwide tests ended
+CLUSTERWIDE_WAIT_S = 1200.0  # a worker lost mid-group must not hang the run forever
+_SHARED_RUN = pytest.StashKey[Path]()
+_CLUSTERWIDE_PENDING = pytest.StashKey[bool]()
 
 
 def in_ci() -> bool:
@@ -52,15 +66,54 @@ def _external_cluster(kubeconfig: str) -> ClusterHandle:
     return ClusterHandle(run_dir=path.parent, kubeconfig=path, ports={}, kubectl_path=Path(kubectl))
 
 
-def _remove_stopped_runs(parent: Path) -> None:
+def _remove_stopped_runs(parent: Path, keep: Path | None = None) -> None:
     """Delete the run folders of earlier pytest sessions whose stacks no longer run (a session
     still running elsewhere keeps its folder; the latest logs stay until the next session)."""
     for run_dir in parent.glob("pytest-*"):
+        if run_dir == keep or not run_dir.is_dir():
+            continue
         handle = ClusterHandle.load(run_dir)
         if handle is None or not handle.running():
             # Its pod network, if it died before teardown, is removed by the next start
             # (e2e.cluster.podnet.reclaim_leftovers), whichever checkout it was made from.
             shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _is_xdist_controller(config: pytest.Config) -> bool:
+    return not hasattr(config, "workerinput") and bool(getattr(config.option, "numprocesses", None))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """On the xdist controller: name the one run folder every worker's cluster lives in."""
+    if _is_xdist_controller(config) and SHARED_RUN_ENV not in os.environ:
+        run_dir = REPO_ROOT / "run" / f"pytest-{os.getpid()}"
+        os.environ[SHARED_RUN_ENV] = str(run_dir)  # inherited by the workers it spawns
+        config.stash[_SHARED_RUN] = run_dir
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """On the controller that named the shared run folder: stop the cluster a worker started."""
+    run_dir = config.stash.get(_SHARED_RUN, None)
+    if run_dir is None:
+        return
+    os.environ.pop(SHARED_RUN_ENV, None)
+    handle = ClusterHandle.load(run_dir)
+    if handle is not None and handle.running():
+        handle.stop()
+
+
+def _shared_cluster(run_dir: Path) -> ClusterHandle:
+    """The cluster of this xdist run: started by the first worker to ask (under a lock)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(run_dir / "start.lock")):
+        running = load_cluster(run_dir)
+        if running is not None:
+            return running
+        _remove_stopped_runs(REPO_ROOT / "run", keep=run_dir)
+        try:
+            return start_cluster(run_dir, log=lambda msg: print(f"[cluster] {msg}", flush=True))
+        except ClusterError as exc:
+            pytest.fail(f"local cluster did not start (logs in {run_dir / 'logs'}):\n{exc}")
 
 
 @pytest.fixture(scope="session")
@@ -83,6 +136,10 @@ def cluster() -> Iterator[ClusterHandle]:
         if in_ci():
             pytest.fail(f"CI is set, so not skipping: {reason}")
         pytest.skip(reason)
+    shared = os.environ.get(SHARED_RUN_ENV)
+    if shared:  # an xdist worker: the controller stops it when the run ends
+        yield _shared_cluster(Path(shared))
+        return
     _remove_stopped_runs(REPO_ROOT / "run")
     run_dir = REPO_ROOT / "run" / f"pytest-{os.getpid()}"
     try:
@@ -136,6 +193,47 @@ def live_stack(cluster: ClusterHandle, namespace: str, tmp_path: Path) -> MakeLi
         )  # fmt: skip
 
     return make
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Whether this run has clusterwide tests another worker may still be running."""
+    session.config.stash[_CLUSTERWIDE_PENDING] = bool(os.environ.get(SHARED_RUN_ENV)) and any(
+        item.get_closest_marker("clusterwide") for item in session.items
+    )
+
+
+def _clusterwide_done() -> Path:
+    return Path(os.environ[SHARED_RUN_ENV]) / CLUSTERWIDE_DONE
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    """Under xdist, hold a test that starts an operator of its own (it needs ``crds``) until
+    the clusterwide tests have ended: their operator watches every namespace, and two operators
+    acting on one fleet is not a state any test means. Waited here, outside the test's timeout.
+    The worker running the clusterwide group marks it done after the group's last item."""
+    config = item.config
+    if (
+        config.stash.get(_CLUSTERWIDE_PENDING, False)
+        and "crds" in getattr(item, "fixturenames", ())
+        and not item.get_closest_marker("clusterwide")
+    ):
+        done, deadline = _clusterwide_done(), time.monotonic() + CLUSTERWIDE_WAIT_S
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(1.0)
+        config.stash[_CLUSTERWIDE_PENDING] = False  # once done, never again in this worker
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """After the last clusterwide item on this worker (its module fixtures are torn down in
+    this teardown): tell the other workers."""
+    yield
+    last = nextitem is None or not nextitem.get_closest_marker("clusterwide")
+    if item.get_closest_marker("clusterwide") and last and os.environ.get(SHARED_RUN_ENV):
+        _clusterwide_done().parent.mkdir(parents=True, exist_ok=True)
+        _clusterwide_done().touch()
 
 
 @pytest.fixture(scope="session")

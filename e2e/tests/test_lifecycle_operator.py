@@ -512,6 +512,9 @@ def decode_urls_serving(kubectl: Kubectl, namespace: str) -> dict[str, str]:
     }
 
 
+DRAIN_LABEL = "e2e.cas.dev/drain"
+
+
 def test_a_node_drain_evicts_a_decode_and_its_router_and_cuts_no_request(
     live_stack: MakeLiveStack,
     namespace: str,
@@ -524,7 +527,10 @@ def test_a_node_drain_evicts_a_decode_and_its_router_and_cuts_no_request(
     until the replacement was Ready (measured: 8 of 40 requests failed), so routers are 2 by
     default, spread over nodes. Through the entry Service nothing fails and nothing is cut."""
     stack = live_stack(SIM_ARGS)
-    with resource_live(stack, kubectl, sample(2), log=lambda s: print(f"[live] {s}")):
+    cas = sample(2)
+    # The drain evicts only this fleet's pods: other tests' fleets run on the same nodes.
+    cas["spec"]["podMetadata"] = {"labels": {DRAIN_LABEL: namespace}}
+    with resource_live(stack, kubectl, cas, log=lambda s: print(f"[live] {s}")):
         wait_for("2 decodes", lambda: len(decode_urls(kubectl, namespace)) == 2 or None, 60)
         entry = wait_for("the entry Service", lambda: entry_url_when_serving(kubectl, namespace),
                          60)  # fmt: skip
@@ -534,7 +540,7 @@ def test_a_node_drain_evicts_a_decode_and_its_router_and_cuts_no_request(
         node = pod["spec"]["nodeName"]
         try:
             kubectl("drain", node, "--ignore-daemonsets", "--delete-emptydir-data",
-                    f"--pod-selector=cas.dev/name={NAME}", "--timeout=180s",
+                    f"--pod-selector={DRAIN_LABEL}={namespace}", "--timeout=180s",
                     timeout=200)  # fmt: skip
             wait_for("the drained decode replaced", lambda: len(decode_urls(
                 kubectl, namespace)) == 2 and pod["metadata"]["name"] not in decode_urls(

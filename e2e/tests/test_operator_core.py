@@ -26,12 +26,14 @@ from e2e.runtime import chart
 from e2e.runtime.operator_process import OperatorProcess
 from tests.paths import ROOT, load_sample
 
-pytestmark = pytest.mark.e2e
+# clusterwide: this module's operator watches every namespace, as the chart's default install
+# does; the suite runs it alone among the tests that start operators (conftest.py).
+pytestmark = [pytest.mark.e2e, pytest.mark.clusterwide]
 Kubectl = Callable[..., str]
 READY_TIMEOUT_S = 120.0
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def chart_identity(cluster: Any, kubectl: Kubectl, tmp_path_factory: Any) -> chart.ChartIdentity:
     """The chart's ServiceAccount and RBAC (all namespaces, admission policy on), installed as
     `helm install` would, and a kubeconfig holding its token: the session's operator runs as
@@ -40,10 +42,10 @@ def chart_identity(cluster: Any, kubectl: Kubectl, tmp_path_factory: Any) -> cha
     return chart.install_identity(kubectl, cluster.kubeconfig, out)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def operator(kubectl: Kubectl, chart_identity: chart.ChartIdentity) -> Iterator[OperatorProcess]:
-    """CRDs installed and established, then one operator process for the session, under the
-    chart's identity."""
+    """CRDs installed and established, then one operator process for this module, under the
+    chart's identity (stopped when the module ends: it watches every namespace)."""
     apply_crds(kubectl)
     log_path = ROOT / "run" / f"operator-{os.getpid()}.log"
     proc = OperatorProcess(chart_identity.kubeconfig, log_path)

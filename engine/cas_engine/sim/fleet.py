@@ -4,7 +4,8 @@ Used by the engine tests, the load generator's ``--launch`` and ``make sim-demo`
 a :class:`Fleet` starts its processes itself and :meth:`Fleet.stop` ends exactly those (by pid,
 SIGTERM then SIGKILL after a bounded wait); logs go to files under ``log_dir``.
 
-Router: PyPI ``sglang-router`` (``python -m sglang_router.launch_router``), PD mode::
+Router: PyPI ``sglang-router`` (``python -m sglang_router.launch_router``, started through
+:mod:`cas_engine.sim.router_launch` as its image runs it, without SGLang), PD mode::
 
     --pd-disaggregation --prefill http://HOST:PORT BOOTSTRAP_PORT --decode http://HOST:PORT ...
     --policy round_robin --host 127.0.0.1 --port P --prometheus-port Q
@@ -142,6 +143,7 @@ class Fleet:
         cmd = [
             sys.executable,
             "-m",
+            "cas_engine.sim.router_launch",
             ROUTER_MODULE,
             "--pd-disaggregation",
             "--host",

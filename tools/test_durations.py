@@ -1,0 +1,69 @@
+"""Measured test durations for the suite's scheduler, and the per-module table of the docs.
+
+    python tools/test_durations.py run/junit.xml            # rewrite tests/durations.json
+    python tools/test_durations.py run/junit.xml --table    # print the per-module table
+
+Reads a pytest JUnit report (``make test`` writes ``run/junit.xml``; each case's time is its
+setup, call and teardown) and writes the tests that took a second or more, by node id, for the
+root ``conftest.py`` to hand out the longest first. The table is docs/development.md's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import xml.etree.ElementTree as ET
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "tests" / "durations.json"
+MIN_SECONDS = 1.0
+
+
+def node_id(classname: str, name: str) -> str:
+    """``e2e.tests.test_x`` + ``test_y[a]`` -> ``e2e/tests/test_x.py::test_y[a]`` (a class
+    inside the module stays a ``::`` part)."""
+    parts = classname.split(".")
+    for cut in range(len(parts), 0, -1):
+        path = "/".join(parts[:cut]) + ".py"
+        if (ROOT / path).exists():
+            return "::".join([path, *parts[cut:], name])
+    return f"{classname}::{name}"
+
+
+def read(report: Path) -> dict[str, float]:
+    cases = ET.parse(report).getroot().iter("testcase")
+    return {
+        node_id(c.get("classname", ""), c.get("name", "")): float(c.get("time", 0)) for c in cases
+    }
+
+
+def table(durations: dict[str, float]) -> str:
+    by_module: dict[str, list[float]] = defaultdict(list)
+    for nodeid, seconds in durations.items():
+        by_module[nodeid.split("::")[0]].append(seconds)
+    rows = sorted(by_module.items(), key=lambda kv: -sum(kv[1]))
+    lines = ["| module | tests | seconds | longest |", "| --- | ---: | ---: | ---: |"]
+    lines += [f"| `{m}` | {len(s)} | {sum(s):.0f} | {max(s):.0f} |" for m, s in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("report", type=Path)
+    parser.add_argument("--table", action="store_true", help="print the per-module table")
+    args = parser.parse_args(argv)
+    durations = read(args.report)
+    if args.table:
+        print(table(durations))
+        return 0
+    kept = {k: round(v, 1) for k, v in sorted(durations.items()) if v >= MIN_SECONDS}
+    OUT.write_text(json.dumps(kept, indent=1) + "\n")
+    print(f"{len(kept)} of {len(durations)} tests took {MIN_SECONDS:.0f} s or more -> {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
