@@ -5,9 +5,12 @@
 - a change of a child workload (Deployment, LeaderWorkerSet): queue one refresh of its owner;
 - a prefill pod deleted: `prefillgone.act.record_prefill_end` records its confirmed end in the
   resource's prefill-gone ConfigMap, which decode pods read;
-- a timer: queues the same refresh as a safety net, a full apply every FULL_APPLY_SECONDS;
 - at start-up, one fleet-wide loop (`fleet_tick.FleetTick`, every TICK_SECONDS): the anomaly
-  and autoscale loops over every resource; its findings reach the passes in memory.
+  and autoscale loops over every resource; its findings reach the passes in memory. Every
+  SAFETY_NET_SECONDS the same loop queues a refresh of every resource as a safety net (a full
+  apply every FULL_APPLY_SECONDS). Not a kopf timer: kopf puts its finalizer on every object a
+  timer serves, so a resource deleted while no operator runs (uninstalled, scaled to zero)
+  would never go, nor its namespace; nothing here needs a finalizer.
 Workloads are read from watch-fed kopf indexes (async index functions: they run on kopf's
 loop, never behind a handler in its executor), not listed.
 The operator's state lives in two objects created here: `PASSES` and (at start-up) the fleet
@@ -40,7 +43,7 @@ from cas_operator.passes import Key, Passes, key_of
 from cas_operator.prefillgone.act import record_prefill_end
 from cas_operator.reconcile.status import ObservedWorkload, is_true
 
-TIMER_SECONDS = 30.0  # a safety net: child events drive status
+SAFETY_NET_SECONDS = 30.0  # a refresh of every resource; child events drive status
 TICK_SECONDS = 5.0  # the fleet tick's period (one tick covers every resource)
 FULL_APPLY_SECONDS = 300.0
 # A spec pass whose applies failed is retried by kopf after 2, 4, 8 ... at most 30 s: a refusal
@@ -136,16 +139,6 @@ def in_sync(meta: Any, status: Any) -> bool:
     return current.get("observedGeneration") == meta.get("generation") and is_true(
         current, c.COND_READY
     )
-
-
-@kopf.timer(c.GROUP, c.VERSION, c.PLURAL, interval=TIMER_SECONDS, initial_delay=TIMER_SECONDS)
-async def on_timer(meta: kopf.Meta, **_: Any) -> None:
-    """Safety net: queue a refresh (re-applies drifted workloads), a full apply every
-    FULL_APPLY_SECONDS. Async and only queueing, like the child events: a sync timer held one
-    of kopf's executor threads per pass, and kopf runs sync index functions on that executor."""
-    last = PASSES.last_full_apply.get(str(meta["uid"]))  # None: its create/resume is pending
-    due = last is not None and time.monotonic() - last > FULL_APPLY_SECONDS
-    PASSES.queue(key_of(meta), full=due)
 
 
 @kopf.index(c.GROUP, c.VERSION, c.PLURAL)
@@ -263,12 +256,26 @@ async def stop_fleet_tick(**_: Any) -> None:
         task.cancel()
 
 
+def queue_safety_net(resources: list[dict[str, Any]], now: float) -> None:
+    """Queue a refresh of every resource (re-applies drifted workloads), a full apply where the
+    last one is FULL_APPLY_SECONDS old. Only queueing, on the event loop: a pass runs on the
+    passes' own workers."""
+    for body in resources:
+        meta = body["metadata"]
+        last = PASSES.last_full_apply.get(str(meta["uid"]))  # None: its create/resume is pending
+        PASSES.queue(key_of(meta), full=last is not None and now - last > FULL_APPLY_SECONDS)
+
+
 async def _tick_loop(tick: FleetTick, index: kopf.Index[Any, Any]) -> None:
+    safety_net_at = time.monotonic() + SAFETY_NET_SECONDS
     while True:
         # A period, not a pause: a tick that took long (a large fleet) is followed at once,
         # after a breath for the event loop.
         await asyncio.sleep(max(1.0, TICK_SECONDS - tick.last_tick_seconds))
         resources = [body for key in list(index) for body in index.get(key, [])]
+        if (now := time.monotonic()) >= safety_net_at:
+            safety_net_at = now + SAFETY_NET_SECONDS
+            queue_safety_net(resources, now)
         try:
             await asyncio.to_thread(tick.tick, resources)  # copies the context
         except Exception:  # a failed tick (e.g. API outage) is retried next period

@@ -210,7 +210,7 @@ def test_a_pass_writes_the_fleet_ticks_finding_with_its_condition(
     assert len(kube.status_patches) == 1  # unchanged: no second write
 
 
-def test_index_functions_and_the_timer_never_occupy_kopfs_executor() -> None:
+def test_index_functions_never_occupy_kopfs_executor() -> None:
     """Regression (bench-operator N=200): kopf runs sync index functions and timers on the
     executor its sync create handlers block for seconds on the API server; the Deployment
     index then lagged the watch by 30-70 s and Ready followed the pods as late."""
@@ -218,10 +218,24 @@ def test_index_functions_and_the_timer_never_occupy_kopfs_executor() -> None:
         handlers.serving_index,
         handlers.deployment_index,
         handlers.lws_index,
-        handlers.on_timer,
         handlers.on_child_event,
     ):
         assert inspect.iscoroutinefunction(fn), fn.__name__
+
+
+def test_no_handler_puts_a_finalizer_on_a_resource() -> None:
+    """Regression (issue 38): a kopf timer served every resource, and kopf puts its finalizer
+    on every object a timer serves: a resource deleted while no operator ran (uninstalled,
+    stopped, a test's operator gone) stayed Terminating, and so did its namespace, whose
+    controller re-listed every resource type for it over and over. Children go with their
+    owner references; nothing the operator registers may require a finalizer."""
+    registry = kopf.get_default_registry()
+    handlers_ = [
+        *registry._spawning.get_all_handlers(),
+        *registry._changing.get_all_handlers(),
+    ]
+    assert handlers_, "the operator registered no handler"
+    assert [str(h) for h in handlers_ if h.requires_finalizer] == []
 
 
 def test_a_due_full_apply_survives_a_refresh_skipped_behind_a_running_pass(
@@ -247,18 +261,21 @@ def test_a_due_full_apply_survives_a_refresh_skipped_behind_a_running_pass(
     assert calls == [True, True, False]
 
 
-def test_the_timer_leaves_a_pending_create_to_its_handler(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Regression (bench-operator N=200: 88 duplicate full applies): a timer firing before the
-    resource's create pass ran in this process queued a full apply of its own."""
+def test_the_safety_net_leaves_a_pending_create_to_its_handler(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regression (bench-operator N=200: 88 duplicate full applies): a safety-net refresh
+    before the resource's create pass ran in this process queued a full apply of its own."""
     queued: list[tuple[tuple[str, str], bool]] = []
     passes = Passes(no_kube)
     monkeypatch.setattr(passes, "queue", lambda key, full=False: queued.append((key, full)))
     monkeypatch.setattr(handlers, "PASSES", passes)
-    asyncio.run(handlers.on_timer(meta=META))  # type: ignore[arg-type]
+    resources = [{"metadata": META}]
+    handlers.queue_safety_net(resources, time.monotonic())
     passes.last_full_apply["u1"] = time.monotonic()
-    asyncio.run(handlers.on_timer(meta=META))  # type: ignore[arg-type]
+    handlers.queue_safety_net(resources, time.monotonic())
     passes.last_full_apply["u1"] -= handlers.FULL_APPLY_SECONDS + 1
-    asyncio.run(handlers.on_timer(meta=META))  # type: ignore[arg-type]
+    handlers.queue_safety_net(resources, time.monotonic())
     assert [full for _, full in queued] == [False, False, True]
 
 
