@@ -16,8 +16,9 @@ run: setup bins ## Local stack, operator, sample fleets with live traffic; view 
 	$(PY) -m e2e.demo.run_local $(RUN_ARGS)
 
 test: setup bins verify lint typecheck ## CRD drift, lint, types, then unit, engine and e2e tests (CI)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder \
-		--junitxml=run/junit.xml tests e2e/tests
+	@mkdir -p run && rm -f run/waits.jsonl
+	CAS_E2E_WAIT_LOG=$(CURDIR)/run/waits.jsonl $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup \
+		--no-loadscope-reorder --junitxml=run/junit.xml tests e2e/tests
 
 ##@ Development
 

@@ -58,7 +58,7 @@ from cas_operator.observe import PrometheusSource
 from cas_operator.observe.types import PodSignals, PodView
 from e2e.cluster.manifests import NodeShape
 from e2e.cluster.stack import ClusterError, load_cluster, run_kubectl, start_cluster
-from e2e.fleet.anomaly_stack import AnomalyStack, wait_for
+from e2e.fleet.anomaly_stack import AnomalyStack
 from e2e.fleet.fleetview import (
     NAME,
     Kubectl,
@@ -74,6 +74,7 @@ from e2e.fleet.fleetview import (
 from e2e.fleet.livestack import LiveStack, http_ok, probed_by_runner, router_url
 from e2e.runtime.prometheus import file_sd_scrape_config, prometheus_binary, start_prometheus
 from e2e.traffic.simload import LoadStats, set_fault, steady_traffic
+from e2e.waits import wait_for
 
 NOISE_RATE = 0.0005  # repetition probability per request on healthy pods
 ROOT = Path(__file__).resolve().parent.parent

@@ -42,7 +42,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.anomaly import _kubectl, create_namespace
 from e2e.cluster.stack import ClusterHandle, load_cluster, start_cluster
-from e2e.fleet.anomaly_stack import wait_for
 from e2e.fleet.canaryview import (
     answers,
     canary_sample,
@@ -56,6 +55,7 @@ from e2e.fleet.fleetview import NAME, Kubectl, apply_crds
 from e2e.fleet.livestack import LiveStack, probed_by_runner
 from e2e.paths import REPO_ROOT
 from e2e.traffic.recorded import PodBook, RecordedLoad, check_pairs
+from e2e.waits import wait_for
 
 SIM_ARGS = ["--sim-speedup", "10", "--log-level", "warning"]
 WORKERS, TOKENS = 4, 200

@@ -48,10 +48,10 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.anomaly import _cluster, _kubectl, create_namespace
-from e2e.fleet.anomaly_stack import wait_for
 from e2e.fleet.fleetview import NAME, Kubectl, apply_crds, cas_status
 from e2e.fleet.livestack import LiveStack, probed_by_runner
 from e2e.paths import REPO_ROOT
+from e2e.waits import wait_for
 
 SIM_ARGS = ["--sim-speedup", "4", "--log-level", "warning"]
 TOKENS = (300, 1500)  # short and long generations, alternating per agent

@@ -2,10 +2,13 @@
 
     python tools/test_durations.py run/junit.xml            # rewrite tests/durations.json
     python tools/test_durations.py run/junit.xml --table    # print the per-module table
+    python tools/test_durations.py run/junit.xml --waits run/waits.jsonl  # where tests wait
 
 Reads a pytest JUnit report (``make test`` writes ``run/junit.xml``; each case's time is its
 setup, call and teardown) and writes the tests that took a second or more, by node id, for the
 root ``conftest.py`` to hand out the longest first. The table is docs/development.md's.
+``--waits`` reads the waits ``e2e.waits`` recorded (``make test`` sets ``$CAS_E2E_WAIT_LOG``)
+and prints, for each test over a threshold, its time and the waits that made it up.
 """
 
 from __future__ import annotations
@@ -50,12 +53,33 @@ def table(durations: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
+def waits_table(durations: dict[str, float], log: Path, min_seconds: float = 20.0) -> str:
+    """Tests of `min_seconds` or more, longest first: total, then each recorded wait of a
+    second or more (phase: what = seconds, summed over repeats)."""
+    waits: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for line in log.read_text().splitlines():
+        w = json.loads(line)
+        waits[w["test"]][f"{w['phase']}: {w['what']}"] += w["seconds"]
+    lines = ["| test | seconds | waits (s) |", "| --- | ---: | --- |"]
+    for nodeid, seconds in sorted(durations.items(), key=lambda kv: -kv[1]):
+        if seconds < min_seconds:
+            break
+        parts = [f"{k} {v:.0f}" for k, v in sorted(waits[nodeid].items(), key=lambda kv: -kv[1])
+                 if v >= 1.0]  # fmt: skip
+        lines.append(f"| `{nodeid.split('::', 1)[1]}` | {seconds:.0f} | {'; '.join(parts)} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("report", type=Path)
     parser.add_argument("--table", action="store_true", help="print the per-module table")
+    parser.add_argument("--waits", type=Path, help="print where the long tests waited")
     args = parser.parse_args(argv)
     durations = read(args.report)
+    if args.waits:
+        print(waits_table(durations, args.waits))
+        return 0
     if args.table:
         print(table(durations))
         return 0

@@ -43,6 +43,7 @@ from e2e.cluster.manifests import READINESS_TOLERATION
 from e2e.cluster.podnet import load_for_kubeconfig
 from e2e.runtime.podrunner import PodRunner, kube_pod_deleter, kube_pod_lister, kube_status_patcher
 from e2e.traffic.simload import REPETITION_MARK
+from e2e.waits import wait_for
 
 NAME = "anomaly-demo"
 SELECTOR = {c.LABEL_NAME: NAME, c.LABEL_APP_NAME: c.APP_ENGINE}
@@ -109,17 +110,6 @@ def sims_up(urls: list[str]) -> bool:
     except OSError:
         return False
     return True
-
-
-def wait_for(what: str, probe: Callable[[], Any], timeout: float) -> Any:
-    """Poll `probe` every 0.25 s until truthy; TimeoutError naming `what`."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = probe()
-        if value:
-            return value
-        time.sleep(0.25)
-    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def stop_process(proc: subprocess.Popen[bytes], grace_s: float) -> None:

@@ -249,12 +249,14 @@ def resource_live(
     runner: :func:`probed_by_runner`) in its namespace and yield the
     URL of the resource's router pod once it has an IP; the stack is closed (operator log tail
     printed) however the block ends. Waiting for the pools to serve is the caller's part."""
-    from e2e.fleet.anomaly_stack import wait_for
     from e2e.fleet.fleetview import role_pods
+    from e2e.waits import record, wait_for
 
     name, namespace = manifest["metadata"]["name"], stack.namespace
     try:
+        started = time.monotonic()
         stack.start(log=log)
+        record("live stack start (runner, Prometheus, operator)", time.monotonic() - started)
         kubectl("apply", "-n", namespace, "-f", "-",
                 stdin=yaml.safe_dump(probed_by_runner(manifest)))  # fmt: skip
         yield wait_for(
@@ -268,6 +270,8 @@ def resource_live(
         if refused is not None:
             assert refused.rbac == [] and refused.other == [], refused
     finally:
+        closing = time.monotonic()
         stack.close(log=log)
+        record("live stack close", time.monotonic() - closing)
         if stack.operator is not None:
             log(f"operator log tail:\n{stack.operator.log_tail(15)}")

@@ -22,10 +22,10 @@ import pytest
 import yaml
 
 from cas_engine.sim.fleet import router_available
-from e2e.fleet.anomaly_stack import wait_for
 from e2e.fleet.fleetview import NAME, Kubectl, cas_status, condition, entry_url_when_serving
 from e2e.fleet.livestack import MakeLiveStack, resource_live
 from e2e.paths import REPO_ROOT as ROOT
+from e2e.waits import wait_for
 
 SIM_ARGS = ["--sim-speedup", "20"]
 pytestmark = [

@@ -20,9 +20,10 @@ import pytest
 
 from cas_engine.sim.worker import REPEAT_JUDGED_BY_TOKENS
 from cas_operator.anomaly.drain import ANNOTATION_DRAINING_SINCE, is_ready
-from e2e.fleet.anomaly_stack import AnomalyStack, lone_pod, url_of, wait_for
+from e2e.fleet.anomaly_stack import AnomalyStack, lone_pod, url_of
 from e2e.fleet.fleetview import long_chat, running
 from e2e.traffic.simload import LoadStats, set_fault, steady_traffic
+from e2e.waits import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(240)]
 

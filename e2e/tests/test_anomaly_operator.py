@@ -23,7 +23,6 @@ from typing import Any
 import pytest
 
 from cas_engine.sim.fleet import router_available
-from e2e.fleet.anomaly_stack import wait_for
 from e2e.fleet.fleetview import (
     NAME,
     Kubectl,
@@ -38,6 +37,7 @@ from e2e.fleet.fleetview import (
 from e2e.fleet.livestack import LiveStack, MakeLiveStack, http_ok, resource_live
 from e2e.runtime.podrunner import ROUTER_SHIM, readiness_url, router_launch_for
 from e2e.traffic.simload import LoadStats, set_fault, steady_traffic
+from e2e.waits import wait_for
 
 pytestmark = [
     pytest.mark.e2e,

@@ -27,10 +27,10 @@ import pytest
 import yaml
 
 from cas_engine.sim.fleet import router_available
-from e2e.fleet.anomaly_stack import wait_for
 from e2e.fleet.fleetview import NAME, Kubectl, role_pods
 from e2e.fleet.livestack import LiveStack, MakeLiveStack, http_ok, resource_live
 from e2e.traffic.simload import LoadStats, set_fault, steady_traffic
+from e2e.waits import wait_for
 
 pytestmark = [
     pytest.mark.e2e,

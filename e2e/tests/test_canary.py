@@ -23,7 +23,6 @@ import pytest
 
 from cas_engine.sim.fleet import router_available
 from e2e.cluster.stack import ClusterHandle
-from e2e.fleet.anomaly_stack import wait_for
 from e2e.fleet.canaryview import (
     answers,
     canary_sample,
@@ -36,6 +35,7 @@ from e2e.fleet.canaryview import (
 from e2e.fleet.fleetview import NAME, Kubectl, cas_status, condition, entry_url_when_serving
 from e2e.fleet.livestack import MakeLiveStack, resource_live
 from e2e.traffic.recorded import PodBook, RecordedLoad, Served, check_pairs
+from e2e.waits import pause, wait_for
 from tests.unit.test_argocd_health import health
 
 SIM_ARGS = ["--sim-speedup", "20"]
@@ -65,7 +65,7 @@ def test_an_engine_change_steps_through_the_gateway_and_promotes(
         wait_for("the Gateway to reach the fleet", lambda: answers(gateway), 90)
         book = PodBook(kubectl, namespace, NAME).start()
         load = RecordedLoad(gateway, workers=4, tokens=160).start()
-        time.sleep(5)
+        pause(5, "traffic flows before the change")
         patch_engine(kubectl, namespace, {"env": [{"name": "CAS_DEMO_BUILD", "value": "2"}]})
         weights: list[int] = []
         phases: list[str] = []
@@ -91,7 +91,7 @@ def test_an_engine_change_steps_through_the_gateway_and_promotes(
             raise AssertionError(
                 f"{exc}: {rollout(kubectl, namespace)}; weights {weights}"
             ) from exc
-        time.sleep(3)
+        pause(3, "the last answers come back")
         served = load.stop()
         book.stop()
     check = check_pairs(served, book)
@@ -135,7 +135,7 @@ def test_a_corrupting_canary_is_aborted_within_one_window_and_then_gets_nothing(
         status = cas_status(kubectl, namespace)
         wait_for("the canary's weight back to 0", lambda: route_weight(kubectl, namespace) == 0, 30)
         zero_at = time.monotonic()
-        time.sleep(15)  # traffic after the abort: none may reach the canary
+        pause(15, "traffic after the abort: none may reach the canary")
         served = load.stop()
         wait_for("the canary retired", lambda: not workloads_of(
             kubectl, namespace, shifted["canaryRevision"]), 120)  # fmt: skip
@@ -196,14 +196,14 @@ def test_an_inconclusive_step_pauses_survives_a_restart_and_promotes_on_command(
         obj = json.loads(kubectl("get", "cas", NAME, "-n", namespace, "-o", "json"))
         assert health(obj)["status"] == "Suspended", health(obj)
         assert "Paused" in kubectl_cas(cluster, "rollout", "status", NAME, "-n", namespace)
-        time.sleep(10)  # both revisions serve through the entry Service meanwhile
+        pause(10, "both revisions serve through the entry Service meanwhile")
         during = check_pairs(load.snapshot(), book).by_revision
         assert during.get(paused["canaryRevision"], 0) > 0, during
 
         assert stack.operator is not None
         stack.operator.kill()
         stack.operator.start()
-        time.sleep(20)  # several fleet ticks of the new process
+        pause(20, "several fleet ticks of the new process")
         resumed = rollout(kubectl, namespace)
         assert (resumed["phase"], resumed["step"], resumed["weight"]) == ("Paused", 0, 50)
         assert resumed["stepStartedAt"] == paused["stepStartedAt"], (resumed, paused)
@@ -220,7 +220,7 @@ def test_an_inconclusive_step_pauses_survives_a_restart_and_promotes_on_command(
         )
         annotations = json.loads(kubectl("get", "cas", NAME, "-n", namespace, "-o", "json"))[
             "metadata"].get("annotations") or {}  # fmt: skip
-        time.sleep(5)  # the promoted revision serves alone
+        pause(5, "the promoted revision serves alone")
         served = load.stop()
         book.stop()
     assert "cas.dev/rollout-action" not in annotations, annotations

@@ -24,10 +24,10 @@ import pytest
 import yaml
 
 from e2e.cluster.stack import ClusterHandle
-from e2e.fleet.anomaly_stack import wait_for
 from e2e.fleet.fleetview import cas_status, condition
 from e2e.runtime import chart
 from e2e.runtime.operator_process import OperatorProcess
+from e2e.waits import pause, wait_for
 from tests.paths import load_sample
 
 pytestmark = pytest.mark.e2e
@@ -309,7 +309,7 @@ def test_helm_upgrade_from_the_previous_chart_keeps_the_fleet_ready_and_every_ch
         kubectl("delete", "-f", "-", stdin=yaml.safe_dump_all(grant))  # the current chart grants it
         operator.stop()
         operator.start()  # the upgraded Deployment's new pod
-        time.sleep(15)  # its resume pass and a few fleet ticks
+        pause(15, "its resume pass and a few fleet ticks")
         assert _ready(kubectl, namespace)
         assert _children(kubectl, namespace) == before  # same uid and generation each
     finally:

@@ -12,7 +12,6 @@ import ipaddress
 import json
 import os
 import signal
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ import e2e.cluster.manifests as manifests
 from e2e.cluster.bins import read_versions
 from e2e.cluster.podnet import load_for_kubeconfig
 from e2e.runtime.podrunner import PodRunner, kube_pod_deleter, kube_pod_lister, kube_status_patcher
+from e2e.waits import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -33,14 +33,10 @@ WAIT_S = 60.0
 
 def wait_until(what: str, probe: Callable[[], Any], timeout: float = WAIT_S) -> Any:
     """Poll ``probe`` every 0.25 s until it returns something truthy; fail naming ``what``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.25)
+    try:
+        return wait_for(what, probe, timeout)
+    except TimeoutError as exc:
+        pytest.fail(str(exc))
 
 
 def get_json(kubectl: Kubectl, *args: str) -> dict[str, Any]:

@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 
 from cas_engine.sim.fleet import free_port, router_available
-from e2e.fleet.anomaly_stack import wait_for
 from e2e.fleet.fleetview import (
     NAME,
     Kubectl,
@@ -31,6 +30,7 @@ from e2e.fleet.livestack import MakeLiveStack, http_ok, resource_live
 from e2e.paths import REPO_ROOT as ROOT
 from e2e.runtime.prometheus import prometheus_binary
 from e2e.traffic.simload import LoadStats, steady_traffic
+from e2e.waits import wait_for
 
 pytestmark = [
     pytest.mark.e2e,

@@ -23,7 +23,6 @@ import pytest
 import yaml
 
 from cas_engine.sim.fleet import router_available
-from e2e.fleet.anomaly_stack import wait_for
 from e2e.fleet.fleetview import (
     NAME,
     Kubectl,
@@ -38,6 +37,7 @@ from e2e.fleet.fleetview import (
 from e2e.fleet.livestack import LiveStack, MakeLiveStack, http_ok, resource_live
 from e2e.paths import REPO_ROOT as ROOT
 from e2e.traffic.recorded import RecordedLoad
+from e2e.waits import pause, wait_for
 
 SIM_ARGS = ["--sim-speedup", "2"]  # slow enough that requests are in flight when pods go
 pytestmark = [
@@ -535,7 +535,7 @@ def test_a_node_drain_evicts_a_decode_and_its_router_and_cuts_no_request(
         entry = wait_for("the entry Service", lambda: entry_url_when_serving(kubectl, namespace),
                          60)  # fmt: skip
         load = RecordedLoad(entry, workers=3, tokens=300).start()
-        time.sleep(5)
+        pause(5, "traffic flows before the drain")
         (pod, *_) = role_pods(kubectl, namespace, "decode")
         node = pod["spec"]["nodeName"]
         try:
@@ -545,7 +545,7 @@ def test_a_node_drain_evicts_a_decode_and_its_router_and_cuts_no_request(
             wait_for("the drained decode replaced", lambda: len(decode_urls(
                 kubectl, namespace)) == 2 and pod["metadata"]["name"] not in decode_urls(
                 kubectl, namespace), 120)  # fmt: skip
-            time.sleep(5)
+            pause(5, "traffic through the replacement")
         finally:
             kubectl("uncordon", node, check=False)
             served = load.stop()

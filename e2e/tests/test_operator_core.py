@@ -24,6 +24,7 @@ import yaml
 from e2e.fleet.fleetview import apply_crds
 from e2e.runtime import chart
 from e2e.runtime.operator_process import OperatorProcess
+from e2e.waits import pause, wait_for
 from tests.paths import ROOT, load_sample
 
 # clusterwide: this module's operator watches every namespace, as the chart's default install
@@ -73,14 +74,10 @@ def restarted(operator: OperatorProcess, *args: str) -> Iterator[OperatorProcess
 
 def wait_until(what: str, probe: Callable[[], Any], timeout: float = READY_TIMEOUT_S) -> Any:
     """Poll `probe` until it returns something truthy; fail with `what` on timeout."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(0.5)
-    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
+    try:
+        return wait_for(what, probe, timeout, interval=0.5)
+    except TimeoutError as exc:
+        pytest.fail(str(exc))
 
 
 def get_json(kubectl: Kubectl, *args: str) -> Any:
@@ -306,6 +303,27 @@ def test_delete_garbage_collects_children(
     wait_until("children garbage-collected", gone, timeout=60)
 
 
+def test_a_resource_deleted_while_no_operator_runs_goes_with_its_children(
+    operator: OperatorProcess, kubectl: Kubectl, namespace: str
+) -> None:
+    """Regression (issue 38): a kopf timer put kopf's finalizer on every resource, so one
+    deleted while the operator was down (uninstalled first, scaled to zero, a GitOps prune
+    racing an operator upgrade) stayed Terminating, and its namespace with it. The resource
+    carries no finalizer and goes at once; the garbage collector takes its children."""
+    manifest = small("minimal.yaml", prefill={"tensorParallel": 1}, decode={"tensorParallel": 1})
+    apply(kubectl, namespace, manifest)
+    cas = wait_ready(kubectl, namespace, "minimal")
+    assert not cas["metadata"].get("finalizers"), cas["metadata"]["finalizers"]
+    operator.stop()
+    try:
+        kubectl("delete", "cas", "minimal", "-n", namespace, "--wait=true", "--timeout=30s")
+        wait_until("children garbage-collected", lambda: not any(
+            children(kubectl, namespace, kind, "minimal") for kind in ("deploy", "svc")
+        ), timeout=60)  # fmt: skip
+    finally:
+        operator.start()
+
+
 def test_a_deleted_pool_is_recreated_from_its_delete_event(
     operator: OperatorProcess, kubectl: Kubectl, namespace: str
 ) -> None:
@@ -473,7 +491,7 @@ def test_operator_reports_invalid_spec_once(
     cond = wait_until("Degraded/InvalidSpec", degraded, timeout=60)
     assert cond["status"] == "True" and "prefill.contextParallel" in cond["message"]
     assert not children(kubectl, namespace, "deploy", "minimal")
-    time.sleep(12)  # a guard tick and more: the condition stays, nothing is created
+    pause(12, "a guard tick and more: the condition stays, nothing is created")
     assert degraded() is not None and not children(kubectl, namespace, "deploy", "minimal")
     assert operator.running(), operator.log_tail()
 

@@ -25,10 +25,10 @@ import yaml
 
 from cas_engine.sim.fleet import router_available
 from cas_operator.api import constants as c
-from e2e.fleet.anomaly_stack import wait_for
 from e2e.fleet.fleetview import Kubectl, long_chat, role_pods, router_workers
 from e2e.fleet.livestack import MakeLiveStack, http_ok, resource_live
 from e2e.paths import REPO_ROOT as ROOT
+from e2e.waits import wait_for
 
 pytestmark = [
     pytest.mark.e2e,
