@@ -82,6 +82,20 @@ def install_identity(
     return identity_of(kubectl, admin_kubeconfig, out, release=release, namespace=namespace)
 
 
+def remove_cluster_scoped(
+    kubectl: Kubectl, release: str, namespace: str, values: Mapping[str, Any] | None = None
+) -> None:
+    """Delete what the release's template makes outside namespaces (admission policies and
+    their bindings, ClusterRoles): a test's release leaves nothing on the shared cluster. Never
+    the session's all-namespaces release, which other tests share."""
+    if release == "cas-operator":
+        raise ValueError("the shared release cas-operator stays installed")
+    for obj in template(release, namespace, values):
+        if "namespace" not in obj["metadata"] and obj["kind"] != "CustomResourceDefinition":
+            kubectl("delete", obj["kind"], obj["metadata"]["name"], "--ignore-not-found",
+                    "--wait=false", check=False)  # fmt: skip
+
+
 def identity_of(
     kubectl: Kubectl, admin_kubeconfig: Path, out: Path, *, release: str, namespace: str
 ) -> ChartIdentity:

@@ -68,6 +68,15 @@ class NamespaceTerminating(Exception):
     """The API server refuses to create anything in a namespace being deleted."""
 
 
+class NotTheSameObject(Exception):
+    """A write named the object's uid (a precondition) and no object of that uid exists under
+    its name any more: it was deleted, or deleted and made again by someone else."""
+
+    def __init__(self, kind: str, name: str) -> None:
+        super().__init__(f"{kind} {name} is not the object of the given uid any more")
+        self.kind, self.name = kind, name
+
+
 def load_api_client() -> client.ApiClient:
     """In-cluster config when running in a pod, else KUBECONFIG / ~/.kube/config."""
     try:
@@ -114,17 +123,21 @@ class Kube:
             raise ApiException(status=response.status, reason=response.reason, body=raw.decode())
         return json.loads(raw) if raw else None
 
-    def apply(self, manifest: Manifest) -> Manifest:
+    def apply(self, manifest: Manifest, uid: str | None = None) -> Manifest:
         """Server-side apply; raises KindNotInstalled when the kind is not served and
-        NamespaceTerminating when its namespace is being deleted."""
+        NamespaceTerminating when its namespace is being deleted. With `uid`, only the object
+        of that uid is written: the API server answers 409 when none exists under the name and
+        422 when another one does (both raise NotTheSameObject, nothing written); without,
+        the object is created or taken over, whoever had it."""
         kind = manifest["kind"]
         meta = manifest["metadata"]
         path = f"{KINDS[kind].base_path(meta['namespace'])}/{meta['name']}"
+        body = manifest if uid is None else {**manifest, "metadata": {**meta, "uid": uid}}
         try:
             result: Manifest = self._call(
                 "PATCH",
                 path,
-                body=manifest,
+                body=body,
                 content_type="application/apply-patch+yaml",
                 query=[("fieldManager", c.FIELD_MANAGER), ("force", "true")],
             )
@@ -133,6 +146,8 @@ class Kube:
                 raise KindNotInstalled(kind) from exc
             if exc.status == 403 and "being terminated" in str(exc.body or ""):
                 raise NamespaceTerminating(meta["namespace"]) from exc
+            if uid is not None and _is_uid_mismatch(exc):
+                raise NotTheSameObject(kind, meta["name"]) from exc
             raise
         return result
 
@@ -213,15 +228,19 @@ class Kube:
             raise
         return done
 
-    def delete(self, kind: str, namespace: str, name: str) -> None:
-        """Delete with background propagation; a missing object is not an error. (Pods leave
-        through `evict`, which carries their uid as a precondition.)"""
-        body = {"propagationPolicy": "Background"}
+    def delete(self, kind: str, namespace: str, name: str, uid: str | None = None) -> None:
+        """Delete with background propagation; a missing object is not an error, nor (with
+        `uid`, a precondition) one of another uid, which stays. (Pods leave through `evict`,
+        which carries their uid as a precondition.)"""
+        body: Manifest = {"propagationPolicy": "Background"}
+        if uid:
+            body["preconditions"] = {"uid": uid}
         try:
             self._call("DELETE", f"{KINDS[kind].base_path(namespace)}/{name}", body=body)
         except ApiException as exc:
-            if exc.status != 404:
-                raise
+            if exc.status == 404 or (uid and exc.status == 409):
+                return
+            raise
 
     def evict(self, namespace: str, name: str, uid: str | None) -> bool:
         """Remove a pod through the Eviction API, so PodDisruptionBudgets hold and its
@@ -296,6 +315,16 @@ def _kind_of(path: str) -> str:
         kind = parts[parts.index("namespaces") + 2]
         return f"{kind}/eviction" if parts[-1] == "eviction" else kind
     return parts[-1]
+
+
+def _is_uid_mismatch(exc: ApiException) -> bool:
+    """The answer to a write whose `metadata.uid` names no object under that name: 409 "uid
+    mismatch ... no existing object was found" (none there), or 422 on `metadata.uid` "field is
+    immutable" (another object there)."""
+    text = str(exc.body or "")
+    return (exc.status == 409 and "uid mismatch" in text) or (
+        exc.status == 422 and "metadata.uid" in text
+    )
 
 
 def _is_missing_kind(exc: ApiException) -> bool:
