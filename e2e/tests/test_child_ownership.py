@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 import yaml
 
-from cas_operator.desired.resources.meta import stable_hash
 from e2e.runtime import chart
 from e2e.runtime.operator_process import OperatorProcess
 from tests.paths import load_sample
@@ -31,19 +30,8 @@ def operator_here(
     cluster: Any, kubectl: Kubectl, namespace: str, crds: None, tmp_path: Path
 ) -> Iterator[tuple[OperatorProcess, chart.ChartIdentity]]:
     """An operator watching only `namespace`, under its own namespaced chart release."""
-    release, values = f"cas-op-{stable_hash(namespace)}", {"watchNamespaces": [namespace]}
-    identity = chart.install_identity(
-        kubectl, cluster.kubeconfig, tmp_path / "kubeconfig",
-        release=release, namespace=namespace, values=values,
-    )  # fmt: skip
-    proc = OperatorProcess(identity.kubeconfig, tmp_path / "operator.log",
-                           extra_args=("-n", namespace))  # fmt: skip
-    proc.start()
-    try:
-        yield proc, identity
-    finally:
-        proc.stop()
-        chart.remove_cluster_scoped(kubectl, release, namespace, values)
+    with chart.namespaced_operator(kubectl, cluster.kubeconfig, namespace, tmp_path) as found:
+        yield found
 
 
 def wait_until(what: str, probe: Callable[[], Any], timeout: float = 90.0) -> Any:
