@@ -8,8 +8,11 @@ of the kinds we manage, so no discovery round trips are needed.
 from __future__ import annotations
 
 import base64
+import copy
 import json
 import logging
+import os
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +26,14 @@ from cas_operator.types import Manifest, rfc3339
 
 log = logging.getLogger(__name__)
 CONNECTION_POOL_SIZE = 48
+REQUEST_TIMEOUT_S = 30.0
+WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
+def process_identity() -> str:
+    """This process among the operator's replicas: `<hostname>-<pid>` (the Lease holder's
+    identity, and in every request's User-Agent, so the audit log tells replicas apart)."""
+    return f"{socket.gethostname()}-{os.getpid()}"
 
 
 @dataclass(frozen=True)
@@ -68,6 +79,10 @@ class NamespaceTerminating(Exception):
     """The API server refuses to create anything in a namespace being deleted."""
 
 
+class NotLeading(Exception):
+    """A write refused before it was sent: this process no longer holds the Lease."""
+
+
 class NotTheSameObject(Exception):
     """A write named the object's uid (a precondition) and no object of that uid exists under
     its name any more: it was deleted, or deleted and made again by someone else."""
@@ -87,14 +102,29 @@ def load_api_client() -> client.ApiClient:
     # One pooled connection per concurrent caller (apply pool, refreshes, kopf's executor,
     # guard workers); urllib3's default of 10 discarded connections and re-did TLS handshakes.
     cfg.connection_pool_maxsize = CONNECTION_POOL_SIZE
-    return client.ApiClient(cfg)
+    api = client.ApiClient(cfg)
+    api.user_agent = f"cas-operator ({process_identity()})"
+    return api
 
 
 class Kube:
-    """Thin synchronous API access; safe to share between kopf's handler threads."""
+    """Thin synchronous API access; safe to share between kopf's handler threads.
 
-    def __init__(self, api_client: client.ApiClient | None = None) -> None:
+    `may_write`, when set, is asked before every write and a False refuses it unsent
+    (`NotLeading`): leader election's gate. Each request gives up after `timeout` seconds."""
+
+    def __init__(
+        self, api_client: client.ApiClient | None = None, timeout: float = REQUEST_TIMEOUT_S
+    ) -> None:
         self.api = api_client or load_api_client()
+        self.timeout = timeout
+        self.may_write: Callable[[], bool] | None = None
+
+    def with_timeout(self, seconds: float) -> Kube:
+        """The same client (connections, gate) whose requests give up after `seconds`."""
+        other = copy.copy(self)
+        other.timeout = seconds
+        return other
 
     def _call(
         self,
@@ -106,6 +136,8 @@ class Kube:
         query: list[tuple[str, str]] | None = None,
     ) -> Any:
         """One request; non-2xx answers raise ApiException with the server's status body."""
+        if method in WRITE_METHODS and self.may_write is not None and not self.may_write():
+            raise NotLeading(f"{method} {path}: this process no longer holds the Lease")
         method, url, headers, payload, _ = self.api.param_serialize(
             method=method,
             resource_path=path,
@@ -115,7 +147,7 @@ class Kube:
             auth_settings=["BearerToken"],
         )
         response = self.api.call_api(
-            method, url, header_params=headers, body=payload, _request_timeout=30
+            method, url, header_params=headers, body=payload, _request_timeout=self.timeout
         )
         raw: bytes = response.read()  # type: ignore[no-untyped-call]
         API_REQUESTS.labels(method, _kind_of(path), str(response.status)).inc()
