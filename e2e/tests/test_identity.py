@@ -200,3 +200,46 @@ def _deployment(namespace: str, account: str) -> dict[str, Any]:
                 "metadata": {"labels": labels},
                 "spec": {"serviceAccountName": account,
                          "containers": [{"name": "c", "image": "attacker:1"}]}}}}  # fmt: skip
+
+
+def test_of_a_users_httproute_only_the_canary_weights_may_change(
+    leaked: Any, kubectl: Kubectl, namespace: str
+) -> None:
+    """`spec.gateway.httpRoute` names a user's HTTPRoute whose weights the operator sets
+    (read, then written whole with its resourceVersion, as `reconcile.core.set_route_weights`
+    does). With the token, that write goes through the admission policy; the same write
+    changing another backend's weight, a backend's name or the hostnames is refused."""
+    ns = namespace
+    route = {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute",
+             "metadata": {"name": "users-route", "namespace": ns},
+             "spec": {"parentRefs": [{"name": "gw"}], "hostnames": ["app.example"], "rules": [
+                 {"backendRefs": [{"name": "demo-stable", "port": 80, "weight": 100},
+                                  {"name": "demo-canary", "port": 80, "weight": 0},
+                                  {"name": "other", "port": 80, "weight": 5}]}]}}  # fmt: skip
+    kubectl("create", "-f", "-", stdin=json.dumps(route))
+    await_policy(kubectl, leaked, ns)
+    url = f"/apis/gateway.networking.k8s.io/v1/namespaces/{ns}/httproutes/users-route"
+
+    def put(change: Callable[[dict[str, Any]], None]) -> tuple[int, str]:
+        current = json.loads(kubectl("get", "--raw", url))
+        change(current)
+        return leaked("replace", "--raw", url, "-f", "-", stdin=json.dumps(current))
+
+    def refs(obj: dict[str, Any]) -> list[dict[str, Any]]:
+        found: list[dict[str, Any]] = obj["spec"]["rules"][0]["backendRefs"]
+        return found
+
+    def canary(obj: dict[str, Any]) -> None:
+        refs(obj)[0]["weight"], refs(obj)[1]["weight"] = 90, 10
+
+    code, out = put(canary)
+    assert code == 0, out
+    assert [r["weight"] for r in refs(json.loads(kubectl("get", "--raw", url)))] == [90, 10, 5]
+    refused = {
+        "another backend's weight": lambda o: refs(o)[2].update(weight=50),
+        "a backend's name": lambda o: refs(o)[1].update(name="evil"),
+        "the hostnames": lambda o: o["spec"].update(hostnames=["evil.example"]),
+        "a label": lambda o: o["metadata"].setdefault("labels", {}).update(x="y"),
+    }
+    accepted = {what: out for what, change in refused.items() if (out := put(change))[0] == 0}
+    assert accepted == {}, accepted
