@@ -13,7 +13,7 @@ import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from cas_operator.kube import KindNotInstalled
+from cas_operator.kube import KindNotInstalled, NotTheSameObject
 from cas_operator.observe.types import Observation, PodSignals, PodTarget
 
 Manifest = dict[str, Any]
@@ -40,9 +40,9 @@ class MemoryKube:
     """Workloads and other children keyed by (kind, name): apply, list, delete, and status
     patches of the owner; Secrets by create (409: None) and read by name, their `stringData`
     as the server stores it. Applied workloads report ready (unless `ready=False`); without
-    `lws` the LeaderWorkerSet kind is not served. `replace` honours the resourceVersion
-    precondition. Records applies, creates, replaces, merge patches, deletes, LISTs and
-    status patches."""
+    `lws` the LeaderWorkerSet kind is not served. An applied object gets a uid once; `apply`
+    and `delete` honour a uid precondition, `replace` the resourceVersion one. Records applies,
+    creates, replaces, merge patches, deletes, GETs, LISTs and status patches."""
 
     def __init__(self, *, lws: bool = True, ready: bool = True) -> None:
         self.objects: dict[tuple[str, str], Manifest] = {}
@@ -53,13 +53,23 @@ class MemoryKube:
         self.patches: list[tuple[str, str]] = []
         self.created: list[tuple[str, str]] = []
         self.replaced: list[tuple[str, str]] = []
+        self.gets: list[tuple[str, str]] = []
         self.lws, self.ready = lws, ready
+        self._uids = 0
 
-    def apply(self, manifest: Manifest) -> Manifest:
+    def apply(self, manifest: Manifest, uid: str | None = None) -> Manifest:
         kind, name = manifest["kind"], manifest["metadata"]["name"]
         if kind == "LeaderWorkerSet" and not self.lws:
             raise KindNotInstalled(kind)
-        obj = {**manifest, "metadata": {**manifest["metadata"], "generation": 1}}
+        before = self.objects.get((kind, name))
+        stored = None if before is None else before["metadata"].get("uid")
+        if uid is not None and uid != stored:
+            raise NotTheSameObject(kind, name)
+        if stored is None:
+            self._uids += 1
+            stored = f"obj-{self._uids}"
+        meta = {**(before or {}).get("metadata", {}), **manifest["metadata"], "uid": stored}
+        obj = {**manifest, "metadata": {**meta, "generation": 1}}
         replicas = manifest.get("spec", {}).get("replicas", 0)
         obj["status"] = {"observedGeneration": 1, "readyReplicas": replicas if self.ready else 0}
         self.objects[(kind, name)] = obj
@@ -82,11 +92,15 @@ class MemoryKube:
         self.lists += 1
         return [o for (k, _), o in self.objects.items() if k == kind and _matches(o, selector)]
 
-    def delete(self, kind: str, namespace: str, name: str) -> None:
+    def delete(self, kind: str, namespace: str, name: str, uid: str | None = None) -> None:
+        found = self.objects.get((kind, name))
+        if found is not None and uid is not None and found["metadata"].get("uid") != uid:
+            return  # the precondition fails (409): nothing deleted
         self.objects.pop((kind, name), None)
         self.deleted.append((kind, name))
 
     def get(self, kind: str, namespace: str, name: str) -> Manifest | None:
+        self.gets.append((kind, name))
         found = self.objects.get((kind, name))
         return None if found is None else copy.deepcopy(found)
 

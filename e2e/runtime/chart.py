@@ -12,17 +12,20 @@ audits every service account's request, one event at completion).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from cas_operator.desired.resources.meta import stable_hash
 from e2e.cluster.bins import resolve
 from e2e.paths import REPO_ROOT
+from e2e.runtime.operator_process import OperatorProcess
 
 CHART_DIR = REPO_ROOT / "charts" / "cas-operator"
 Kubectl = Callable[..., str]
@@ -82,6 +85,46 @@ def install_identity(
     return identity_of(kubectl, admin_kubeconfig, out, release=release, namespace=namespace)
 
 
+def remove_cluster_scoped(
+    kubectl: Kubectl, release: str, namespace: str, values: Mapping[str, Any] | None = None
+) -> None:
+    """Delete what the release's template makes outside namespaces (admission policies and
+    their bindings, ClusterRoles): a test's release leaves nothing on the shared cluster. Never
+    the session's all-namespaces release, which other tests share."""
+    if release == "cas-operator":
+        raise ValueError("the shared release cas-operator stays installed")
+    for obj in template(release, namespace, values):
+        if "namespace" not in obj["metadata"] and obj["kind"] != "CustomResourceDefinition":
+            kubectl("delete", obj["kind"], obj["metadata"]["name"], "--ignore-not-found",
+                    "--wait=false", check=False)  # fmt: skip
+
+
+@contextlib.contextmanager
+def namespaced_operator(
+    kubectl: Kubectl,
+    admin_kubeconfig: Path,
+    namespace: str,
+    workdir: Path,
+    extra_args: tuple[str, ...] = (),
+) -> Iterator[tuple[OperatorProcess, ChartIdentity]]:
+    """The operator as a process watching only `namespace`, under the namespaced chart's
+    identity (a release of its own, released into `namespace`; its cluster-scoped objects
+    are removed afterwards)."""
+    release, values = f"cas-op-{stable_hash(namespace)}", {"watchNamespaces": [namespace]}
+    identity = install_identity(
+        kubectl, admin_kubeconfig, workdir / "operator-kubeconfig",
+        release=release, namespace=namespace, values=values,
+    )  # fmt: skip
+    proc = OperatorProcess(identity.kubeconfig, workdir / "operator.log",
+                           extra_args=("-n", namespace, *extra_args))  # fmt: skip
+    proc.start()
+    try:
+        yield proc, identity
+    finally:
+        proc.stop()
+        remove_cluster_scoped(kubectl, release, namespace, values)
+
+
 def identity_of(
     kubectl: Kubectl, admin_kubeconfig: Path, out: Path, *, release: str, namespace: str
 ) -> ChartIdentity:
@@ -92,14 +135,14 @@ def identity_of(
 
 
 def kubectl_as(
-    identity: ChartIdentity, kubectl_path: Path | None, *args: str
+    identity: ChartIdentity, kubectl_path: Path | None, *args: str, stdin: str | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """kubectl as the chart's ServiceAccount; the caller reads the exit code and stderr (the
-    API server's refusal message)."""
+    """kubectl as the chart's ServiceAccount (`stdin`: its input); the caller reads the exit
+    code and stderr (the API server's refusal message)."""
     exe = str(kubectl_path or resolve().kubectl)
     return subprocess.run(
         [exe, "--kubeconfig", str(identity.kubeconfig), *args],
-        capture_output=True, text=True, timeout=60, check=False,
+        input=stdin, capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
 
 

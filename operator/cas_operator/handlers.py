@@ -24,7 +24,6 @@ import functools
 import logging
 import os
 import random
-import socket
 import time
 from typing import Any
 
@@ -33,7 +32,7 @@ import kopf
 from cas_operator.api import constants as c
 from cas_operator.api.limits import OperatorLimits
 from cas_operator.fleet_tick import FleetTick
-from cas_operator.kube import Kube
+from cas_operator.kube import Kube, process_identity
 from cas_operator.leader import LeaderElection
 from cas_operator.metrics import GUARD_TICK_SECONDS, LEADER
 from cas_operator.observe.prometheus import PrometheusSource
@@ -214,14 +213,19 @@ async def on_prefill_pod_event(body: kopf.Body, **kwargs: Any) -> None:
 
 async def lead() -> None:
     """With leader election on, wait until this process holds the Lease (kopf starts no
-    watch before the startup handlers return), then keep it; exit when it is lost."""
+    watch before the startup handlers return), then keep it: every write of the operator's
+    client is gated on it (`Kube.may_write`), and the process exits when it is lost."""
     where = os.environ.get(c.LEADER_ELECTION_ENV)
     if not where:
         return
     namespace, _, name = where.partition("/")
-    identity = f"{socket.gethostname()}-{os.getpid()}"
-    election = LeaderElection(kube(), namespace, name or "cas-operator", identity)
+    # Its own client object (same connections): Lease calls carry their own timeouts, and
+    # the gate below must not refuse the renewals themselves.
+    election = LeaderElection(
+        Kube(kube().api), namespace, name or "cas-operator", process_identity()
+    )
     await asyncio.to_thread(election.acquire)
+    kube().may_write = election.leading
     LEADER.set(1)
     election.keep(on_lost=lambda: os._exit(1))
 

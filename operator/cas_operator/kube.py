@@ -8,8 +8,11 @@ of the kinds we manage, so no discovery round trips are needed.
 from __future__ import annotations
 
 import base64
+import copy
 import json
 import logging
+import os
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +26,14 @@ from cas_operator.types import Manifest, rfc3339
 
 log = logging.getLogger(__name__)
 CONNECTION_POOL_SIZE = 48
+REQUEST_TIMEOUT_S = 30.0
+WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
+def process_identity() -> str:
+    """This process among the operator's replicas: `<hostname>-<pid>` (the Lease holder's
+    identity, and in every request's User-Agent, so the audit log tells replicas apart)."""
+    return f"{socket.gethostname()}-{os.getpid()}"
 
 
 @dataclass(frozen=True)
@@ -68,6 +79,19 @@ class NamespaceTerminating(Exception):
     """The API server refuses to create anything in a namespace being deleted."""
 
 
+class NotLeading(Exception):
+    """A write refused before it was sent: this process no longer holds the Lease."""
+
+
+class NotTheSameObject(Exception):
+    """A write named the object's uid (a precondition) and no object of that uid exists under
+    its name any more: it was deleted, or deleted and made again by someone else."""
+
+    def __init__(self, kind: str, name: str) -> None:
+        super().__init__(f"{kind} {name} is not the object of the given uid any more")
+        self.kind, self.name = kind, name
+
+
 def load_api_client() -> client.ApiClient:
     """In-cluster config when running in a pod, else KUBECONFIG / ~/.kube/config."""
     try:
@@ -78,14 +102,29 @@ def load_api_client() -> client.ApiClient:
     # One pooled connection per concurrent caller (apply pool, refreshes, kopf's executor,
     # guard workers); urllib3's default of 10 discarded connections and re-did TLS handshakes.
     cfg.connection_pool_maxsize = CONNECTION_POOL_SIZE
-    return client.ApiClient(cfg)
+    api = client.ApiClient(cfg)
+    api.user_agent = f"cas-operator ({process_identity()})"
+    return api
 
 
 class Kube:
-    """Thin synchronous API access; safe to share between kopf's handler threads."""
+    """Thin synchronous API access; safe to share between kopf's handler threads.
 
-    def __init__(self, api_client: client.ApiClient | None = None) -> None:
+    `may_write`, when set, is asked before every write and a False refuses it unsent
+    (`NotLeading`): leader election's gate. Each request gives up after `timeout` seconds."""
+
+    def __init__(
+        self, api_client: client.ApiClient | None = None, timeout: float = REQUEST_TIMEOUT_S
+    ) -> None:
         self.api = api_client or load_api_client()
+        self.timeout = timeout
+        self.may_write: Callable[[], bool] | None = None
+
+    def with_timeout(self, seconds: float) -> Kube:
+        """The same client (connections, gate) whose requests give up after `seconds`."""
+        other = copy.copy(self)
+        other.timeout = seconds
+        return other
 
     def _call(
         self,
@@ -97,6 +136,8 @@ class Kube:
         query: list[tuple[str, str]] | None = None,
     ) -> Any:
         """One request; non-2xx answers raise ApiException with the server's status body."""
+        if method in WRITE_METHODS and self.may_write is not None and not self.may_write():
+            raise NotLeading(f"{method} {path}: this process no longer holds the Lease")
         method, url, headers, payload, _ = self.api.param_serialize(
             method=method,
             resource_path=path,
@@ -106,7 +147,7 @@ class Kube:
             auth_settings=["BearerToken"],
         )
         response = self.api.call_api(
-            method, url, header_params=headers, body=payload, _request_timeout=30
+            method, url, header_params=headers, body=payload, _request_timeout=self.timeout
         )
         raw: bytes = response.read()  # type: ignore[no-untyped-call]
         API_REQUESTS.labels(method, _kind_of(path), str(response.status)).inc()
@@ -114,17 +155,21 @@ class Kube:
             raise ApiException(status=response.status, reason=response.reason, body=raw.decode())
         return json.loads(raw) if raw else None
 
-    def apply(self, manifest: Manifest) -> Manifest:
+    def apply(self, manifest: Manifest, uid: str | None = None) -> Manifest:
         """Server-side apply; raises KindNotInstalled when the kind is not served and
-        NamespaceTerminating when its namespace is being deleted."""
+        NamespaceTerminating when its namespace is being deleted. With `uid`, only the object
+        of that uid is written: the API server answers 409 when none exists under the name and
+        422 when another one does (both raise NotTheSameObject, nothing written); without,
+        the object is created or taken over, whoever had it."""
         kind = manifest["kind"]
         meta = manifest["metadata"]
         path = f"{KINDS[kind].base_path(meta['namespace'])}/{meta['name']}"
+        body = manifest if uid is None else {**manifest, "metadata": {**meta, "uid": uid}}
         try:
             result: Manifest = self._call(
                 "PATCH",
                 path,
-                body=manifest,
+                body=body,
                 content_type="application/apply-patch+yaml",
                 query=[("fieldManager", c.FIELD_MANAGER), ("force", "true")],
             )
@@ -133,6 +178,8 @@ class Kube:
                 raise KindNotInstalled(kind) from exc
             if exc.status == 403 and "being terminated" in str(exc.body or ""):
                 raise NamespaceTerminating(meta["namespace"]) from exc
+            if uid is not None and _is_uid_mismatch(exc):
+                raise NotTheSameObject(kind, meta["name"]) from exc
             raise
         return result
 
@@ -213,15 +260,19 @@ class Kube:
             raise
         return done
 
-    def delete(self, kind: str, namespace: str, name: str) -> None:
-        """Delete with background propagation; a missing object is not an error. (Pods leave
-        through `evict`, which carries their uid as a precondition.)"""
-        body = {"propagationPolicy": "Background"}
+    def delete(self, kind: str, namespace: str, name: str, uid: str | None = None) -> None:
+        """Delete with background propagation; a missing object is not an error, nor (with
+        `uid`, a precondition) one of another uid, which stays. (Pods leave through `evict`,
+        which carries their uid as a precondition.)"""
+        body: Manifest = {"propagationPolicy": "Background"}
+        if uid:
+            body["preconditions"] = {"uid": uid}
         try:
             self._call("DELETE", f"{KINDS[kind].base_path(namespace)}/{name}", body=body)
         except ApiException as exc:
-            if exc.status != 404:
-                raise
+            if exc.status == 404 or (uid and exc.status == 409):
+                return
+            raise
 
     def evict(self, namespace: str, name: str, uid: str | None) -> bool:
         """Remove a pod through the Eviction API, so PodDisruptionBudgets hold and its
@@ -296,6 +347,16 @@ def _kind_of(path: str) -> str:
         kind = parts[parts.index("namespaces") + 2]
         return f"{kind}/eviction" if parts[-1] == "eviction" else kind
     return parts[-1]
+
+
+def _is_uid_mismatch(exc: ApiException) -> bool:
+    """The answer to a write whose `metadata.uid` names no object under that name: 409 "uid
+    mismatch ... no existing object was found" (none there), or 422 on `metadata.uid` "field is
+    immutable" (another object there)."""
+    text = str(exc.body or "")
+    return (exc.status == 409 and "uid mismatch" in text) or (
+        exc.status == 422 and "metadata.uid" in text
+    )
 
 
 def _is_missing_kind(exc: ApiException) -> bool:

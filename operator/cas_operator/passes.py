@@ -39,7 +39,7 @@ from cas_operator.metrics import (
     forget_fleet,
     record_fleet,
 )
-from cas_operator.reconcile import keys
+from cas_operator.reconcile import keys, ownership
 from cas_operator.reconcile.core import Measured, Outcome, reconcile
 from cas_operator.reconcile.status import ObservedWorkload, find_condition, status_patch
 from cas_operator.types import Manifest, Status, rfc3339
@@ -291,6 +291,7 @@ class Passes:
         for stamps in (self.last_full_apply, self.applied_at, self.written):
             stamps.pop(uid, None)
         keys.forget(uid)
+        ownership.KNOWN.forget_owner(uid)
         forget_fleet(*key)
         with self._lock:
             self.child_deleted.discard(key)

@@ -148,6 +148,19 @@ def test_record_creates_the_owned_configmap_and_survives_a_concurrent_end() -> N
     assert sorted(e.uid for e in feed) == ["racer", "u1", "u2"]
 
 
+def test_a_users_configmap_of_the_feeds_name_is_never_written() -> None:
+    """Regression (issue 41): the feed was written over any ConfigMap `<name>-prefill-gone`
+    (read, then replaced with its resourceVersion), a user's too; the operator writes only
+    the one its resource controls."""
+    kube = FakeKube()
+    users = {"kind": "ConfigMap", "metadata": {"name": "glm5-prefill-gone"}, "data": {"a": "b"}}
+    kube._store("ConfigMap", users)
+    before = copy.deepcopy(users)
+    record = act.record_prefill_end(kube, prefill_pod(uid="u1"), parse_time(T0) or 0.0)  # type: ignore[arg-type]
+    assert record.outcome == "not_owned" and "no controller owner reference" in record.detail
+    assert kube.objects[("ConfigMap", "glm5-prefill-gone")] == before
+
+
 def test_an_unconfirmed_end_is_a_warning_event_and_not_recorded() -> None:
     kube = FakeKube()
     record = act.record_prefill_end(kube, prefill_pod(terminated=False), 0.0)  # type: ignore[arg-type]

@@ -240,11 +240,11 @@ def test_a_namespace_being_deleted_is_not_reported_as_a_failed_apply() -> None:
     every apply answered 403 'being terminated'; that is not a fault to show as Degraded."""
 
     class Terminating(MemoryKube):
-        def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        def apply(self, manifest: dict[str, Any], uid: str | None = None) -> dict[str, Any]:
             raise NamespaceTerminating("ns")
 
     class Refused(MemoryKube):
-        def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        def apply(self, manifest: dict[str, Any], uid: str | None = None) -> dict[str, Any]:
             raise ApiException(status=403, reason="Forbidden", body="RBAC says no")
 
     terminating, refused = run(Terminating(), SPEC), run(Refused(), SPEC)

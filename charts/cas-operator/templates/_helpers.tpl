@@ -29,15 +29,27 @@ per watched namespace (Roles) or cluster-wide (ClusterRole) when watchNamespaces
 - apiGroups: [serving.cas.dev]
   resources: [codingagentservings/finalizers]
   verbs: [update]
+# Every write below is bounded further by the ValidatingAdmissionPolicy <release>-own-objects
+# (templates/admission-policy.yaml): only objects labelled as a fleet's with one controller
+# ownerReference to that CodingAgentServing, in the shapes the operator makes.
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [get, list, watch, create, patch, update, delete]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [leaderworkerset.x-k8s.io]
   resources: [leaderworkersets]
-  verbs: [get, list, watch, create, patch, update, delete]
+  verbs: [get, list, watch, create, patch, delete]
+# listed by label when an older revision retires
 - apiGroups: [""]
-  resources: [services, configmaps, serviceaccounts]
-  verbs: [get, list, watch, create, patch, update, delete]
+  resources: [services]
+  verbs: [get, list, create, patch, delete]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [get, list, create, patch, delete]
+# the plan ConfigMap (applied) and the prefill-gone feed (read, then written with its
+# resourceVersion); never listed, so no other ConfigMap is read but by name
+- apiGroups: [""]
+  resources: [configmaps]
+  verbs: [get, create, patch, update]
 # each fleet's keys Secret, read by name and made once: never list or watch (other Secrets)
 - apiGroups: [""]
   resources: [secrets]
@@ -52,9 +64,6 @@ per watched namespace (Roles) or cluster-wide (ClusterRole) when watchNamespaces
 - apiGroups: ["", events.k8s.io]
   resources: [events]
   verbs: [create, patch]
-- apiGroups: [policy]
-  resources: [poddisruptionbudgets]
-  verbs: [get, list, watch, create, patch, update, delete]
 # each fleet's NetworkPolicies (server-side apply, deleted when the spec turns them off)
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
@@ -64,8 +73,13 @@ per watched namespace (Roles) or cluster-wide (ClusterRole) when watchNamespaces
 - apiGroups: [gateway.networking.k8s.io]
   resources: [httproutes]
   verbs: [get, create, patch, update, delete]
-# each fleet's router reads its pods through a Role the operator makes (it holds what it grants)
+# each fleet's router reads its pods through a ServiceAccount, Role and RoleBinding the operator
+# makes (it holds what it grants; no bind or escalate verb); removed with the fleet by the
+# garbage collector, never by the operator
+- apiGroups: [""]
+  resources: [serviceaccounts]
+  verbs: [get, create, patch]
 - apiGroups: [rbac.authorization.k8s.io]
   resources: [roles, rolebindings]
-  verbs: [get, list, watch, create, patch, update, delete]
+  verbs: [get, create, patch]
 {{- end -}}

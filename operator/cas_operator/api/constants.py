@@ -75,6 +75,7 @@ COND_ANOMALY_SIGNAL: Final = "AnomalySignalAvailable"
 REASON_INVALID_SPEC: Final = "InvalidSpec"
 REASON_LWS_MISSING: Final = "LeaderWorkerSetNotInstalled"
 REASON_APPLY_FAILED: Final = "ApplyFailed"
+REASON_NOT_OWNED: Final = "ChildNotOwned"  # an object under a child's name is someone else's
 REASON_KEYS_SECRET: Final = "KeysSecretUnusable"
 REASON_ALL_READY: Final = "AllPoolsReady"
 REASON_WAITING: Final = "WaitingForPools"

@@ -33,6 +33,7 @@ from cas_operator.prefillgone.decide import (
     pending_text,
     updated_feed,
 )
+from cas_operator.reconcile.ownership import judge
 from cas_operator.types import Manifest
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,8 @@ REASON_UNCONFIRMED = "PrefillEndUnconfirmed"
 class EndRecord:
     """What `record_prefill_end` did: `recorded` (the entry is in the feed), `pending` (a
     group's pod, waiting for the rest of its group), `unconfirmed` (not recorded, why in
-    `detail`), `no_owner` (its resource is gone) or `conflict`."""
+    `detail`), `no_owner` (its resource is gone), `not_owned` (a ConfigMap of the feed's name
+    that the resource does not control: left alone) or `conflict`."""
 
     outcome: str
     detail: str = ""
@@ -97,6 +99,11 @@ def record_prefill_end(kube: Kube, pod: Manifest, now: float) -> EndRecord:
     name = prefill_gone_name(cas_name)
     for _ in range(WRITE_ATTEMPTS):
         current = kube.get("ConfigMap", namespace, name)
+        foreign = judge(current, owner.uid).foreign
+        if foreign:  # a user's ConfigMap of that name: never written (reconcile.ownership)
+            log.warning("ConfigMap %s/%s is not %s's (%s): not written", namespace, name,
+                        cas_name, foreign)  # fmt: skip
+            return EndRecord("not_owned", f"ConfigMap {name}: {foreign}")
         data = (current or {}).get("data") or {}
         update = updated_feed(
             parse_feed_text(data.get(c.PREFILL_GONE_KEY)),

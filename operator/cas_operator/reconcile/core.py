@@ -5,7 +5,9 @@ Called from create, update, resume and a timer (handlers.py). It reads like the 
 2. build every child manifest (pure);
 3. apply them with server-side apply, in dependency tiers, each tier concurrently, skipping
    (outside full passes) workloads whose spec-hash already matches; while an operator upgrade
-   is held (`Plan.held`), workloads that exist only get their replica counts;
+   is held (`Plan.held`), workloads that exist only get their replica counts; an object under
+   a child's name that this resource does not control is never written (`ownership.apply_owned`:
+   `Degraded: ChildNotOwned` naming it);
 4. observe the workloads; once the current revision is Ready, point the entry Service at it
    alone, then retire each older revision when its engines are idle (router first out of
    the entry point, then its children deleted: `retire_stale`);
@@ -47,6 +49,14 @@ from cas_operator.desired.traffic import (
 )
 from cas_operator.kube import REVISIONED_KINDS, KindNotInstalled, Kube, NamespaceTerminating
 from cas_operator.reconcile.keys import ensure_keys
+from cas_operator.reconcile.ownership import (
+    NotOwned,
+    apply_owned,
+    controller_uid,
+    delete_owned,
+    foreign_account,
+    remember_observed,
+)
 from cas_operator.reconcile.status import (
     ObservedWorkload,
     Problem,
@@ -68,6 +78,9 @@ from cas_operator.types import Manifest, rfc3339
 
 log = logging.getLogger(__name__)
 WORKLOAD_KINDS = ("Deployment", "LeaderWorkerSet")
+# Problems a spec pass is retried for (kopf's backoff): a refusal may pass, an object in the
+# way may be removed.
+RETRIED_REASONS = frozenset({c.REASON_APPLY_FAILED, c.REASON_NOT_OWNED})
 # Shared by all reconciles: bounds the operator's concurrent API writes.
 _APPLY_POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="apply")
 
@@ -80,7 +93,7 @@ class Outcome:
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
     invalid: InvalidSpec | None = None
     applied: int = 0
-    failed: int = 0  # children whose apply the API server refused or did not answer
+    failed: int = 0  # children not applied: refused, not answered, or someone else's
 
 
 @dataclass(frozen=True)
@@ -154,6 +167,17 @@ def observe(kube: Kube, namespace: str, name: str) -> list[ObservedWorkload]:
     return found
 
 
+def owned_workloads(
+    observed: list[ObservedWorkload], namespace: str, owner_uid: str
+) -> list[ObservedWorkload]:
+    """The workloads the resource of `owner_uid` controls (one labelled like ours but made by
+    someone else is not the pass's to count, scale or delete); each is remembered as owned,
+    so its applies need no GET (`ownership.apply_owned`)."""
+    ours = [w for w in observed if w.owned_by(owner_uid)]
+    remember_observed((w.kind, namespace, w.name, w.uid, w.owner_uid) for w in ours)
+    return ours
+
+
 def gate_scale_down(
     manifests: list[dict[str, Any]], observed: list[ObservedWorkload], floors: tuple[PoolFloor, ...]
 ) -> None:
@@ -200,8 +224,13 @@ def _apply_one(kube: Kube, manifest: dict[str, Any], replicas_only: bool = False
         if replicas_only:
             patch = {"spec": {"replicas": manifest["spec"]["replicas"]}}
             answer = kube.patch(key[0], namespace, key[1], patch)
+        elif why := foreign_account(kube, manifest):
+            return ApplyResult(Problem(c.REASON_NOT_OWNED, f"{key[0]} {key[1]} not applied: {why}"))
         else:
-            answer = kube.apply(manifest)
+            answer = apply_owned(kube, manifest)
+    except NotOwned as exc:
+        log.warning("not applying %s %s/%s: %s", key[0], namespace, key[1], exc)
+        return ApplyResult(Problem(c.REASON_NOT_OWNED, str(exc)))
     except KindNotInstalled as exc:
         return ApplyResult(
             Problem(
@@ -344,6 +373,8 @@ def retire_stale(
     older: tuple[RevisionLoad, ...],
     now: float,
     keep: frozenset[str] | None = None,
+    *,
+    owner_uid: str,
 ) -> Retired:
     """Step 4b, once the current revision is Ready and the entry Service sends only to it:
     each older revision's workloads are marked out of the entry point
@@ -369,7 +400,7 @@ def retire_stale(
         if not step.delete:
             router = next((w for w in workloads if w.role == c.ROLE_ROUTER), None)
             if router is not None and now - since >= policy.min_wait_seconds:
-                kube.delete("Deployment", plan.namespace, router.name)
+                kube.delete("Deployment", plan.namespace, router.name, uid=router.uid)
                 out.events.append(
                     ("Normal", "RouterRetired", f"revision {revision}'s router draining")
                 )
@@ -378,7 +409,9 @@ def retire_stale(
         selector = {c.LABEL_NAME: plan.name, c.LABEL_REVISION: revision}
         for kind in REVISIONED_KINDS:
             for obj in kube.list(kind, plan.namespace, selector):
-                kube.delete(kind, plan.namespace, obj["metadata"]["name"])
+                if controller_uid(obj) == owner_uid:  # never another's, whatever its labels
+                    meta = obj["metadata"]
+                    kube.delete(kind, plan.namespace, meta["name"], uid=meta.get("uid"))
         why = f"revision {revision} retired, {'/'.join(sorted(keep))} kept ({step.progress})"
         out.events.append(("Normal", "RevisionRetired", why))
         out.deleted += (revision,)
@@ -451,6 +484,7 @@ def reconcile(
     watched = observed is not None
     if observed is None:  # a held plan and a scale-down must know what exists before applying
         observed = observe(kube, namespace, name)
+    observed = owned_workloads(observed, namespace, uid)
     if plan.spec.rollout.strategy == RolloutStrategy.CANARY:
         context = PassContext(kube, owner, plan, observed, watched, full_apply, apply_missing)
         return reconcile_canary(
@@ -470,11 +504,11 @@ def reconcile(
     applied = apply_children(kube, manifests, observed, full_apply, apply_missing, plan.held)
     problems = applied.problems + ([keys_problem] if keys_problem else [])
     if full_apply:
-        problems += remove_optional_children(kube, plan, previous or {})
+        problems += remove_optional_children(kube, plan, previous or {}, owner_uid=uid)
     if watched:
         observed = merged(observed, applied.workloads)
     elif applied.count or full_apply:
-        observed = observe(kube, namespace, name)
+        observed = owned_workloads(observe(kube, namespace, name), namespace, uid)
     status = compute_status(plan, observed, problems, generation, measured.anomaly, entry=entry)
     events = said_once(plan, recorded, previous or {})
 
@@ -487,7 +521,7 @@ def reconcile(
             entry = plan.revision if not any(moved) else entry
         retired = Retired()
         if entry == plan.revision:
-            retired = retire_stale(kube, plan, observed, measured.older, now)
+            retired = retire_stale(kube, plan, observed, measured.older, now, owner_uid=uid)
         events += retired.events
         observed = [w for w in observed if w.revision not in retired.deleted]
         status = compute_status(
@@ -505,7 +539,7 @@ def reconcile(
         status={**status, "rollout": rolling, **tick_sections(measured)},
         events=events,
         applied=applied.count,
-        failed=sum(p.reason == c.REASON_APPLY_FAILED for p in problems),
+        failed=sum(p.reason in RETRIED_REASONS for p in problems),
     )
 
 
@@ -566,13 +600,17 @@ def reconcile_canary(
         problems += [p for m in routing if (p := _apply_one(kube, m).problem) is not None]
     problems += set_route_weights(kube, sized, split)
     if ctx.full_apply:
-        problems += remove_optional_children(kube, plan, previous)
+        problems += remove_optional_children(kube, plan, previous, owner_uid=ctx.owner.uid)
     observed = (
         merged(observed, applied.workloads)
         if ctx.watched
-        else observe(kube, plan.namespace, plan.name)
+        else owned_workloads(
+            observe(kube, plan.namespace, plan.name), plan.namespace, ctx.owner.uid
+        )
     )
-    retired = retire_stale(kube, sized, observed, measured.older, now, keep=split.keep)
+    retired = retire_stale(
+        kube, sized, observed, measured.older, now, keep=split.keep, owner_uid=ctx.owner.uid
+    )
     observed = [w for w in observed if w.revision not in retired.deleted]
     status = compute_status(
         sized,
@@ -589,7 +627,7 @@ def reconcile_canary(
         status={**status, **tick_sections(measured)},
         events=events,
         applied=applied.count,
-        failed=sum(p.reason == c.REASON_APPLY_FAILED for p in problems),
+        failed=sum(p.reason in RETRIED_REASONS for p in problems),
     )
 
 
@@ -670,11 +708,13 @@ def traffic_objects(plan: Plan) -> Status:
     return {"mode": MODE_GATEWAY, "httpRoute": route}
 
 
-def remove_optional_children(kube: Kube, plan: Plan, previous: Status) -> list[Problem]:
+def remove_optional_children(
+    kube: Kube, plan: Plan, previous: Status, *, owner_uid: str
+) -> list[Problem]:
     """Children a spec field turned off go: the NetworkPolicies
     (`security.networkPolicy.enabled: false`), and the traffic objects the last pass recorded
     (`traffic_objects`) that this spec no longer has (no `spec.gateway`; a user's HTTPRoute
-    instead of the operator's)."""
+    instead of the operator's). An object of that name this resource does not control stays."""
     gone: list[tuple[str, str]] = []
     if not plan.spec.security.network_policy.enabled:
         gone += [("NetworkPolicy", name) for name in network_policy_names(plan.name)]
@@ -687,7 +727,7 @@ def remove_optional_children(kube: Kube, plan: Plan, previous: Status) -> list[P
     problems = []
     for kind, name in gone:
         try:
-            kube.delete(kind, plan.namespace, name)
+            delete_owned(kube, kind, plan.namespace, name, owner_uid)
         except Exception as exc:
             problems.append(Problem(c.REASON_APPLY_FAILED, f"{kind} {name}: {exc}"))
     return problems

@@ -36,6 +36,8 @@ class ObservedWorkload:
     spec_hash: str | None
     up_to_date: bool  # the controller has observed the latest generation
     retiring_since: float | None = None  # an older revision's router, out of the entry point
+    uid: str | None = None  # the object's (None: not read)
+    owner_uid: str | None = None  # its controller's ("": none; None: not read)
 
     @classmethod
     def from_object(cls, obj: dict[str, Any]) -> ObservedWorkload:
@@ -43,6 +45,8 @@ class ObservedWorkload:
         labels = meta.get("labels", {})
         annotations = meta.get("annotations") or {}
         observed_generation = status.get("observedGeneration")
+        refs: list[dict[str, Any]] = meta.get("ownerReferences") or []
+        controller = next((r for r in refs if r.get("controller")), {})
         return cls(
             kind=obj.get("kind", "Deployment"),
             name=meta["name"],
@@ -53,7 +57,13 @@ class ObservedWorkload:
             spec_hash=annotations.get(c.ANNOTATION_SPEC_HASH),
             up_to_date=observed_generation is None or observed_generation >= meta["generation"],
             retiring_since=parse_time(annotations.get(c.ANNOTATION_RETIRING_SINCE)),
+            uid=meta.get("uid"),
+            owner_uid=str(controller.get("uid") or ""),
         )
+
+    def owned_by(self, owner_uid: str) -> bool:
+        """Whether this workload is the resource of `owner_uid`'s (or unread: a fake's)."""
+        return self.owner_uid is None or self.owner_uid == owner_uid
 
     @property
     def ready(self) -> bool:
