@@ -44,7 +44,14 @@ from e2e.cluster.bins import resolve
 from e2e.cluster.manifests import READINESS_TOLERATION
 from e2e.cluster.podnet import load_for_kubeconfig
 from e2e.cluster.stack import run_kubectl
-from e2e.runtime.chart import ChartIdentity, Refusals, audit_events, install_identity, refusals
+from e2e.runtime.chart import (
+    ChartIdentity,
+    Refusals,
+    audit_events,
+    install_identity,
+    refusals,
+    remove_cluster_scoped,
+)
 from e2e.runtime.operator_process import OperatorProcess
 from e2e.runtime.podrunner import (
     ROUTER_SHIM,
@@ -165,11 +172,24 @@ class LiveStack:
         out = self.run_dir / "operator-kubeconfig"
         if "-n" not in self.operator_args and "--namespace" not in self.operator_args:
             return install_identity(kubectl, self.kubeconfig, out)
-        release = f"cas-op-{stable_hash(self.namespace)}"
-        values = {"watchNamespaces": [self.namespace]}
+        release, values = self._namespaced_release()
         return install_identity(
             kubectl, self.kubeconfig, out, release=release, namespace=self.namespace, values=values
         )
+
+    def _namespaced_release(self) -> tuple[str, dict[str, Any]]:
+        """The release name and values of the chart identity watching only this namespace."""
+        return f"cas-op-{stable_hash(self.namespace)}", {"watchNamespaces": [self.namespace]}
+
+    def _remove_identity(self) -> None:
+        """A namespaced identity's cluster-scoped objects (admission policies and bindings) go
+        with the stack: the namespace takes the rest, and each policy left behind is evaluated
+        on every matching request the API server takes for the rest of the cluster's life."""
+        if self.identity is None or self.identity.namespace != self.namespace:
+            return  # the all-namespaces release (cas-operator) is shared; it stays
+        release, values = self._namespaced_release()
+        kubectl = functools.partial(run_kubectl, resolve().kubectl, self.kubeconfig)
+        remove_cluster_scoped(kubectl, release, self.namespace, values)
 
     def refusals(self) -> Refusals | None:
         """What the API server refused the operator, from ``audit_log`` (None: not audited)."""
@@ -215,6 +235,7 @@ class LiveStack:
         if self.prometheus is not None:
             log(self.prometheus.stop())
             self.prometheus = None
+        self._remove_identity()
 
 
 class MakeLiveStack(Protocol):
