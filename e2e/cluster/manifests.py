@@ -31,9 +31,10 @@ GPU_RESOURCE = "nvidia.com/gpu"
 
 @dataclass(frozen=True)
 class NodeShape:
-    """What every fake node advertises."""
+    """What every fake node advertises. 24 nodes: the e2e suite runs several fleets of up to
+    40 GPUs side by side (pytest-xdist workers); at 8 nodes their pods waited for GPUs."""
 
-    count: int = 8
+    count: int = 24
     gpus: int = 8
     cpu: str = "64"
     memory: str = "512Gi"
