@@ -3,9 +3,11 @@
 # is the real metrics server of the anomaly-loop e2e tests; iproute2 and nftables make the local
 # stack's pod network (network namespaces, veths, routes, guard tables: e2e/cluster/podnet.py)
 # and kube-proxy's nftables mode works with the kernel's nf_tables; curl sends requests from
-# inside node namespaces in the e2e tests. Installs only what is missing.
+# inside node namespaces in the e2e tests; redis-server (Argo CD's cache) and git (its daemon
+# serves the repository Argo CD syncs from) run the GitOps e2e test. Installs only what is
+# missing.
 set -euo pipefail
-packages=(libibverbs1 libnuma1 openssl prometheus iproute2 nftables curl)
+packages=(libibverbs1 libnuma1 openssl prometheus iproute2 nftables curl redis-server git)
 missing=()
 for pkg in "${packages[@]}"; do
   dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")

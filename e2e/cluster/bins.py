@@ -63,6 +63,9 @@ class Bins:
     traefik: Path
     gateway_crds: Path
     helm: Path
+    argocd_controller: Path  # Argo CD's one binary, started under each component's name
+    argocd_repo_server: Path
+    argocd_manifests: Path  # crds/ and base/config/argocd-cm.yaml, from Argo CD's module
 
     def missing(self) -> list[str]:
         """Names of the entries that do not exist on disk (empty when the build is complete)."""
@@ -81,6 +84,7 @@ def resolve(root: Path | None = None) -> Bins:
     kwok = base / f"kwok-{v['KWOK_VERSION']}"
     lws = base / f"lws-{v['LWS_VERSION']}"
     traefik = base / f"traefik-{v['TRAEFIK_VERSION']}"
+    argocd = base / f"argocd-{v['ARGOCD_VERSION']}"
     return Bins(
         kube_apiserver=kube / "kube-apiserver",
         kube_controller_manager=kube / "kube-controller-manager",
@@ -96,6 +100,9 @@ def resolve(root: Path | None = None) -> Bins:
         traefik=traefik / "traefik",
         gateway_crds=traefik / "gateway-crds",
         helm=base / f"helm-{v['HELM_VERSION']}" / "helm",
+        argocd_controller=argocd / "argocd-application-controller",
+        argocd_repo_server=argocd / "argocd-repo-server",
+        argocd_manifests=argocd / "manifests",
     )
 
 

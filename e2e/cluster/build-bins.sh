@@ -262,6 +262,81 @@ build_helm() {
   touch "${out}/.complete"; BUILT=1
 }
 
+# ---- Argo CD: its application controller and repo server (e2e/tests/test_gitops_argocd.py) ------
+# One binary, Argo CD's own main package (github.com/argoproj/argo-cd/v3/cmd), serves every
+# component by the name it is started under (argv[0]); the component names are symlinks to it.
+# Its go.mod replaces the gitops-engine sub-module by ./gitops-engine, a nested module that the
+# module zip leaves out, so it is built from a wrapper module (as Kubernetes is) that requires
+# the release and repeats its replace directives except that one: gitops-engine resolves to the
+# module tagged at the same release (github.com/argoproj/argo-cd/gitops-engine/v3). Its own
+# Application and AppProject CRDs are copied from the module's manifests/crds/.
+build_argocd() {
+  local v=${ARGOCD_VERSION} out="${BIN_DIR}/argocd-${ARGOCD_VERSION}"
+  local names=(argocd-application-controller argocd-repo-server)
+  local manifests=(crds/application-crd.yaml crds/appproject-crd.yaml base/config/argocd-cm.yaml)
+  if have "${out}" argocd "${names[@]}" "${manifests[@]/#/manifests/}"; then
+    log "argocd ${v}: cached in ${out}"; return
+  fi
+  rm -f "${out}/.complete"
+  local mod=github.com/argoproj/argo-cd/v3 work="${BUILD_DIR}/argocd-${v}" json gomod src
+  json=$(GOTOOLCHAIN=local go mod download -json "${mod}@${v}" || true)
+  gomod=$(sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",\{0,1\}$/\1/p' <<<"${json}")
+  [[ -f "${gomod}" ]] || { echo "build-bins: no go.mod for ${mod}@${v}: ${json}" >&2; exit 1; }
+  # The Go its go.mod asks for: the local one when new enough, else the pinned toolchain, which
+  # the go command fetches through the module proxy (golang.org/toolchain, checksum-verified).
+  local need toolchain=local
+  need=$(sed -n 's/^go \([0-9.]*\)$/\1/p' "${gomod}")
+  if ! go_at_least "${need}"; then
+    toolchain=${ARGOCD_GO_TOOLCHAIN}
+    log "argocd ${v}: needs go ${need}; the local go is $(go env GOVERSION), using ${toolchain}"
+  fi
+  (
+    export GOTOOLCHAIN=${toolchain}
+    src=$(go mod download -json "${mod}@${v}" \
+      | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",\{0,1\}$/\1/p')
+    [[ -d "${src}" ]] || { echo "build-bins: no source for ${mod}@${v}" >&2; exit 1; }
+    wrapper_module "${work}" casbuild/argocd
+    {
+      echo "require ${mod} ${v}"
+      # every replace directive of the release but those to a relative path
+      awk '/^replace \($/ { block = 1; print; next }
+           block && /^\)$/ { block = 0; print; next }
+           /=>[[:space:]]*\.\.?\// { next }
+           block || /^replace / { print }' "${gomod}"
+    } >>"${work}/go.mod"
+    log "argocd ${v}: resolving"
+    (cd "${work}" && quiet "${work}/resolve.log" go get "${mod}@${v}")
+    # Version stamps as Argo CD's Makefile sets them (common/version.go); the release time is
+    # the one the module proxy records.
+    local info date kubectl_v ld pkg=${mod}/common
+    info=$(sed -n 's/^[[:space:]]*"Info": "\(.*\)",\{0,1\}$/\1/p' <<<"${json}")
+    date=$(sed -n 's/.*"Time":"\([^"]*\)".*/\1/p' "${info}" 2>/dev/null || true)
+    kubectl_v=$(cd "${work}" && go list -mod=mod -m -f '{{if .Replace}}{{.Replace.Version}}{{else}}{{.Version}}{{end}}' k8s.io/client-go)
+    ld="-s -w -X ${pkg}.version=$(cat "${src}/VERSION") -X ${pkg}.gitTag=${v}"
+    ld+=" -X ${pkg}.buildDate=${date:-1970-01-01T00:00:00Z} -X ${pkg}.kubectlVersion=${kubectl_v}"
+    log "argocd ${v}: building argocd with $(go env GOVERSION) (a few minutes to tens of minutes)"
+    mkdir -p "${out}"
+    (cd "${work}" && "${GOBUILD[@]}" -ldflags "${ld}" -o "${out}/argocd" "${mod}/cmd")
+    local n m
+    for n in "${names[@]}"; do ln -sfn argocd "${out}/${n}"; done
+    rm -rf "${out}/manifests"
+    for m in "${manifests[@]}"; do
+      mkdir -p "$(dirname "${out}/manifests/${m}")"
+      cp "${src}/manifests/${m}" "${out}/manifests/${m}"
+    done
+    chmod -R u+w "${out}/manifests"
+    log "argocd ${v}: done ($(du -m "${out}/argocd" | cut -f1) MB)"
+  )
+  touch "${out}/.complete"; BUILT=1
+}
+
+# go_at_least <version>: true when the local Go (GOTOOLCHAIN=local) is at least <version>.
+go_at_least() {
+  local have_v
+  have_v=$(GOTOOLCHAIN=local go env GOVERSION); have_v=${have_v#go}
+  [[ "$(printf '%s\n%s\n' "$1" "${have_v}" | sort -V | head -n 1)" == "$1" ]]
+}
+
 main() {
   mkdir -p "${BIN_DIR}" "${BUILD_DIR}"
   log "binaries in ${BIN_DIR} (go $(go env GOVERSION))"
@@ -271,6 +346,7 @@ main() {
   build_kubernetes
   build_traefik
   build_helm
+  build_argocd
   local total=$(( $(date +%s) - START ))
   if [[ ${BUILT} == 1 ]]; then
     log "build finished: total build time ${total}s"
