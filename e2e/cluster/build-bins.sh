@@ -267,18 +267,21 @@ build_helm() {
 # component by the name it is started under (argv[0]); the component names are symlinks to it.
 # Its go.mod replaces the gitops-engine sub-module by ./gitops-engine, a nested module that the
 # module zip leaves out, so it is built from a wrapper module (as Kubernetes is) that requires
-# the release and repeats its replace directives except that one: gitops-engine resolves to the
-# module tagged at the same release (github.com/argoproj/argo-cd/gitops-engine/v3). Its own
-# Application and AppProject CRDs are copied from the module's manifests/crds/.
+# the release and repeats its replace directives except that one: gitops-engine resolves to
+# the module tagged at the same release (github.com/argoproj/argo-cd/gitops-engine/v3).
+# Beside the binary, from the module, at the same relative paths: the Application and AppProject
+# CRDs and the argocd-cm its installs ship (the default ignoreResourceUpdates and exclusions)
+# under manifests/, and the scripts its image puts next to it on PATH (hack/: the repo server
+# runs git-verify-wrapper.sh on every revision it reads).
+ARGOCD_FILES=(manifests/crds/application-crd.yaml manifests/crds/appproject-crd.yaml
+              manifests/base/config/argocd-cm.yaml hack/git-verify-wrapper.sh hack/gpg-wrapper.sh)
 build_argocd() {
   local v=${ARGOCD_VERSION} out="${BIN_DIR}/argocd-${ARGOCD_VERSION}"
   local names=(argocd-application-controller argocd-repo-server)
-  local manifests=(crds/application-crd.yaml crds/appproject-crd.yaml base/config/argocd-cm.yaml)
-  if have "${out}" argocd "${names[@]}" "${manifests[@]/#/manifests/}"; then
+  if have "${out}" argocd "${names[@]}" "${ARGOCD_FILES[@]}"; then
     log "argocd ${v}: cached in ${out}"; return
   fi
-  rm -f "${out}/.complete"
-  local mod=github.com/argoproj/argo-cd/v3 work="${BUILD_DIR}/argocd-${v}" json gomod src
+  local mod=github.com/argoproj/argo-cd/v3 work="${BUILD_DIR}/argocd-${v}" json gomod
   json=$(GOTOOLCHAIN=local go mod download -json "${mod}@${v}" || true)
   gomod=$(sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",\{0,1\}$/\1/p' <<<"${json}")
   [[ -f "${gomod}" ]] || { echo "build-bins: no go.mod for ${mod}@${v}: ${json}" >&2; exit 1; }
@@ -292,42 +295,56 @@ build_argocd() {
   fi
   (
     export GOTOOLCHAIN=${toolchain}
+    local src
     src=$(go mod download -json "${mod}@${v}" \
       | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",\{0,1\}$/\1/p')
     [[ -d "${src}" ]] || { echo "build-bins: no source for ${mod}@${v}" >&2; exit 1; }
-    wrapper_module "${work}" casbuild/argocd
-    {
-      echo "require ${mod} ${v}"
-      # every replace directive of the release but those to a relative path
-      awk '/^replace \($/ { block = 1; print; next }
-           block && /^\)$/ { block = 0; print; next }
-           /=>[[:space:]]*\.\.?\// { next }
-           block || /^replace / { print }' "${gomod}"
-    } >>"${work}/go.mod"
-    log "argocd ${v}: resolving"
-    (cd "${work}" && quiet "${work}/resolve.log" go get "${mod}@${v}")
-    # Version stamps as Argo CD's Makefile sets them (common/version.go); the release time is
-    # the one the module proxy records.
-    local info date kubectl_v ld pkg=${mod}/common
-    info=$(sed -n 's/^[[:space:]]*"Info": "\(.*\)",\{0,1\}$/\1/p' <<<"${json}")
-    date=$(sed -n 's/.*"Time":"\([^"]*\)".*/\1/p' "${info}" 2>/dev/null || true)
-    kubectl_v=$(cd "${work}" && go list -mod=mod -m -f '{{if .Replace}}{{.Replace.Version}}{{else}}{{.Version}}{{end}}' k8s.io/client-go)
-    ld="-s -w -X ${pkg}.version=$(cat "${src}/VERSION") -X ${pkg}.gitTag=${v}"
-    ld+=" -X ${pkg}.buildDate=${date:-1970-01-01T00:00:00Z} -X ${pkg}.kubectlVersion=${kubectl_v}"
-    log "argocd ${v}: building argocd with $(go env GOVERSION) (a few minutes to tens of minutes)"
-    mkdir -p "${out}"
-    (cd "${work}" && "${GOBUILD[@]}" -ldflags "${ld}" -o "${out}/argocd" "${mod}/cmd")
-    local n m
+    if [[ -f "${out}/.complete" && -x "${out}/argocd" ]]; then
+      log "argocd ${v}: cached except files beside it"
+    else
+      rm -f "${out}/.complete"
+      build_argocd_binary "${src}" "${gomod}" "${json}" "${work}" "${out}"
+    fi
+    local n f
     for n in "${names[@]}"; do ln -sfn argocd "${out}/${n}"; done
-    rm -rf "${out}/manifests"
-    for m in "${manifests[@]}"; do
-      mkdir -p "$(dirname "${out}/manifests/${m}")"
-      cp "${src}/manifests/${m}" "${out}/manifests/${m}"
+    rm -rf "${out}/manifests" "${out}/hack"
+    for f in "${ARGOCD_FILES[@]}"; do
+      mkdir -p "$(dirname "${out}/${f}")"
+      cp "${src}/${f}" "${out}/${f}" && chmod u+w "${out}/${f}"
     done
-    chmod -R u+w "${out}/manifests"
-    log "argocd ${v}: done ($(du -m "${out}/argocd" | cut -f1) MB)"
+    chmod +x "${out}"/hack/*.sh  # module zips keep no file modes
   )
   touch "${out}/.complete"; BUILT=1
+}
+
+# build_argocd_binary <module dir> <its go.mod> <its download json> <workdir> <out dir>
+build_argocd_binary() {
+  local src=$1 gomod=$2 json=$3 work=$4 out=$5 mod=github.com/argoproj/argo-cd/v3
+  local v=${ARGOCD_VERSION}
+  wrapper_module "${work}" casbuild/argocd
+  {
+    echo "require ${mod} ${v}"
+    # every replace directive of the release but those to a relative path
+    awk '/^replace \($/ { block = 1; print; next }
+         block && /^\)$/ { block = 0; print; next }
+         /=>[[:space:]]*\.\.?\// { next }
+         block || /^replace / { print }' "${gomod}"
+  } >>"${work}/go.mod"
+  log "argocd ${v}: resolving"
+  (cd "${work}" && quiet "${work}/resolve.log" go get "${mod}@${v}")
+  # Version stamps as Argo CD's Makefile sets them (common/version.go); the release time is the
+  # one the module proxy records.
+  local info date kubectl_v ld pkg=${mod}/common
+  info=$(sed -n 's/^[[:space:]]*"Info": "\(.*\)",\{0,1\}$/\1/p' <<<"${json}")
+  date=$(sed -n 's/.*"Time":"\([^"]*\)".*/\1/p' "${info}" 2>/dev/null || true)
+  kubectl_v=$(cd "${work}" && go list -mod=mod -m \
+    -f '{{if .Replace}}{{.Replace.Version}}{{else}}{{.Version}}{{end}}' k8s.io/client-go)
+  ld="-s -w -X ${pkg}.version=$(cat "${src}/VERSION") -X ${pkg}.gitTag=${v}"
+  ld+=" -X ${pkg}.buildDate=${date:-1970-01-01T00:00:00Z} -X ${pkg}.kubectlVersion=${kubectl_v}"
+  log "argocd ${v}: building argocd with $(go env GOVERSION) (a few minutes to tens of minutes)"
+  mkdir -p "${out}"
+  (cd "${work}" && "${GOBUILD[@]}" -ldflags "${ld}" -o "${out}/argocd" "${mod}/cmd")
+  log "argocd ${v}: done ($(du -m "${out}/argocd" | cut -f1) MB)"
 }
 
 # go_at_least <version>: true when the local Go (GOTOOLCHAIN=local) is at least <version>.
