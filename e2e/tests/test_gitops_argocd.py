@@ -26,11 +26,13 @@ pruning agree with what the operator writes. Here:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -47,7 +49,7 @@ from e2e.cluster import argocd as argocd_stack
 from e2e.cluster.stack import ClusterHandle
 from e2e.fleet.anomaly_stack import wait_for
 from e2e.fleet.canaryview import answers, canary_sample, rollout
-from e2e.fleet.fleetview import NAME, Kubectl
+from e2e.fleet.fleetview import ENGINE_PORT, NAME, Kubectl, role_pods
 from e2e.fleet.gitops import (
     COMPARE_OPTIONS,
     AppRecorder,
@@ -59,6 +61,7 @@ from e2e.fleet.gitops import (
 )
 from e2e.fleet.livestack import LiveStack, MakeLiveStack, probed_by_runner
 from e2e.traffic.recorded import RecordedLoad
+from e2e.traffic.simload import LoadStats, set_fault, steady_traffic
 
 SIM_ARGS = ["--sim-speedup", "20"]
 APP = "fleets"
@@ -69,7 +72,8 @@ FLEET_FILE = f"{FLEET_PATH}/{NAME}.yaml"
 NOTES_FILE = f"{FLEET_PATH}/notes.yaml"
 CHILD_KINDS = "deployments,services,httproutes,poddisruptionbudgets,networkpolicies,configmaps"
 POLL_S = 0.5
-QUIET_S = 30.0  # the last stretch of the operator writing under load, nothing else changing
+AUTO_TIMEOUT_S = 150.0
+LONG_PROMPT = "def handler(request):\n    return route(request)\n" * 400  # ~4.8K tokens
 REFUSAL = "spec.rollout.steps[0].pauseUntilPromoted"  # the API server's words (CEL)
 TRACKING_ANNOTATION = "argocd.argoproj.io/tracking-id"
 TRACKING_LABEL = "app.kubernetes.io/instance"
@@ -83,12 +87,15 @@ pytestmark = [
 
 def fleet() -> dict[str, Any]:
     """The fleet in git: the canary sample through the Gateway, one step at 50% held until
-    promoted, instances of one GPU (the shared cluster's GPUs stay for other tests), its pods'
-    readiness left to the pod runner."""
+    promoted, in Auto mode (the operator owns the pools' replicas: none in git), instances of
+    one GPU (the shared cluster's GPUs stay for other tests), its pods' readiness left to the
+    pod runner."""
     cas = canary_sample(gateway=True, steps=[{"weight": 50, "pauseUntilPromoted": True}],
                         windowSeconds=15, minRequests=10)  # fmt: skip
-    cas["spec"].setdefault("prefill", {})["tensorParallel"] = 1
-    cas["spec"]["decode"]["tensorParallel"] = 1
+    cas["spec"]["ratio"] = {"mode": "Auto", "prefill": 1, "decode": 1, "min": 0.5, "max": 2.0,
+                            "gpuBudget": 8}  # fmt: skip
+    cas["spec"]["prefill"] = {"tensorParallel": 1}
+    cas["spec"]["decode"] = {"tensorParallel": 1}
     return probed_by_runner(cas)
 
 
@@ -305,8 +312,7 @@ def steps_2_to_5(
     server_side_from = time.monotonic()
     invalid_spec_refused(run, kubectl, namespace, build2)
     kubectl_edit_reverted(run, cluster, kubectl, namespace)
-    with run.step("4 the operator writing under load"):
-        time.sleep(QUIET_S)
+    auto_grows_the_prefill_pool(run, kubectl, namespace, gateway)
     unexplained = run.unexplained_drift(server_side_from)
     assert unexplained == [], [s.brief() for s in unexplained]
     pruned(run, kubectl, namespace)
@@ -319,15 +325,16 @@ def canary_promoted(
     for `kubectl cas rollout promote` (which sets the ignored annotation), Healthy after."""
     build2 = with_engine(spec, env=[{"name": "CAS_DEMO_BUILD", "value": "2"}])
     stable = rollout(kubectl, namespace)["stableRevision"]
-    with run.step("2a canary to Suspended"), run.may_drift():
-        sha = run.push("engine build 2", {FLEET_FILE: build2})
-        run.until("Synced at the engine change", synced_at(sha), 60)
-    pushed = time.monotonic()
-    paused = run.until(
-        "Suspended while the step waits to be promoted",
-        lambda s: synced_at(sha)(s) and s.health == "Suspended",
-        150,
-    )
+    with run.step("2a canary to Suspended"):
+        with run.may_drift():
+            sha = run.push("engine build 2", {FLEET_FILE: build2})
+            run.until("Synced at the engine change", synced_at(sha), 60)
+        pushed = time.monotonic()
+        paused = run.until(
+            "Suspended while the step waits to be promoted",
+            lambda s: synced_at(sha)(s) and s.health == "Suspended",
+            150,
+        )
     assert paused.message.startswith("canary rollout paused:"), paused
     assert "paused until promoted" in paused.message, paused
     seen = [s.health for s in run.recorder.since(pushed) if s.revision == sha]
@@ -351,9 +358,10 @@ def bad_canary_reverted(run: Run, kubectl: Kubectl, namespace: str, build2: dict
     revert is applied and the fleet is Healthy again; the rest of the run keeps it on."""
     stable = rollout(kubectl, namespace)["stableRevision"]
     bad = with_engine(build2, args=["--sim-fault", "decode_corruption=0.5"])
-    with run.step("2c bad canary to Degraded"), run.may_drift():
-        bad_sha = run.push("engine: a corrupting build", {FLEET_FILE: bad})
-        run.until("Synced at the bad canary", synced_at(bad_sha), 60)
+    with run.step("2c bad canary to Degraded"):
+        with run.may_drift():
+            bad_sha = run.push("engine: a corrupting build", {FLEET_FILE: bad})
+            run.until("Synced at the bad canary", synced_at(bad_sha), 60)
         degraded = run.until(
             "Degraded by the aborted canary",
             lambda s: synced_at(bad_sha)(s) and s.health == "Degraded",
@@ -431,6 +439,59 @@ def kubectl_edit_reverted(
         # the edit was a new generation: Progressing until the operator observed the next
         run.until("Healthy again", lambda s: synced_at(head)(s) and s.health == "Healthy", 60)
     assert healed.operation_automated and healed.operation_revision == head, healed
+
+
+def auto_grows_the_prefill_pool(run: Run, kubectl: Kubectl, namespace: str, gateway: str) -> None:
+    """Step 4: Auto's replica counts live on the children, never in git: a starved prefill
+    (the sim 40x slower, long prompts) makes the operator add a prefill instance while the
+    Application stays Synced (the caller checks every sample)."""
+    (prefill,) = [p for p in role_pods(kubectl, namespace, "prefill") if p["status"].get("podIP")]
+    asyncio.run(set_fault(f"http://{prefill['status']['podIP']}:{ENGINE_PORT}",
+                          {"slow_prefill": 40}))  # fmt: skip
+    stop, stats = threading.Event(), LoadStats()
+
+    def long_prompts() -> None:
+        async def run_load() -> None:
+            done = asyncio.Event()
+            task = asyncio.create_task(steady_traffic(
+                gateway, done, stats, concurrency=8, max_tokens=20, max_requests=5_000,
+                prompt_body=LONG_PROMPT))  # fmt: skip
+            await asyncio.to_thread(stop.wait)
+            done.set()
+            await task
+
+        asyncio.run(run_load())
+
+    load = threading.Thread(target=long_prompts, name="long-prompts", daemon=True)
+    load.start()
+    try:
+        with run.step("4 Auto adds a prefill, Synced"):
+            run.until("Auto to add a prefill instance",
+                      lambda s: s.sync == "Synced" and auto_counts(kubectl, namespace)[0] >= 2,
+                      AUTO_TIMEOUT_S)  # fmt: skip
+            wait_for("the prefill Deployment at 2", lambda: prefill_replicas(kubectl, namespace)
+                     == 2, 30)  # fmt: skip
+    finally:
+        stop.set()
+        load.join(60)
+    status = live_cas(kubectl, namespace)
+    assert status["status"]["ratio"]["replicasOwner"] == "operator (Auto)", status["status"]
+    assert "replicas" not in status["spec"]["prefill"], status["spec"]
+    print(f"[gitops] Auto: {status['status'].get('autoscaler')}; load: {stats.ok} ok of "
+          f"{stats.sent}")  # fmt: skip
+
+
+def prefill_replicas(kubectl: Kubectl, namespace: str) -> int:
+    """Replicas of the resource's prefill Deployments together (what Auto writes)."""
+    out = kubectl("get", "deployments", "-n", namespace, "-l",
+                  f"cas.dev/name={NAME},cas.dev/role=prefill", "-o", "json")  # fmt: skip
+    return sum(int(d["spec"].get("replicas", 0)) for d in json.loads(out)["items"])
+
+
+def auto_counts(kubectl: Kubectl, namespace: str) -> tuple[int, int]:
+    """(prefill, decode) instances Auto decided, from the status."""
+    auto = live_cas(kubectl, namespace).get("status", {}).get("autoscaler") or {}
+    return int(auto.get("prefill", 0)), int(auto.get("decode", 0))
 
 
 def pruned(run: Run, kubectl: Kubectl, namespace: str) -> None:
