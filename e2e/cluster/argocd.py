@@ -44,6 +44,7 @@ import yaml
 
 from e2e.cluster import bins as binmod
 from e2e.cluster import procs
+from e2e.cluster.api import condition
 from e2e.cluster.stack import ClusterError, ClusterHandle, free_ports, http_ok, run_kubectl
 from e2e.paths import REPO_ROOT, write_json
 
@@ -159,10 +160,10 @@ def install_crds(kubectl: Callable[..., str], crd_dir: Path) -> None:
         for doc in yaml.safe_load_all(path.read_text()) if doc
     ]  # fmt: skip
     _apply(kubectl, objects)
-    query = '{.status.conditions[?(@.type=="Established")].status}'
     deadline = time.monotonic() + START_TIMEOUT_S
     for name in CRDS:  # (`kubectl wait` fails on a CRD whose status is not written yet)
-        while kubectl("get", f"crd/{name}", "-o", f"jsonpath={query}").strip() != "True":
+        while condition(json.loads(kubectl("get", f"crd/{name}", "-o", "json")),
+                        "Established") != "True":  # fmt: skip
             if time.monotonic() > deadline:
                 raise ClusterError(f"CRD {name} not Established after {START_TIMEOUT_S:.0f}s")
             time.sleep(0.5)
