@@ -27,7 +27,6 @@ pruning agree with what the operator writes. Here:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import subprocess
@@ -47,7 +46,6 @@ from kubernetes.client.exceptions import ApiException
 from cas_engine.sim.fleet import router_available
 from e2e.cluster import argocd as argocd_stack
 from e2e.cluster.stack import ClusterHandle
-from e2e.fleet.anomaly_stack import wait_for
 from e2e.fleet.canaryview import answers, canary_sample, rollout
 from e2e.fleet.fleetview import ENGINE_PORT, NAME, Kubectl, role_pods
 from e2e.fleet.gitops import (
@@ -62,6 +60,7 @@ from e2e.fleet.gitops import (
 from e2e.fleet.livestack import LiveStack, MakeLiveStack, probed_by_runner
 from e2e.traffic.recorded import RecordedLoad
 from e2e.traffic.simload import LoadStats, set_fault, steady_traffic
+from e2e.waits import wait_for
 
 SIM_ARGS = ["--sim-speedup", "20"]
 APP = "fleets"
@@ -128,24 +127,33 @@ class Run:
         return self.read()
 
     def until(self, what: str, ok: Callable[[AppState], bool], timeout: float) -> AppState:
-        deadline, last = time.monotonic() + timeout, None
-        while time.monotonic() < deadline:
+        """Poll the Application until ``ok`` of its state (every state read joins the
+        record); AssertionError with the last state, the fleet's rollout and the controller's
+        log tail on timeout."""
+        last: list[AppState] = []
+
+        def probe() -> AppState | None:
             if self.argocd.crashed():
                 pytest.fail(f"Argo CD crashed:\n{self.argocd.crash_report()}")
-            with contextlib.suppress(ApiException):  # not there yet, an API hiccup
-                last = self.state()
-                self.recorder.states.append(last)  # what a step saw is part of the record
-                if ok(last):
-                    return last
-            time.sleep(POLL_S)
-        tail = self.argocd.log_tail("argocd-application-controller", 8)
-        fleet = self.kubectl("get", "cas", NAME, "-n", self.namespace, "-o",
-                             "jsonpath={.status.rollout}", check=False)  # fmt: skip
-        raise AssertionError(
-            f"timed out after {timeout:.0f}s waiting for {what}; "
-            f"last: {last.brief() if last else None}\nstatus.rollout: {fleet}\n"
-            f"controller:\n{tail}"
-        )
+            try:
+                state = self.read()
+            except ApiException:  # not there yet, an API hiccup
+                return None
+            self.recorder.states.append(state)
+            last[:] = [state]
+            return state if ok(state) else None
+
+        try:
+            found: AppState = wait_for(what, probe, timeout, interval=POLL_S)
+        except TimeoutError as exc:
+            tail = self.argocd.log_tail("argocd-application-controller", 8)
+            fleet = self.kubectl("get", "cas", NAME, "-n", self.namespace, "-o",
+                                 "jsonpath={.status.rollout}", check=False)  # fmt: skip
+            raise AssertionError(
+                f"{exc}; last: {last[0].brief() if last else None}\n"
+                f"status.rollout: {fleet}\ncontroller:\n{tail}"
+            ) from exc
+        return found
 
     def push(self, message: str, files: dict[str, Any | None]) -> str:
         sha = self.repo.commit(message, files)
