@@ -10,18 +10,26 @@ under Lua 5.1 in Python, an apply under Argo CD's field manager with `kubectl di
 showed that Argo CD's own diff, normalizers, server-side diff, health aggregation, sync and
 pruning agree with what the operator writes. Here:
 
-1. sync: Progressing, then Synced and Healthy once the fleet is Ready;
+1. sync: Progressing, then Synced and Healthy once the fleet is Ready; the Application manages
+   what git holds, and no child carries its tracking annotation or label;
 2. an engine change under the canary strategy: Progressing, Suspended while its step waits for
    `kubectl cas rollout promote`, Healthy after; a bad canary: Degraded with the operator's
-   reason (RolloutAborted); a revert commit heals it;
-3. an invalid spec: refused by the API server, the sync Failed with the refusal in the
-   Application, the live resource unchanged; a revert heals it;
+   reason (RolloutAborted); its revert removes `engine.args` from git, which client-side diff
+   does not see (Synced at the revert, the fleet still Degraded), and with ServerSideDiff=true
+   (as docs/architecture.md's Application has it) the revert is applied and the fleet Healthy;
+3. an invalid spec: refused by the API server, Argo CD names the refusal, the live resource
+   and its children unchanged; a revert heals it;
 4. self-heal: a `kubectl edit` of a field git owns is reverted by Argo CD; the operator's own
-   writes (status, kopf's annotations, children, the rollout action's annotation) never make
-   the Application OutOfSync: every OutOfSync sample of the whole run (once a second) lies
-   between a commit or the edit and its sync, first with client-side diff, then with
-   ServerSideDiff=true;
+   writes (status, kopf's annotations, children, the rollout action's annotation, Auto's
+   replica counts, which a starved prefill makes it change) never make the Application
+   OutOfSync: every sample of the whole run (twice a second) that is not Synced lies between
+   a commit or the edit and its sync, with client-side diff (steps 1-2), then with
+   ServerSideDiff (steps 3-4). Checked to fail: an operator that dropped Argo CD's tracking
+   annotation when it consumed a rollout action;
 5. prune: removing the fleet from git deletes it and every child.
+
+One Application through all steps (about 2.5 minutes with its setup), the fleet in instances of
+one GPU.
 """
 
 from __future__ import annotations
