@@ -45,6 +45,11 @@ def bin_dir() -> Path:
     return Path.home() / ".cache" / "cas-operator" / "bin"
 
 
+# Started by the tests that need them, never by `up` (e2e/cluster/argocd.py for Argo CD): a
+# stack without them still starts.
+OPTIONAL = ("argocd_controller", "argocd_repo_server", "argocd_manifests")
+
+
 @dataclass(frozen=True)
 class Bins:
     """Absolute paths of every binary and data folder the harness needs."""
@@ -67,9 +72,12 @@ class Bins:
     argocd_repo_server: Path
     argocd_manifests: Path  # crds/ and base/config/argocd-cm.yaml, from Argo CD's module
 
-    def missing(self) -> list[str]:
-        """Names of the entries that do not exist on disk (empty when the build is complete)."""
-        return [f.name for f in fields(self) if not getattr(self, f.name).exists()]
+    def missing(self, *, optional: bool = False) -> list[str]:
+        """Names of the entries that do not exist on disk (empty when the build is complete);
+        the stack's own only, unless ``optional`` (then also what only some tests start:
+        :data:`OPTIONAL`)."""
+        return [f.name for f in fields(self) if (optional or f.name not in OPTIONAL)
+                and not getattr(self, f.name).exists()]  # fmt: skip
 
     def as_env(self) -> dict[str, str]:
         """``CAS_<NAME>`` -> path, for shells and subprocesses."""
@@ -114,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     bins = resolve()
     for key, value in bins.as_env().items():
         print(f"{key}={value}")
-    missing = bins.missing()
+    missing = bins.missing(optional=True)
     if args.check and missing:
         print(f"missing: {', '.join(missing)} (run {BUILD_SCRIPT})", file=sys.stderr)
         return 1
