@@ -33,6 +33,13 @@ ROUTER_COMMANDS = {
 # A deleted router pod keeps accepting this long before SIGTERM: the time for its endpoint to
 # leave the entry Service everywhere (kube-proxy syncs at most once a second by default).
 ROUTER_ENDPOINT_SETTLE_SECONDS = 5
+# A router pod is Ready once it can route: both routers answer `/readiness` 503 ("insufficient
+# healthy workers") until their discovery holds a healthy prefill AND decode, and 200 after,
+# while `/health` is 200 as soon as they listen (measured with sglang-router 0.3.2 and smg
+# 1.13 in PD mode: e2e/tests/test_router_readiness.py). Probed on `/health`, a new router (a
+# roll, a scale-up, a drained node's replacement) joined the entry Service before it had any
+# worker and answered its first requests 503.
+ROUTER_READINESS_PATH = "/readiness"
 
 
 def discovery_selector(plan: Plan, role: str) -> list[str]:
@@ -138,7 +145,10 @@ def build_router_deployment(owner: Owner, plan: Plan) -> Manifest:
             {"name": "http", "containerPort": c.ROUTER_PORT},
             {"name": "metrics", "containerPort": c.ROUTER_METRICS_PORT},
         ],
-        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
+        "readinessProbe": {
+            "httpGet": {"path": ROUTER_READINESS_PATH, "port": "http"},
+            "periodSeconds": 5,
+        },
         "livenessProbe": {
             "httpGet": {"path": "/liveness", "port": "http"},
             "periodSeconds": 15,
