@@ -20,6 +20,7 @@ from cas_operator.desired.resources.meta import (
 from cas_operator.desired.resources.security import (
     container_security,
     key_env,
+    keys_labels,
     pod_security,
     router_control_plane_keys,
 )
@@ -134,7 +135,8 @@ def _router_labels(plan: Plan) -> dict[str, str]:
 
 def build_router_deployment(owner: Owner, plan: Plan) -> Manifest:
     router = plan.spec.router
-    labels = {**_router_labels(plan), c.LABEL_REVISION: plan.revision}
+    # the keys version: the operator asks each router pod with the key it started with
+    labels = {**_router_labels(plan), c.LABEL_REVISION: plan.revision, **keys_labels(plan)}
     container: dict[str, Any] = {
         "name": "router",
         "image": router.image or plan.spec.engine.image,
