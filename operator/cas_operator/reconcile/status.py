@@ -410,7 +410,8 @@ def admission_status(plan: Plan) -> dict[str, Any]:
     if found is None:
         why = "no limit" if mode == "Off" else f"no instance profile for {plan.spec.model.name}"
         return {"mode": mode, "basis": why, **measured}
-    return {"mode": mode, **found.to_status(plan.router_replicas), **measured}
+    limits = found.to_status(plan.router_replicas, plan.spec.router.implementation)
+    return {"mode": mode, **limits, **measured}
 
 
 def held_revision(plan: Plan) -> dict[str, str] | None:

@@ -84,19 +84,21 @@ def router_args(plan: Plan) -> list[str]:
 
 
 def admission_args(plan: Plan) -> list[str]:
-    """A token bucket per router, 429 at once beyond it (`desired.admission`). smg's
-    `--max-concurrent-requests` bounds the requests in flight too, so it gets what the pools
-    hold; with no limit, smg is told so (its default is a bound derived from the host)."""
-    smg = plan.spec.router.implementation == RouterImplementation.SMG
+    """Each router's token bucket (`desired.admission`: `Admission.limits` says what each
+    implementation gets and why), 429 at once beyond it. With no limit, smg is told so (its
+    default is a bound derived from the host)."""
+    implementation = plan.spec.router.implementation
     admission = admission_for(plan)
     if admission is None:
-        return ["--max-concurrent-requests", "0"] if smg else []
-    bound = admission.router_in_flight if smg else admission.router_burst
+        return (
+            ["--max-concurrent-requests", "0"] if implementation == RouterImplementation.SMG else []
+        )
+    mine = admission.limits(implementation)
     return [
         "--rate-limit-tokens-per-second",
-        str(admission.router_rps),
+        str(mine.refill),
         "--max-concurrent-requests",
-        str(bound),
+        str(mine.size),
         "--queue-size",
         "0",
     ]
