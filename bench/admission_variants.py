@@ -33,6 +33,10 @@ VARIANTS: dict[str, AdmissionVariant] = {
     "allow-1.0s": AdmissionVariant(prefill_allowance_s=1.0),
     "headroom-0.9": AdmissionVariant(headroom=0.9),
     "headroom-0.8": AdmissionVariant(headroom=0.8),
+    # sglang-router 0.3.2 (`--method ours`) as sized before issue 41, as it behaves and as this
+    # bench took it
+    "032-rate": AdmissionVariant(router_032="rate"),
+    "032-pure-bucket": AdmissionVariant(router_032="pure-bucket"),
 }
 
 

@@ -5,9 +5,11 @@ For each scenario, run side by side on one workload seed:
 - ``best-fixed``: the static split that is best on the steady scenario, used everywhere;
 - ``mean-based``: a Dynamo-style throughput planner (mean lengths, fixed 90% hit rate);
 - ``ours``: ``ratio.recommend`` + ``next_replicas`` (slow and fast loop), behind the product's
-  admission as sglang-router enforces it (a token bucket at the planner's stable rate);
-- ``ours-smg``: the same with smg's admission (``router.implementation: smg``): the same bucket,
-  and no more requests in flight than the pools hold before any waits for decode KV;
+  admission as sglang-router 0.3.2 enforces it (a bucket of what the pools hold before any
+  request waits for decode KV, refilled by 1 per router, that gets a token back when a
+  response ends: ``with_admission``);
+- ``ours-smg``: the same with smg's admission (``router.implementation: smg``): a token bucket
+  at the planner's stable rate, and no more requests in flight than the pools hold;
 - ``ours-operator``: ``ours`` with the slow loop planning through the operator's own functions
   (``RatioPlannerPolicy.operator_inputs``: the resource's declared workload fields, the
   measured request shape held within its band, the measured rate with the operator's headroom,
@@ -68,7 +70,12 @@ from cas_operator.autoscale.model import (
 )
 from cas_operator.autoscale.search import hit_scale, recommend
 from cas_operator.autoscale.signals import SHAPE_BAND, Shape, kept_shape
-from cas_operator.desired.admission import highest_rate, in_flight_at, sustainable_rate
+from cas_operator.desired.admission import (
+    ROUTER_032_REFILL,
+    highest_rate,
+    in_flight_at,
+    sustainable_rate,
+)
 
 SLO = SloInputs(ttft_s=3.0, itl_ms=50.0)
 SPEC = pf.load_spec("glm5-fp8-h200")
@@ -218,6 +225,11 @@ class AdmissionVariant:
     shape_band: float = SHAPE_BAND  # the band the request shape is held in (`kept_shape`)
     prefill_allowance_s: float | None = None  # smg's bound: rate x this, not x the TTFT target
     headroom: float = 1.0  # `router.admission.headroom`: on the rate and smg's bound
+    # sglang-router 0.3.2 (`ours`): "product", as `desired.admission` sizes it (what the pools
+    # hold, a refill of 1 per router) and as it behaves (a token back when a response ends);
+    # "rate", sized as before issue 41 (the rate, 5 s of it), as it behaves; "pure-bucket",
+    # sized so and taken for a plain token bucket, as this bench did before issue 41
+    router_032: str = "product"
 
 
 PRODUCT = AdmissionVariant()
@@ -422,20 +434,26 @@ def _good(res: SimResult, t0: float, t1: float) -> float:
     return float(ok.sum()) / max(t1 - t0, 1e-9)
 
 
+ROUTERS = 2  # router replicas (`router.replicas`' default): sglang-router 0.3.2 refills per router
+
+
 def with_admission(
     policy: Any,
     declared: WorkloadInputs,
     in_flight_bound: bool = False,
     variant: AdmissionVariant = PRODUCT,
 ) -> tuple[Any, Any]:
-    """The product's `router.admission: Auto` next to `policy`: the rate at which the planner's
-    model says the ready pools keep every queue stable (`desired.admission`), for the request
-    shape the fleet measures (prompt and output tokens per request, held within a band by
-    `autoscale.signals.kept_shape`), the declared one until it measures; with `in_flight_bound`
-    (`router.implementation: smg`), also smg's bound on the requests in flight: what the pools
-    hold before requests wait for decode KV (`desired.admission.in_flight_at`), never below the
-    burst. The policy is wrapped to hand its metrics over. `variant` swaps in a candidate
-    change (`AdmissionVariant`)."""
+    """The product's `router.admission: Auto` next to `policy`, as each router enforces it
+    (`desired.admission`), for the request shape the fleet measures (prompt and output tokens
+    per request, held within a band by `autoscale.signals.kept_shape`), the declared one until
+    it measures. The rate at which the planner's model says the ready pools keep every queue
+    stable, and what the pools hold before requests wait for decode KV
+    (`desired.admission.in_flight_at`, never below 5 s of the rate): with `in_flight_bound`
+    (`router.implementation: smg`) the rate and a bound on the requests in flight at that;
+    without (sglang-router 0.3.2), a bucket of that size that gets a token back when a response
+    ends, refilled by `ROUTER_032_REFILL` per router (`variant.router_032` for the sizings
+    before issue 41). The policy is wrapped to hand its metrics over. `variant` swaps in a
+    candidate change (`AdmissionVariant`)."""
     p, d = policy.prefill, policy.decode
     measured: Shape | None = None  # the latest window's, once the fleet has measured one
     kept: Shape | None = None  # as the operator's: nothing until the first measurement
@@ -453,12 +471,17 @@ def with_admission(
         if not stable:
             return None
         found = stable * variant.headroom
-        if not in_flight_bound:
+        if not in_flight_bound and variant.router_032 == "pure-bucket":
             return Limit(found)
+        if not in_flight_bound and variant.router_032 == "rate":
+            return Limit(found, returns=True)
         held = in_flight_at(stable, wl, SLO, d, n_d)
         if variant.prefill_allowance_s is not None:
             held += stable * (variant.prefill_allowance_s - SLO.ttft_s)
-        return Limit(found, max(held * variant.headroom, found * ADMISSION_BURST_S))
+        size = max(held * variant.headroom, found * ADMISSION_BURST_S)
+        if not in_flight_bound:
+            return Limit(ROUTERS * ROUTER_032_REFILL, size=size, returns=True)
+        return Limit(found, size)
 
     def admission(n_p: int, n_d: int) -> Limit | None:
         nonlocal kept

@@ -80,7 +80,11 @@ class MemoryKube:
         key = (kind, manifest["metadata"]["name"])
         if key in self.objects:
             return None
-        self.objects[key] = copy.deepcopy(manifest)
+        made = copy.deepcopy(manifest)
+        if "uid" not in made["metadata"]:  # the API server gives every object one
+            self._uids += 1
+            made["metadata"]["uid"] = f"obj-{self._uids}"
+        self.objects[key] = made
         self.created.append(key)
         return self.objects[key]
 

@@ -25,11 +25,12 @@ with numpy, and event times inside a step are kept exact where they are determin
   work at once and leave after ``drain_s`` (their cache is lost).
 - Admission (``FleetConfig.admission``, the operator's `router.admission`): every tick the limit
   for the ready pools is set; arrivals take a token from a bucket refilled at its rate (holding
-  ``ADMISSION_BURST_S`` of it, as sglang-router does); with an in-flight bound (smg's
+  its ``size``, by default ``ADMISSION_BURST_S`` of the rate); with an in-flight bound (smg's
   `--max-concurrent-requests`), the bucket holds that many and no arrival is admitted while
-  that many requests are in flight (waiting for or in prefill, waiting for or in decode). An
-  arrival refused is answered 429 at once and its session sends the turn again
-  ``RETRY_AFTER_S`` later (counted in ``shed``).
+  that many requests are in flight (waiting for or in prefill, waiting for or in decode); with
+  ``returns`` (sglang-router 0.3.2) a finished request gives its token back, up to the size
+  (tests/engine/test_router_admission_real.py). An arrival refused is answered 429 at once and
+  its session sends the turn again ``RETRY_AFTER_S`` later (counted in ``shed``).
 
 Pure computation (no I/O, no clock). Outputs per-request records and a per-tick time series.
 """
@@ -54,14 +55,21 @@ RETRY_AFTER_S = 2.0  # a client's wait after a 429 (smg's Retry-After; an SDK's 
 
 @dataclass(frozen=True)
 class Limit:
-    """What the routers admit: a rate, and with smg a bound on the requests in flight."""
+    """What the routers admit, as one bucket for the fleet: refilled at `rate` per second,
+    holding `size` (default: smg's in-flight bound, else 5 s of the rate); `in_flight`: smg's
+    bound on the requests in flight; `returns`: sglang-router 0.3.2's bucket, which gets a
+    token back when a response ends."""
 
     rate: float
     in_flight: float = math.inf
+    size: float | None = None
+    returns: bool = False
 
     @property
     def bucket(self) -> float:
-        """The burst the bucket holds: smg's in-flight bound, else 5 s of the rate."""
+        """The burst the bucket holds."""
+        if self.size is not None:
+            return max(1.0, self.size)
         if math.isfinite(self.in_flight):
             return max(1.0, self.in_flight)
         return max(1.0, self.rate * ADMISSION_BURST_S)
@@ -710,6 +718,8 @@ class Simulator:
             output=total_out,
         )
         self.done_time.append(t_end)
+        if self.limit is not None and self.limit.returns:  # sglang-router 0.3.2's bucket
+            self.tokens = min(self.limit.bucket, self.tokens + float(t_end.size))
         if self.trace is not None or self.wl is None:
             return
         S, mix, sid = self.S, self.wl.mix, rows["sid"]

@@ -38,7 +38,7 @@ from cas_operator.api.models import AnomalyGuardSpec
 from cas_operator.desired.resources.pools import PRESTOP, SHUTDOWN_MARGIN_S
 from cas_operator.kube import Kube
 from cas_operator.observe import MetricsSource, ScrapeSource
-from cas_operator.routers import HttpRouters, Routers
+from cas_operator.routers import HttpRouters, RouterEndpoint, Routers
 from e2e.cluster.manifests import READINESS_TOLERATION
 from e2e.cluster.podnet import load_for_kubeconfig
 from e2e.runtime.podrunner import PodRunner, kube_pod_deleter, kube_pod_lister, kube_status_patcher
@@ -277,7 +277,7 @@ class AnomalyStack:
                 env={**os.environ, "KUBECONFIG": str(kubeconfig)},
             )  # fmt: skip
         url = f"http://127.0.0.1:{port}"
-        self.routers = HttpRouters(lambda: [url])
+        self.routers = HttpRouters(lambda: [RouterEndpoint(url)])
         return url
 
     async def start_traffic(self, concurrency: int = 6) -> LabelRouter:

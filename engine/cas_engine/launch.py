@@ -14,7 +14,12 @@ Data flow:
    lost; instead SGLang's plugin loader (entry point group ``sglang.srt.plugins``, called early
    in every SGLang process) runs :func:`sglang_plugin`, which installs our patches from the
    environment in each process.
-4. :func:`main` then runs ``sglang.launch_server`` as ``__main__`` with SGLang's arguments.
+4. :func:`main` then hands the admin key to SGLang without a command line
+   (:mod:`cas_engine.sglang.keys`: the key comes from the environment variable
+   ``--cas-admin-key-env`` names, or ``CAS_ENGINE_ADMIN_KEY``; an ``--admin-api-key`` given
+   anyway is taken out of SGLang's arguments) and runs ``sglang.launch_server`` as
+   ``__main__`` with SGLang's arguments. SGLang would otherwise publish the key in
+   ``/server_info`` and its start-up log; every process redacts it (:mod:`cas_engine.adminkey`).
 
 Our parts (``--cas-*``): the quality gate (:mod:`cas_engine.guard`), KV reclaim mode
 (``strict``: :mod:`cas_engine.sglang.reclaim`; ``upstream``: SGLang's timeout release), and the
@@ -35,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cas_engine.adminkey import ADMIN_KEY_ENV, admin_key_from_env, split_admin_key
 from cas_engine.guard.config import GuardConfig, add_guard_arguments, guard_config_from_args
 
 logger = logging.getLogger("cas_engine.launch")
@@ -70,6 +76,8 @@ class LaunchPlan:
     prefill_gone_file: str | None = None
     sglang_argv: list[str] = field(default_factory=list)
     show_help: bool = False
+    admin_key: str | None = field(default=None, repr=False)
+    admin_key_source: str = ""  # where the key came from ("" when none)
 
     @property
     def hicache_enabled(self) -> bool:
@@ -137,6 +145,15 @@ def build_cas_parser() -> argparse.ArgumentParser:
         f"{HICACHE_FLAG} is given: enforce refuses to start on failure "
         f"(env {HICACHE_CHECK_ENV}, default enforce)",
     )
+    keys = parser.add_argument_group("cas admin key")
+    keys.add_argument(
+        "--cas-admin-key-env",
+        default=None,
+        metavar="NAME",
+        help="the environment variable holding SGLang's admin key (it must be set); SGLang "
+        "gets the key without it being on any command line and never shows it "
+        f"(default: {ADMIN_KEY_ENV} when set)",
+    )
     return parser
 
 
@@ -174,6 +191,14 @@ def plan_launch(argv: Sequence[str], env: Mapping[str, str] | None = None) -> La
             parser.error(f"{HICACHE_DETECTOR_ENV}: {exc}")
     show_help = any(a in ("-h", "--help") for a in rest)
     gone_file = ns.cas_prefill_gone_file or env.get(PREFILL_GONE_ENV) or None
+    rest, argv_key = split_admin_key(rest)
+    key_env = ns.cas_admin_key_env or ADMIN_KEY_ENV
+    env_key = admin_key_from_env(env, key_env)
+    if ns.cas_admin_key_env and env_key is None:
+        parser.error(f"--cas-admin-key-env {key_env}: that variable is unset or empty")
+    if env_key is not None and argv_key is not None:
+        parser.error(f"an admin key both in {key_env} and on the command line: give one")
+    source = f"env {key_env}" if env_key is not None else ""
     return LaunchPlan(
         guard=guard,
         kv_reclaim=kv,
@@ -183,6 +208,8 @@ def plan_launch(argv: Sequence[str], env: Mapping[str, str] | None = None) -> La
         hicache_check=check,
         sglang_argv=rest,
         show_help=show_help,
+        admin_key=env_key or argv_key,
+        admin_key_source=source or ("command line" if argv_key is not None else ""),
     )
 
 
@@ -276,8 +303,23 @@ def check_hicache(plan: LaunchPlan) -> str:
     return verdict.message
 
 
+def check_keys(plan: LaunchPlan) -> str:
+    """SGLang's key surfaces are what :mod:`cas_engine.sglang.keys` was written for."""
+    from cas_engine.sglang.keys import check_targets
+
+    problems = check_targets()
+    if problems:
+        raise LaunchRefused(
+            "cannot keep the admin key out of SGLang's answers: " + "; ".join(problems)
+        )
+    if not plan.admin_key:
+        return "admin key: none (SGLang's admin endpoints take no key)"
+    return f"admin key: from {plan.admin_key_source}, handed to SGLang off its command line"
+
+
 PREFLIGHT: tuple[Check, ...] = (
     check_version,
+    check_keys,
     check_plugin_entry_point,
     check_guard_targets,
     check_guard_ipc,
@@ -364,8 +406,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.error("cas_engine refuses to start: %s", exc)
         return 3
     export_env(plan, os.environ)
+    hand_over_admin_key(plan, os.environ)
     run_sglang(plan.sglang_argv)
     return 0
+
+
+def hand_over_admin_key(plan: LaunchPlan, environ: MutableMapping[str, str]) -> None:
+    """SGLang gets the plan's admin key off its command line; the variable that carried it
+    leaves this process's environment (SGLang's own processes get the key with its args)."""
+    if plan.admin_key is None:
+        return
+    from cas_engine.sglang.keys import install_admin_key, install_redaction
+
+    if plan.admin_key_source == "command line":
+        logger.warning(
+            "the admin key was given on the command line, where the process list shows it; "
+            "SGLang gets it off its own command line (pass --cas-admin-key-env instead)"
+        )
+    install_redaction()
+    install_admin_key(plan.admin_key)
+    if plan.admin_key_source.startswith("env "):
+        environ.pop(plan.admin_key_source.removeprefix("env "), None)
 
 
 # ---- inside every SGLang process ----------------------------------------------------------------
@@ -400,11 +461,14 @@ def sglang_plugin() -> None:
 
 
 def install_patches() -> None:
-    """Strict reclaim first (its absence silently reopens the KV race), then the optional
-    parts: the quality gate, the prefix reuse tracker, the HiCache ordering fixes, the read
-    detector."""
+    """The key redaction, strict reclaim (its absence silently reopens the KV race), then the
+    optional parts: the quality gate, the prefix reuse tracker, the HiCache ordering fixes, the
+    read detector."""
     from prometheus_client import REGISTRY
 
+    from cas_engine.sglang.keys import install_redaction
+
+    install_redaction()  # first: no answer or log line of this process shows a key
     if os.environ.get(KV_RECLAIM_ENV, "strict") == "strict":
         from cas_engine.kvfence.metrics import KvFenceMetrics
         from cas_engine.sglang.prefill_pin import install_prefill_pin

@@ -53,7 +53,7 @@ from cas_operator.kube import Kube
 from cas_operator.observe.types import MetricsSource, Observation, PodSignals, PodTarget, PodView
 from cas_operator.reconcile.core import Measured
 from cas_operator.rollout.act import Findings, canary_of, rollout_tick, stable_pools
-from cas_operator.routers import HttpRouters, control_plane_key, router_pod_urls
+from cas_operator.routers import HttpRouters, control_plane_key, router_endpoints
 from cas_operator.scaledown.act import ScaleDownResult, scale_down_tick
 from cas_operator.types import Event, Manifest, Status
 
@@ -170,9 +170,8 @@ def fleet_routers(
 ) -> HttpRouters:
     """The resource's router replicas (from this tick's pods) with its control-plane key."""
     secret = keys_secret_name(name, spec.security)
-    return HttpRouters(
-        router_pod_urls(pods, namespace, name), key=control_plane_key(kube, namespace, secret)
-    )
+    endpoints = router_endpoints(pods, namespace, name, secret)
+    return HttpRouters(endpoints, key_in=control_plane_key(kube, namespace))
 
 
 def slim_pod(pod: Manifest) -> Manifest:

@@ -58,6 +58,7 @@ OWNED_STATUS_KEYS = (
     "revision",
     "servingRevision",
     "engineInput",
+    "keysVersion",
     "heldRevision",
     "warnings",
     "conditions",

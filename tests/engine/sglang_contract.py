@@ -33,6 +33,7 @@ from typing import Any
 from unittest import mock
 
 from cas_engine.launch import plan_launch
+from cas_engine.sglang.keys import argv_with_key
 
 LAUNCHER = ["python3", "-m", "cas_engine.launch_server"]
 # What Kubernetes substitutes for the LWS variables in a pod of group 0 (leader).
@@ -229,9 +230,15 @@ def sglang_argv(
     draft_dir: Path | None = None,
     env: Mapping[str, str] | None = None,
 ) -> list[str]:
-    """What SGLang's parser receives from the launcher, with the model path(s) made local and
+    """What SGLang's parser receives from the launcher (the admin key from the environment
+    handed over as `cas_engine.sglang.keys` does), with the model path(s) made local and
     $(VAR) expanded as the kubelet does (from `env`, and LWS's variables)."""
-    argv = plan_launch(list(args), env={}).sglang_argv
+    plan = plan_launch(list(args), env=dict(env or {}))
+    argv = (
+        plan.sglang_argv
+        if plan.admin_key is None
+        else argv_with_key(plan.sglang_argv, plan.admin_key)
+    )
     expansion = {**LWS_EXPANSION, **{f"$({k})": v for k, v in (env or {}).items()}}
     out = []
     for arg in argv:

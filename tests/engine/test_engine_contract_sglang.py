@@ -314,7 +314,9 @@ def test_without_cp_strategy_sglang_refuses_prefill_cp(model_dirs: dict[str, Pat
     plan = plan_raw("x", "ns", raw)
     (prefill,) = [c for c in commands_of(plan) if c.role == "prefill"]
     at = prefill.args.index("--cp-strategy")
-    old = PodCommand(prefill.workload, "prefill", prefill.args[:at] + prefill.args[at + 2 :], {})
+    old = PodCommand(
+        prefill.workload, "prefill", prefill.args[:at] + prefill.args[at + 2 :], prefill.env
+    )
     outcome = sglang_outcome(old, plan, model_dirs)
     assert isinstance(outcome, ValueError) and "--cp-strategy must be set" in str(outcome)
 
@@ -386,6 +388,8 @@ def _rendered() -> tuple[set[str], set[str]]:
             for arg in ours:
                 if arg.startswith("--") and not arg.startswith(c.OWNED_ENGINE_FLAG_PREFIX):
                     dests.add(parser._option_string_actions[arg.split("=")[0]].dest)
+            if "--cas-admin-key-env" in ours:  # the launcher hands SGLang the admin key flag
+                dests.add(parser._option_string_actions["--admin-api-key"].dest)
             env |= set(cmd.env) - {var.name for var in plan.spec.engine.env or []}
     return dests, env
 

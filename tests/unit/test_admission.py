@@ -46,8 +46,10 @@ def test_auto_admits_the_planners_capacity_and_follows_the_pools() -> None:
     assert "within the SLOs" in a.basis
     args = router_args(small)
     assert flag(args, "--queue-size") == "0"  # beyond the limit: 429 at once, no backlog
-    assert flag(args, "--rate-limit-tokens-per-second") == str(a.router_rps)
-    assert flag(args, "--max-concurrent-requests") == str(a.router_burst)
+    # sglang-router 0.3.2 (the default): what the pools hold, refilled by 1 (its bucket gets
+    # a token back when a response ends: `Admission.limits`)
+    assert flag(args, "--rate-limit-tokens-per-second") == "1"
+    assert flag(args, "--max-concurrent-requests") == str(a.router_in_flight)
     assert router_args(large) != args  # the limit follows a replica change
 
 

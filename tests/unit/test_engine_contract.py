@@ -20,7 +20,9 @@ def test_launcher_accepts_the_operators_arguments(sample: str) -> None:
     plan = build_plan("x", "ns", parse_spec(raw["spec"]))
     guard = plan.spec.anomaly_guard
     for pool in plan.pools:
-        launch = plan_launch(engine_args(plan, pool), env={})
+        # the kubelet sets the admin key's variable from the keys Secret (engine_env)
+        launch = plan_launch(engine_args(plan, pool), env={"CAS_ENGINE_ADMIN_KEY": "k"})
+        assert launch.admin_key == "k"  # taken from the variable the pod names
         assert launch.kv_reclaim == "strict"
         assert not any(arg.startswith("--cas-") for arg in launch.sglang_argv)
         assert "--disaggregation-mode" in launch.sglang_argv
@@ -33,5 +35,5 @@ def test_launcher_accepts_the_operators_arguments(sample: str) -> None:
 
 def test_guard_disabled_without_speculative_decoding() -> None:
     plan = build_plan("x", "ns", parse_spec({"model": {"name": "glm-5"}}))
-    launch = plan_launch(engine_args(plan, plan.decode), env={})
+    launch = plan_launch(engine_args(plan, plan.decode), env={"CAS_ENGINE_ADMIN_KEY": "k"})
     assert launch.guard.enabled is False

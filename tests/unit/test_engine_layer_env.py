@@ -48,7 +48,8 @@ def test_the_launcher_takes_the_hicache_check_from_the_environment() -> None:
     """Why it matters: the prefill pod's command line has no --cas-hicache-check, so the
     environment decides, and `off` skips the check."""
     plan = plan_raw("demo", "ns", HICACHE)
-    launch = plan_launch(engine_args(plan, plan.prefill), env={"CAS_HICACHE_CHECK": "off"})
+    env = {"CAS_HICACHE_CHECK": "off", c.ENV_ENGINE_ADMIN_KEY: "k"}  # the key: the pod's Secret
+    launch = plan_launch(engine_args(plan, plan.prefill), env=env)
     assert launch.hicache_enabled and launch.hicache_check == "off"
 
 

@@ -180,6 +180,31 @@ def test_an_older_revision_leaves_the_entry_point_first_and_goes_once_idle() -> 
     assert find_condition(done.status, c.COND_PROGRESSING)["status"] == "False"
 
 
+def test_an_idle_older_revision_loses_its_router_first_and_its_engines_after_its_pods() -> None:
+    """Regression (issue 41, seen in e2e/tests/test_keys_rotation.py): engines idle when the
+    wait was over took the old router and its engines down at once; the router, in its preStop
+    sleep, still took requests on its clients' kept-alive connections and, its prefill gone,
+    answered them 503. The engines now go only once the router's pods are gone."""
+    kube = MemoryKube()
+    old = run(kube, SPEC).status["revision"]
+    first = run(kube, V2, generation=2, previous={"servingRevision": old}, now=T0)
+    kwargs = {"generation": 2, "previous": first.status, "full": False}
+    idle = Measured(older=(RevisionLoad(old, 0.0),))
+    pod = {"kind": "Pod", "metadata": {"name": f"demo-router-{old}-x", "labels": {
+        c.LABEL_NAME: "demo", c.LABEL_ROLE: c.ROLE_ROUTER, c.LABEL_REVISION: old}}}  # fmt: skip
+    kube.objects[("Pod", pod["metadata"]["name"])] = pod
+    first_retire = run(kube, V2, now=T0 + 20, measured=idle, **kwargs)
+    assert kube.deleted == [("Deployment", f"demo-router-{old}")]  # the router alone
+    assert "its routers finish first" in find_condition(
+        first_retire.status, c.COND_PROGRESSING)["message"]  # fmt: skip
+    run(kube, V2, now=T0 + 25, measured=idle, **kwargs)  # its pod still terminating
+    assert {k for k in kube.objects if old in k[1] and k[0] == "Deployment"} == {
+        ("Deployment", f"demo-prefill-{old}"), ("Deployment", f"demo-decode-{old}")}  # fmt: skip
+    del kube.objects[("Pod", pod["metadata"]["name"])]
+    run(kube, V2, now=T0 + 30, measured=idle, **kwargs)
+    assert {k for k in kube.objects if old in k[1] and k[0] != "Pod"} == set()
+
+
 def test_an_older_revision_whose_work_is_unknown_goes_after_the_drain_grace() -> None:
     kube = MemoryKube()
     old = run(kube, SPEC).status["revision"]

@@ -149,6 +149,8 @@ def test_an_aborted_canary_is_retired_and_the_fleet_is_degraded() -> None:
     }
     assert outcome.status["decode"]["summary"] == "4/4"  # the stable pools serve
     later = run(kube, V2, generation=2, previous=outcome.status, measured=measured, now=NOW + 20)
+    assert kube.deleted == [("Deployment", f"demo-router-{r2}")]  # its router first
+    later = run(kube, V2, generation=2, previous=outcome.status, measured=measured, now=NOW + 22)
     assert ("Deployment", f"demo-decode-{r2}") in kube.deleted
     assert ("Deployment", f"demo-decode-{r1}") not in kube.deleted
     assert later.events[-1][1] == "RevisionRetired"
@@ -182,6 +184,8 @@ def test_promotion_moves_both_services_and_retires_the_old_revision() -> None:
     assert selector(kube, "demo")[c.LABEL_REVISION] == r2 and weights(kube) == [100, 0]
     assert outcome.status["rollout"]["phase"] == "Stable"
     run(kube, V2, generation=2, previous=outcome.status, measured=measured, now=NOW + 20)
+    assert kube.deleted == [("Deployment", f"demo-router-{r1}")]  # its router first
+    run(kube, V2, generation=2, previous=outcome.status, measured=measured, now=NOW + 22)
     assert ("Deployment", f"demo-decode-{r1}") in kube.deleted
     final = run(kube, V2, generation=2, previous=outcome.status, measured=measured, now=NOW + 25)
     assert health(as_resource(final, 2))["status"] == "Healthy"

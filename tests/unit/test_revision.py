@@ -21,9 +21,10 @@ from tests.unit.test_reconcile import run
 SPECULATIVE = {"speculative": {"algorithm": "EAGLE", "draftModelPath": "/models/draft"}}
 
 
-def revision(**overrides: Any) -> str:
+def revision(keys: str = "", **overrides: Any) -> str:
+    """The revision of a spec whose pods take version `keys` of the keys ("": the Secret)."""
     raw: dict[str, Any] = {"model": {"name": "zai-org/GLM-5-FP8"}, **overrides}
-    return build_plan("demo", "ns", parse_spec(raw)).revision
+    return build_plan("demo", "ns", parse_spec(raw), keys_version=keys).revision
 
 
 def test_revision_changes_with_what_either_role_runs_and_nothing_else() -> None:
@@ -131,7 +132,8 @@ def test_an_operator_upgrade_leaves_running_engines_alone_until_the_user_opts_in
 
     held = _pass(kube, SPEC, 1, old.status)
     assert held.status["revision"] == old_rev
-    assert held.status["heldRevision"]["revision"] == revision(model={"name": "glm-5"})
+    keys = held.status["keysVersion"]
+    assert held.status["heldRevision"]["revision"] == revision(keys, model={"name": "glm-5"})
     assert [e[1] for e in held.events] == [c.REASON_OPERATOR_UPGRADE_HELD]
     assert not [a for a in kube.applies if a[0] == "Deployment"], kube.applies
     assert {n: o["spec"]["template"] for n, o in _workloads(kube).items()} == before
@@ -163,7 +165,9 @@ def test_an_engine_change_after_an_upgrade_rolls_to_the_new_rendering(
     assert held.status["revision"] == old.status["revision"]
     changed = {**SPEC, "engine": {"image": "cas-engine:next"}}
     rolled = _pass(kube, changed, 2, held.status)
-    assert rolled.status["revision"] == revision(model={"name": "glm-5"}, engine=changed["engine"])
+    keys = held.status["keysVersion"]
+    want = revision(keys, model={"name": "glm-5"}, engine=changed["engine"])
+    assert rolled.status["revision"] == want
     assert rolled.status["heldRevision"] is None
 
 

@@ -17,9 +17,10 @@ import pytest
 
 from cas_operator.api import constants as c
 from cas_operator.api.models import parse_spec
-from cas_operator.desired.admission import admission_for
+from cas_operator.desired.admission import ROUTER_032_REFILL, admission_for
 from cas_operator.desired.build import build_plan
 from cas_operator.desired.resources.router import ROUTER_COMMANDS, router_args
+from cas_operator.reconcile.status import admission_status
 from tests.paths import load_sample
 
 IMPLEMENTATIONS = ("sglang-router", "smg")
@@ -71,18 +72,26 @@ def test_every_sample_parses_in_the_router_it_names(sample: str, implementation:
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_admission_reaches_the_router_as_it_reads_it(implementation: str) -> None:
-    plan = build_plan("demo", "ns", parse_spec(GLM5))
+    """Each router gets what `Admission.limits` says, and status says what it got. smg: the
+    rate, and as its size (its burst and its bound in flight) what the pools hold, not 5 s of
+    the rate. sglang-router 0.3.2, whose bucket gets a token back when a response ends
+    (tests/engine/test_router_admission_real.py): the same size and a refill of 1, the least it
+    takes (regression, issue 41 item 10: it got the rate as its refill and 5 s of it as its
+    size, and let in flight grow by the rate each second the fleet was saturated)."""
+    plan = build_plan(
+        "demo", "ns", parse_spec({**GLM5, "router": {"implementation": implementation}})
+    )
     admission = admission_for(plan)
     assert admission is not None
     router = parsed(*rendered(GLM5, implementation))
     assert router.queue_size == 0  # beyond the limit: 429 at once
-    assert router.rate_limit_tokens_per_second == admission.router_rps
-    if implementation == "smg":
-        # smg bounds requests in flight by it: what the pools hold at the rate, not 5 s of it
-        assert router.max_concurrent_requests == admission.router_in_flight
-        assert admission.router_in_flight > admission.router_burst
-    else:
-        assert router.max_concurrent_requests == admission.router_burst
+    assert router.max_concurrent_requests == admission.router_in_flight
+    assert admission.router_in_flight > admission.router_burst
+    refill = admission.router_rps if implementation == "smg" else ROUTER_032_REFILL
+    assert router.rate_limit_tokens_per_second == refill
+    per_router = admission_status(plan)["perRouter"]
+    assert per_router["requestsPerSecond"] == router.rate_limit_tokens_per_second
+    assert per_router["burst"] == router.max_concurrent_requests  # the burst it applies
 
 
 def test_smg_without_a_limit_is_told_so() -> None:

@@ -50,10 +50,12 @@ per watched namespace (Roles) or cluster-wide (ClusterRole) when watchNamespaces
 - apiGroups: [""]
   resources: [configmaps]
   verbs: [get, create, patch, update]
-# each fleet's keys Secret, read by name and made once: never list or watch (other Secrets)
+# each fleet's keys Secret, read by name and made when missing, and the copies of its versions
+# the fleet's pods take (made, and deleted by name once no revision runs with them): never
+# list or watch (other Secrets)
 - apiGroups: [""]
   resources: [secrets]
-  verbs: [get, create]
+  verbs: [get, create, delete]
 # labels and annotations of its own pods only: see the ValidatingAdmissionPolicy
 - apiGroups: [""]
   resources: [pods]

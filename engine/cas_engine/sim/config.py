@@ -15,9 +15,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from cas_engine.adminkey import ADMIN_KEY_ENV, admin_key_from_env
 from cas_engine.sim import SIMULATOR_NOTICE
 from cas_engine.sim.timing import TimingParams
 
@@ -60,7 +62,8 @@ class SimConfig:
     guard_args: argparse.Namespace | None = None
     ignored_args: tuple[str, ...] = ()
     api_key: str = ""
-    admin_api_key: str = ""
+    admin_api_key: str = field(default="", repr=False)
+    launch_command: str = ""  # the arguments as given, as SGLang records them
 
     @property
     def model_name(self) -> str:
@@ -113,6 +116,13 @@ def _add_sglang_arguments(p: argparse.ArgumentParser) -> None:
 def _add_cas_arguments(p: argparse.ArgumentParser) -> None:
     """The ``--cas-*`` flags the operator puts on engine pods (see cas_engine.launch)."""
     g = p.add_argument_group("cas_engine flags (as on real engine pods)")
+    g.add_argument(
+        "--cas-admin-key-env",
+        default=None,
+        metavar="NAME",
+        help=f"the environment variable holding the admin key, as the launcher reads it "
+        f"(default: {ADMIN_KEY_ENV} when set; --admin-api-key wins)",
+    )
     g.add_argument(
         "--cas-kv-reclaim",
         type=_reclaim_mode,
@@ -263,8 +273,12 @@ def _add_sim_arguments(p: argparse.ArgumentParser) -> None:
 def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> SimConfig:
     """Parse ``argv``; unknown (SGLang) arguments are logged once and ignored."""
     env = os.environ if env is None else env
+    argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     ns, unknown = parser.parse_known_args(argv)
+    admin_key = ns.admin_api_key or admin_key_from_env(env, ns.cas_admin_key_env or ADMIN_KEY_ENV)
+    if ns.cas_admin_key_env and not admin_key:
+        parser.error(f"--cas-admin-key-env {ns.cas_admin_key_env}: that variable is unset or empty")
     try:
         kv_reclaim = _resolve_reclaim(ns, env)
     except argparse.ArgumentTypeError as exc:
@@ -312,7 +326,8 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = No
         spec_accept_prob=ns.sim_spec_accept_prob,
         fault=ns.sim_fault,
         api_key=ns.api_key,
-        admin_api_key=ns.admin_api_key,
+        admin_api_key=admin_key or "",
+        launch_command=" ".join(argv),
         prefill_gone_file=ns.cas_prefill_gone_file or "",
         gone_clock_skew_s=10.0 if ns.sim_gone_clock_skew is None else ns.sim_gone_clock_skew,
         guard_args=ns,

@@ -63,6 +63,7 @@ class Fleet:
     router_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     prefill_urls: list[str] = field(default_factory=list)
+    bootstrap_ports: list[int] = field(default_factory=list)  # each prefill's, in order
     decode_urls: list[str] = field(default_factory=list)
     router_url: str = ""
     _procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
@@ -91,6 +92,7 @@ class Fleet:
             )
             self.prefill_urls.append(f"http://{self.host}:{port}")
             bootstrap.append(bport)
+            self.bootstrap_ports.append(bport)
         for i in range(self.decodes):
             port = self._port()
             extra = self.decode_args[i] if i < len(self.decode_args) else []

@@ -30,6 +30,7 @@ from aiohttp.http_exceptions import BadHttpMessage
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from cas_engine.adminkey import redact
 from cas_engine.guard import error_body, http_response, sse_error_event
 from cas_engine.kvfence.peer_probe import INCARNATION_HEADER
 from cas_engine.sim import SIMULATOR_NOTICE, auth
@@ -302,30 +303,38 @@ class SimServer:
         )
 
     async def server_info(self, request: web.Request) -> web.Response:
+        """SGLang's `/server_info` shape (http_server.py:863-893): the launch settings (the
+        keys among them, as SGLang's `build_server_info` has them), `launch_command`, and
+        per scheduler its internal state (the settings again); redacted by the engine
+        layer's one rule (`cas_engine.adminkey.redact`), as the launcher has SGLang do."""
         c = self.cfg
-        snap = self.worker.snapshot()
-        return _json(
-            {
-                "model_path": c.model_path,
-                "served_model_name": c.model_name,
-                "tp_size": c.tp_size,
-                "disaggregation_mode": c.mode,
-                "disaggregation_bootstrap_port": c.bootstrap_port,
-                "max_running_requests": c.max_running_requests,
-                "context_length": c.context_length,
-                "speculative_num_steps": c.spec_num_steps,
-                "version": "sim",
-                "internal_states": [
-                    {
-                        "last_gen_throughput": self.worker.gen_rate,
-                        "avg_spec_accept_length": self.worker.avg_accept_length,
-                    }
-                ],
-                "sim": snap,
-                "sim_notice": SIMULATOR_NOTICE,
-                **SIM_META,
-            }
-        )
+        settings = {
+            "model_path": c.model_path,
+            "served_model_name": c.model_name,
+            "tp_size": c.tp_size,
+            "disaggregation_mode": c.mode,
+            "disaggregation_bootstrap_port": c.bootstrap_port,
+            "max_running_requests": c.max_running_requests,
+            "context_length": c.context_length,
+            "speculative_num_steps": c.spec_num_steps,
+            "api_key": c.api_key or None,
+            "admin_api_key": c.admin_api_key or None,
+        }
+        state = {
+            **settings,
+            "last_gen_throughput": self.worker.gen_rate,
+            "avg_spec_accept_length": self.worker.avg_accept_length,
+        }
+        info = {
+            **settings,
+            "launch_command": c.launch_command,
+            "version": "sim",
+            "internal_states": [state],
+            "sim": self.worker.snapshot(),
+            "sim_notice": SIMULATOR_NOTICE,
+            **SIM_META,
+        }
+        return _json(redact(info))
 
     async def model_info(self, request: web.Request) -> web.Response:
         return _json(

@@ -35,7 +35,7 @@ from cas_operator.anomaly.drain import (
 from cas_operator.api import constants as c
 from cas_operator.api.models import AnomalyGuardSpec, GuardAction
 from cas_operator.observe.types import MetricsSource, Observation, PodTarget, PodView
-from cas_operator.routers import HttpRouters, Routers, router_pod_urls
+from cas_operator.routers import HttpRouters, Routers, router_endpoints
 from cas_operator.types import Event, Manifest, rfc3339
 
 
@@ -227,7 +227,7 @@ def anomaly_tick(
         for order in decision.drains:
             events.append(start_drain(api, by_name[order.name], order.reason, now))
             _mark_draining(by_name[order.name], order.reason, now)
-    routers = routers or HttpRouters(router_pod_urls(api, namespace, name))
+    routers = routers or HttpRouters(router_endpoints(api, namespace, name))
     events += deregister_leaving(pods + leaving_pods(api, namespace, name), routers)
     stepped, deleted = advance_drains(api, pods, observation, spec.action, now, drain_policy)
     events += stepped

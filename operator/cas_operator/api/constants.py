@@ -45,6 +45,18 @@ KEY_ENGINE_ADMIN: Final = "engine-admin-key"
 ENV_ROUTER_CONTROL_PLANE_KEY: Final = "CAS_ROUTER_CONTROL_PLANE_KEY"
 ENV_ENGINE_ADMIN_KEY: Final = "CAS_ENGINE_ADMIN_KEY"
 APP_KEYS: Final = "cas-keys"
+# The keys a revision's pods run with: a copy of the keys Secret per version of its content
+# (`<name>-keys-<version>`, immutable), which pods take their keys from; the version is a label
+# of the revision's workloads and router pods, so the operator asks each router with its key.
+LABEL_KEYS: Final = "cas.dev/keys"
+APP_KEYS_COPY: Final = "cas-keys-copy"
+
+
+def keys_copy_name(name: str, version: str) -> str:
+    """The Secret holding version `version` of resource `name`'s keys."""
+    return f"{name}{KEYS_SECRET_SUFFIX}-{version}"
+
+
 ROUTER_KEY_ID: Final = "cas-operator"  # id and name of the router's one control-plane key
 
 ROLE_PREFILL: Final = "prefill"

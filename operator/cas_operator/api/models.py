@@ -509,7 +509,9 @@ class RouterSpec(Spec):
     )
     implementation: RouterImplementation = Field(
         default=RouterImplementation.SGLANG_ROUTER,
-        description="sglang-router (0.3.2): sheds with a bare 429. smg (1.13): sheds with 429 "
+        description="sglang-router (0.3.2): sheds with a bare 429, and its limit gets a "
+        "request back when a response ends: it holds bursts to what the pools hold, not a "
+        "sustained overload (docs/planner.md, Admission control). smg (1.13): sheds with 429 "
         "and Retry-After: 2, bounds the requests in flight per router (Auto: what the pools hold "
         "before requests wait for decode KV; Fixed: burst), and serves only requests that "
         "name the served model (model.servedModelName, else model.name). The image must ship "

@@ -1,27 +1,35 @@
 """Admission control at the router, sized from the plan (pure).
 
 A fleet offered more than it can serve does not degrade to its capacity: the backlog waits for
-decode KV and every later request misses its TTFT (docs/planner.md). So each router admits at
-most the plan's sustainable request rate and answers the rest `429` at once (`--queue-size 0`),
-instead of queueing into a backlog that cannot drain.
+decode KV and every later request misses its TTFT (docs/planner.md). So the routers admit what
+the plan's pools serve, as far as each router can bound it (below), and answer the rest `429`
+at once (`--queue-size 0`), instead of queueing into a backlog that cannot drain.
 
 Data flow: the plan (its pools' instance counts and shapes, the spec's workload and SLO) ->
 `sustainable_rate`: the highest request rate at which the planner's model
 (`autoscale.model.evaluate`, with the model's instance profile) keeps every queue of these pools
 stable (prefill and KV-link utilisation below 1, decode KV fits) -> `Admission`: the fleet's
-rate and burst, and each router's share, which
-`desired.resources.router` renders as the router's own limits:
+rate, burst and in-flight bound, and each router's share, which `Admission.limits` turns into
+each router's own flags (`desired.resources.router`; a new router template, so the routers
+roll, whenever they change: a replica change moves them):
 `--rate-limit-tokens-per-second` (the refill of its token bucket, requests per second: an
-integer, at least 1), `--max-concurrent-requests` (the bucket's size: the burst admitted at
-once) and `--queue-size 0`. sglang-router 0.3.2's limiter is that token bucket (measured: with
-`--max-concurrent-requests 2`, new requests were still admitted at 1 per second while two ran),
-so the burst is `BURST_SECONDS` of the rate. smg 1.13 (`router.implementation: smg`) takes the
-same flags with one more meaning: its `--max-concurrent-requests` is both the bucket's size and a
-bound on the requests in flight (measured: with a bound of 100 and 2 requests per second a burst
-of 30 was admitted at once; with 4, two were, and 28 got 429 with `Retry-After: 2`). So for smg
-that flag is `in_flight`: the requests the pools hold before any waits for decode KV (decode
-KV full at the mean context, plus the rate times the TTFT target), never below the burst.
-The limits follow a replica change (a new router template: the routers roll, draining).
+integer, at least 1), `--max-concurrent-requests` (the bucket's size) and `--queue-size 0`.
+What the two routers do with those flags differs (measured on loopback sims,
+tests/engine/test_router_admission_real.py):
+
+- smg 1.13 (`router.implementation: smg`): a rate limit and a bound on the requests in flight.
+  It admits at most `--max-concurrent-requests` at once (its burst: "bursting up to" it) and
+  never holds more in flight; beyond, at the refill rate. So it gets the planner's rate and, as
+  its size, `in_flight`: the requests the pools hold before any waits for decode KV (decode KV
+  full at the mean context, plus the rate times the TTFT target), never below the burst.
+- sglang-router 0.3.2 (the default): its bucket gets a token back when a response ends
+  (`--max-concurrent-requests 2 --rate-limit-tokens-per-second 1`: 20 short requests one after
+  the other all admitted; 100 long ones over 10 s: 2 + 1 per second in flight), so it does not
+  limit the rate: it admits what completes plus the refill. What it bounds is the growth of the
+  requests in flight: at most its size, plus its refill per second while it refuses. So in Auto
+  it gets `in_flight` as its size and the smallest refill it takes, `ROUTER_032_REFILL`
+  (0 means "the size" to it): a bound on what the pools hold that grows by 1 request per
+  second per router while the fleet is saturated. A Fixed rate and burst are passed as given.
 
 Why the stable rate and not the (lower) rate the model serves within the SLOs: between the two
 the fleet still drains what it admits, with a longer TTFT tail for some requests, and the model
@@ -49,7 +57,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from cas_operator.api.models import AdmissionMode, CodingAgentServingSpec
+from cas_operator.api.models import AdmissionMode, CodingAgentServingSpec, RouterImplementation
 from cas_operator.autoscale.model import (
     InstanceProfile,
     SloInputs,
@@ -61,7 +69,16 @@ from cas_operator.desired.plan import Plan
 from cas_operator.desired.recommend import instance_profiles, profile_for
 
 BURST_SECONDS = 5.0  # the burst admitted at once: this many seconds of the sustained rate
+ROUTER_032_REFILL = 1  # sglang-router 0.3.2's refill in Auto: the least it takes (see above)
 SEARCH_STEPS = 14  # bisection steps over the rate (relative precision ~1e-4)
+
+
+@dataclass(frozen=True)
+class RouterLimits:
+    """What one router is given: its bucket's refill and size (the flags of the same names)."""
+
+    refill: int  # `--rate-limit-tokens-per-second`
+    size: int  # `--max-concurrent-requests`: the burst it admits at once
 
 
 @dataclass(frozen=True)
@@ -70,24 +87,41 @@ class Admission:
 
     requests_per_second: float  # the fleet's sustained admission rate
     burst: int  # requests the fleet admits at once above it
-    in_flight: int  # requests the pools hold before any wait for decode KV (smg; >= burst)
-    router_rps: int  # each router's bucket refill (>= 1)
-    router_burst: int  # each router's bucket size
-    router_in_flight: int  # each router's bound on requests in flight (smg; >= router_burst)
+    in_flight: int  # requests the pools hold before any wait for decode KV (>= burst)
+    router_rps: int  # each router's share of the rate (>= 1)
+    router_burst: int  # each router's share of the burst
+    router_in_flight: int  # each router's share of `in_flight` (>= router_burst)
     basis: str  # where the numbers come from, as status shows it
+    fixed: bool = False  # router.admission.mode Fixed: the user's rate and burst, as given
 
-    def to_status(self, routers: int) -> dict[str, object]:
+    def limits(self, implementation: RouterImplementation) -> RouterLimits:
+        """Each router's flags for `implementation` (the module docstring says why)."""
+        if self.fixed:
+            return RouterLimits(self.router_rps, self.router_burst)
+        if implementation == RouterImplementation.SMG:
+            return RouterLimits(self.router_rps, self.router_in_flight)
+        return RouterLimits(ROUTER_032_REFILL, self.router_in_flight)
+
+    def to_status(self, routers: int, implementation: RouterImplementation) -> dict[str, object]:
+        mine = self.limits(implementation)
+        basis = self.basis
+        if implementation == RouterImplementation.SGLANG_ROUTER:
+            basis += (
+                f"; sglang-router 0.3.2 takes a token back when a response ends: each router "
+                f"admits {mine.size} at once and what completes, plus {mine.refill}/s while it "
+                "refuses"
+            )
         return {
             "requestsPerSecond": round(self.requests_per_second, 3),
             "burst": self.burst,
             "inFlight": self.in_flight,
             "perRouter": {
-                "requestsPerSecond": self.router_rps,
-                "burst": self.router_burst,
+                "requestsPerSecond": mine.refill,
+                "burst": mine.size,
                 "inFlight": self.router_in_flight,
                 "routers": routers,
             },
-            "basis": self.basis,
+            "basis": basis,
         }
 
 
@@ -101,7 +135,13 @@ class Capacity:
 
 
 def per_router(
-    rate: float, burst: int, routers: int, basis: str, in_flight: float = 0.0
+    rate: float,
+    burst: int,
+    routers: int,
+    basis: str,
+    in_flight: float = 0.0,
+    *,
+    fixed: bool = False,
 ) -> Admission:
     """Split a fleet's limits over its routers (the entry Service spreads connections)."""
     n = max(1, routers)
@@ -109,7 +149,7 @@ def per_router(
     router_burst = max(router_rps, math.ceil(burst / n))
     held = max(burst, math.ceil(in_flight))
     router_held = max(router_burst, math.ceil(held / n))
-    return Admission(rate, burst, held, router_rps, router_burst, router_held, basis)
+    return Admission(rate, burst, held, router_rps, router_burst, router_held, basis, fixed)
 
 
 def admission_for(plan: Plan) -> Admission | None:
@@ -121,7 +161,9 @@ def admission_for(plan: Plan) -> Admission | None:
     if spec.mode == AdmissionMode.FIXED:
         assert spec.requests_per_second is not None
         burst = spec.burst or max(1, math.ceil(spec.requests_per_second * BURST_SECONDS))
-        return per_router(spec.requests_per_second, burst, routers, "fixed: router.admission")
+        return per_router(
+            spec.requests_per_second, burst, routers, "fixed: router.admission", fixed=True
+        )
     found = planned_capacity(plan)
     if found is None:
         return None

@@ -78,11 +78,13 @@ def build_plan(
     recorded: RevisionRecord | None = None,
     generation: int = 0,
     limits: OperatorLimits = OperatorLimits(),
+    keys_version: str = "",
 ) -> Plan:
     """Validate and resolve; raises InvalidSpec listing every error. `observed` (measured load)
     informs the planner; `auto_replicas` are Auto mode's current counts (see replica_plan);
     `recorded` is what the status says runs, at the resource's `generation` (revision.choose);
-    `limits` are the operator's own bounds (its GPU cap per resource)."""
+    `limits` are the operator's own bounds (its GPU cap per resource); `keys_version` the
+    version of the keys the pods take (`desired.resources.security.keys_version`)."""
     resolved = resolve(spec)
     errors = validate(spec, resolved) + limit_errors(spec, limits)
     if errors:
@@ -127,6 +129,7 @@ def build_plan(
         operator_namespace=limits.operator_namespace,
         measured_shape=shape_of(observed),
         refused_rate=None if observed is None else observed.refused_rate,
+        keys_version=keys_version,
     )
     rendered, user_input = engine_revision(draft), engine_input(spec)
     runs = choose(
@@ -135,6 +138,7 @@ def build_plan(
         engine_input=user_input,
         generation=generation,
         policy=spec.rollout.on_operator_upgrade,
+        keys_version=keys_version,
     )
     return replace(draft, rendered_revision=rendered, engine_input=user_input).at_revision(runs)
 
@@ -167,6 +171,7 @@ def plan_raw(
     recorded: RevisionRecord | None = None,
     generation: int = 0,
     limits: OperatorLimits = OperatorLimits(),
+    keys_version: str = "",
 ) -> Plan:
     """Parse a resource's `spec` as the API server stored it, then `build_plan`; raises
     InvalidSpec naming every bad field (schema errors included)."""
@@ -183,4 +188,5 @@ def plan_raw(
         recorded=recorded,
         generation=generation,
         limits=limits,
+        keys_version=keys_version,
     )

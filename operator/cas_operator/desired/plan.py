@@ -63,6 +63,9 @@ class Plan:
     # from `revision` only while an operator upgrade is held (`desired.revision.choose`).
     rendered_revision: str = ""
     engine_input: str = ""  # hash of the user's engine settings (`desired.revision`)
+    # the version of the keys the pods take (`desired.resources.security.keys_version`; "":
+    # the keys Secret itself, before the reconcile has read it)
+    keys_version: str = ""
     warnings: tuple[str, ...] = ()  # what the operator did not take from the spec, and why
     operator_namespace: str | None = None  # where the operator pod runs (api.limits)
     routers: int | None = None  # router replicas, when a rollout sets them (else the spec's)

@@ -14,6 +14,10 @@ would still make a new revision, and a new revision rolls the fleet. `choose` ke
 a fleet runs while the user's engine settings are what they were when it was recorded
 (`engine_input`: the engine-relevant spec without its defaults; for a status written before it
 existed, an unchanged `metadata.generation`), unless `spec.rollout.onOperatorUpgrade` is `Roll`.
+New keys are a new revision whatever the policy (`desired.resources.security`: pods take the
+keys of one version; the engines cannot take a new key while they run): the keys version the
+status recorded differs from the plan's (a status written before `keysVersion` existed changes
+nothing: the pods of that time run with the keys the Secret holds).
 
 Data flow: `desired.build.build_plan` renders a draft plan -> `engine_revision`; the status the
 last pass wrote (`RevisionRecord.from_status`) -> `choose` -> `Plan.at_revision`.
@@ -79,6 +83,7 @@ class RevisionRecord:
     engine_input: str = ""
     observed_generation: int | None = None
     held: str = ""
+    keys_version: str = ""  # the keys the recorded revision's pods take ("": not recorded)
 
     @classmethod
     def from_status(cls, status: dict[str, Any] | None) -> RevisionRecord | None:
@@ -91,6 +96,7 @@ class RevisionRecord:
             engine_input=str(status.get("engineInput") or ""),
             observed_generation=int(generation) if generation is not None else None,
             held=str((status.get("heldRevision") or {}).get("revision") or ""),
+            keys_version=str(status.get("keysVersion") or ""),
         )
 
 
@@ -101,10 +107,13 @@ def choose(
     engine_input: str,
     generation: int,
     policy: OperatorUpgradePolicy,
+    keys_version: str = "",
 ) -> str:
     """The revision to run: the recorded one while only the operator's rendering changed (the
-    user's engine settings are the same), else `rendered`."""
+    user's engine settings and the keys are the same), else `rendered`."""
     if record is None or record.revision == rendered or policy == OperatorUpgradePolicy.ROLL:
+        return rendered
+    if record.keys_version and keys_version and record.keys_version != keys_version:
         return rendered
     if record.engine_input:
         unchanged = record.engine_input == engine_input

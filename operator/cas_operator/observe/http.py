@@ -9,7 +9,12 @@ import urllib.request
 
 
 class FetchError(Exception):
-    """The request failed: refused, timed out, non-2xx, or unreadable; message says which."""
+    """The request failed: refused, timed out, non-2xx, or unreadable; message says which,
+    `status` the HTTP status when there was an answer."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def get(url: str, params: dict[str, str] | None, timeout: float, max_bytes: int) -> bytes:
@@ -49,7 +54,7 @@ def _fetch(request: urllib.request.Request, timeout: float, max_bytes: int) -> b
             body: bytes = resp.read(max_bytes + 1)
     except urllib.error.HTTPError as exc:
         detail = exc.read(300).decode("utf-8", errors="replace").strip()
-        raise FetchError(f"HTTP {exc.code} from {where}: {detail}") from exc
+        raise FetchError(f"HTTP {exc.code} from {where}: {detail}", exc.code) from exc
     except urllib.error.URLError as exc:
         raise FetchError(f"{where}: {exc.reason}") from exc
     except (TimeoutError, OSError) as exc:

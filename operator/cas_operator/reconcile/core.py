@@ -23,9 +23,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
 from cas_operator.api import constants as c
 from cas_operator.api.limits import OperatorLimits
-from cas_operator.api.models import RolloutStrategy
+from cas_operator.api.models import RolloutStrategy, SecuritySpec, parse_spec
 from cas_operator.autoscale.controller import STATUS_KEY, AutoState
 from cas_operator.autoscale.model import ObservedSignals
 from cas_operator.autoscale.signals import shape_in_status, with_shape
@@ -48,7 +50,7 @@ from cas_operator.desired.traffic import (
     split_for,
 )
 from cas_operator.kube import REVISIONED_KINDS, KindNotInstalled, Kube, NamespaceTerminating
-from cas_operator.reconcile.keys import ensure_keys
+from cas_operator.reconcile.keys import ensure_keys, forget_copy
 from cas_operator.reconcile.ownership import (
     NotOwned,
     apply_owned,
@@ -71,6 +73,7 @@ from cas_operator.scaledown.decide import (
     PoolFloor,
     RetirePolicy,
     RevisionLoad,
+    RevisionRetire,
     replicas_to_apply,
     retire_revision,
 )
@@ -142,6 +145,7 @@ def plan_for(
     recorded: RevisionRecord | None = None,
     generation: int = 0,
     limits: OperatorLimits = OperatorLimits(),
+    keys_version: str = "",
 ) -> Plan:
     """Step 1: parse + validate + plan; raises InvalidSpec naming every bad field."""
     return plan_raw(
@@ -153,7 +157,17 @@ def plan_for(
         recorded=recorded,
         generation=generation,
         limits=limits,
+        keys_version=keys_version,
     )
+
+
+def security_of(raw_spec: dict[str, Any]) -> SecuritySpec | None:
+    """The spec's `security` for the keys step (None when the spec does not parse: the plan
+    refuses it, naming the fields)."""
+    try:
+        return parse_spec(raw_spec).security
+    except ValidationError:
+        return None
 
 
 def observe(kube: Kube, namespace: str, name: str) -> list[ObservedWorkload]:
@@ -382,7 +396,10 @@ def retire_stale(
     routers) its router Deployment is deleted: a router pod stops accepting on SIGTERM,
     finishes what it proxies and closes its clients' kept-alive connections, so they reconnect
     to the new one; the rest goes once its engines are idle (`older`: the fleet tick's
-    reading) or the drain grace is over (`scaledown.decide.retire_revision`)."""
+    reading) or the drain grace is over (`scaledown.decide.retire_revision`), and never before
+    the router's pods are gone: a router in its preStop sleep still takes requests on its
+    clients' kept-alive connections, and with its engines deleted it answered them 503 ("no
+    prefill workers", seen in e2e/tests/test_keys_rotation.py)."""
     out = Retired()
     policy = RetirePolicy(max_wait_seconds=plan.spec.engine.drain_seconds)
     work = {load.revision: load.work for load in older}
@@ -397,8 +414,10 @@ def retire_stale(
             for w in workloads:
                 kube.patch(w.kind, plan.namespace, w.name, mark)
         step = retire_revision(since, work.get(revision), now, policy)
+        router = next((w for w in workloads if w.role == c.ROLE_ROUTER), None)
+        if step.delete and (router is not None or routers_left(kube, plan, revision)):
+            step = RevisionRetire(False, f"its routers finish first ({step.progress})")
         if not step.delete:
-            router = next((w for w in workloads if w.role == c.ROLE_ROUTER), None)
             if router is not None and now - since >= policy.min_wait_seconds:
                 kube.delete("Deployment", plan.namespace, router.name, uid=router.uid)
                 out.events.append(
@@ -415,7 +434,36 @@ def retire_stale(
         why = f"revision {revision} retired, {'/'.join(sorted(keep))} kept ({step.progress})"
         out.events.append(("Normal", "RevisionRetired", why))
         out.deleted += (revision,)
+    delete_unused_keys(kube, plan, observed, out.deleted, owner_uid)
     return out
+
+
+def routers_left(kube: Kube, plan: Plan, revision: str) -> bool:
+    """Whether router pods of `revision` still exist (terminating ones included)."""
+    selector = {c.LABEL_NAME: plan.name, c.LABEL_ROLE: c.ROLE_ROUTER, c.LABEL_REVISION: revision}
+    return bool(kube.list("Pod", plan.namespace, selector))
+
+
+def delete_unused_keys(
+    kube: Kube,
+    plan: Plan,
+    observed: list[ObservedWorkload],
+    retired: tuple[str, ...],
+    owner_uid: str,
+) -> None:
+    """The keys copies only the `retired` revisions took go with them (the old keys then live
+    nowhere but in pods on their way out), each only when it is this resource's; a failed
+    delete is retried at the next retire."""
+    gone = {w.keys_version for w in observed if w.revision in retired and w.keys_version}
+    kept = {w.keys_version for w in observed if w.revision not in retired} | {plan.keys_version}
+    for version in sorted(gone - kept):
+        name = c.keys_copy_name(plan.name, version)
+        try:
+            delete_owned(kube, "Secret", plan.namespace, name, owner_uid)
+        except Exception as exc:
+            log.warning("keys copy %s of %s: %s", version, plan.name, exc)
+            continue
+        forget_copy(plan.namespace, plan.name, version)
 
 
 def said_once(
@@ -467,6 +515,14 @@ def reconcile(
     clock (retire marks)."""
     now = time.time() if now is None else now
     recorded = RevisionRecord.from_status(previous)
+    owner = Owner(name, namespace, uid)
+    keys = ensure_keys(
+        kube,
+        owner,
+        security_of(raw_spec),
+        recorded.keys_version if recorded else "",
+        recheck=full_apply,
+    )
     try:
         plan = plan_for(
             name,
@@ -476,11 +532,11 @@ def reconcile(
             recorded=recorded,
             generation=generation,
             limits=limits,
+            keys_version=keys.version,
         )
     except InvalidSpec as exc:
         return Outcome(status=invalid_status(str(exc), generation), invalid=exc)
-    owner = Owner(name, namespace, uid)
-    keys_problem = ensure_keys(kube, owner, plan, recheck=full_apply)
+    keys_problem = keys.problem
     watched = observed is not None
     if observed is None:  # a held plan and a scale-down must know what exists before applying
         observed = observe(kube, namespace, name)

@@ -38,6 +38,7 @@ class ObservedWorkload:
     retiring_since: float | None = None  # an older revision's router, out of the entry point
     uid: str | None = None  # the object's (None: not read)
     owner_uid: str | None = None  # its controller's ("": none; None: not read)
+    keys_version: str = ""  # the keys its pods take (`desired.resources.security`)
 
     @classmethod
     def from_object(cls, obj: dict[str, Any]) -> ObservedWorkload:
@@ -59,6 +60,7 @@ class ObservedWorkload:
             retiring_since=parse_time(annotations.get(c.ANNOTATION_RETIRING_SINCE)),
             uid=meta.get("uid"),
             owner_uid=str(controller.get("uid") or ""),
+            keys_version=labels.get(c.LABEL_KEYS, ""),
         )
 
     def owned_by(self, owner_uid: str) -> bool:
@@ -364,6 +366,7 @@ def compute_status(
         "revision": plan.revision,
         "servingRevision": entry,
         "engineInput": plan.engine_input,
+        "keysVersion": plan.keys_version or None,
         "heldRevision": held_revision(plan),
         "warnings": list(plan.warnings) or None,
         "conditions": [ready_cond, progressing, degraded, _signal_condition(anomaly, generation)],
@@ -407,7 +410,8 @@ def admission_status(plan: Plan) -> dict[str, Any]:
     if found is None:
         why = "no limit" if mode == "Off" else f"no instance profile for {plan.spec.model.name}"
         return {"mode": mode, "basis": why, **measured}
-    return {"mode": mode, **found.to_status(plan.router_replicas), **measured}
+    limits = found.to_status(plan.router_replicas, plan.spec.router.implementation)
+    return {"mode": mode, **limits, **measured}
 
 
 def held_revision(plan: Plan) -> dict[str, str] | None:

@@ -35,9 +35,12 @@ def server_args(plan: Plan) -> list[str]:
         "--port",
         str(c.ENGINE_PORT),
         "--enable-metrics",
-        # From the fleet's keys Secret (desired/resources/security.py). One word with "=":
-        # argparse takes a separate value that starts with "-" for a flag and refuses it.
-        f"--admin-api-key=$({c.ENV_ENGINE_ADMIN_KEY})",
+        # SGLang's admin key, from the fleet's keys Secret (desired/resources/security.py) in
+        # this variable: the launcher hands it to SGLang off every command line, where SGLang
+        # would publish it (/server_info's launch_command), and an older launcher refuses the
+        # flag instead of starting with open admin endpoints (cas_engine.launch)
+        "--cas-admin-key-env",
+        c.ENV_ENGINE_ADMIN_KEY,
     ]
 
 

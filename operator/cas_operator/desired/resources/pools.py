@@ -20,6 +20,7 @@ from cas_operator.desired.resources.meta import (
 from cas_operator.desired.resources.security import (
     HOME,
     container_security,
+    keys_labels,
     pod_security,
     rdma_resources,
 )
@@ -45,8 +46,10 @@ def pod_labels(plan: Plan, pool: PoolPlan, *, serving: bool) -> dict[str, str]:
 
 
 def pool_labels(plan: Plan, pool: PoolPlan) -> dict[str, str]:
-    """Labels of the pool's own objects (not pods): revision included so stale ones are found."""
-    return {**base_labels(plan.name, c.APP_ENGINE, pool.role), c.LABEL_REVISION: plan.revision}
+    """Labels of the pool's own objects (not pods): revision included so stale ones are found,
+    and the keys version its pods run with (the retire step deletes a copy nothing runs)."""
+    labels = base_labels(plan.name, c.APP_ENGINE, pool.role)
+    return {**labels, c.LABEL_REVISION: plan.revision, **keys_labels(plan)}
 
 
 def _resources(plan: Plan, pool: PoolPlan) -> dict[str, Any]:

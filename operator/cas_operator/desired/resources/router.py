@@ -20,6 +20,7 @@ from cas_operator.desired.resources.meta import (
 from cas_operator.desired.resources.security import (
     container_security,
     key_env,
+    keys_labels,
     pod_security,
     router_control_plane_keys,
 )
@@ -33,6 +34,13 @@ ROUTER_COMMANDS = {
 # A deleted router pod keeps accepting this long before SIGTERM: the time for its endpoint to
 # leave the entry Service everywhere (kube-proxy syncs at most once a second by default).
 ROUTER_ENDPOINT_SETTLE_SECONDS = 5
+# A router pod is Ready once it can route: both routers answer `/readiness` 503 ("insufficient
+# healthy workers") until their discovery holds a healthy prefill AND decode, and 200 after,
+# while `/health` is 200 as soon as they listen (measured with sglang-router 0.3.2 and smg
+# 1.13 in PD mode: e2e/tests/test_router_readiness.py). Probed on `/health`, a new router (a
+# roll, a scale-up, a drained node's replacement) joined the entry Service before it had any
+# worker and answered its first requests 503.
+ROUTER_READINESS_PATH = "/readiness"
 
 
 def discovery_selector(plan: Plan, role: str) -> list[str]:
@@ -76,19 +84,21 @@ def router_args(plan: Plan) -> list[str]:
 
 
 def admission_args(plan: Plan) -> list[str]:
-    """A token bucket per router, 429 at once beyond it (`desired.admission`). smg's
-    `--max-concurrent-requests` bounds the requests in flight too, so it gets what the pools
-    hold; with no limit, smg is told so (its default is a bound derived from the host)."""
-    smg = plan.spec.router.implementation == RouterImplementation.SMG
+    """Each router's token bucket (`desired.admission`: `Admission.limits` says what each
+    implementation gets and why), 429 at once beyond it. With no limit, smg is told so (its
+    default is a bound derived from the host)."""
+    implementation = plan.spec.router.implementation
     admission = admission_for(plan)
     if admission is None:
-        return ["--max-concurrent-requests", "0"] if smg else []
-    bound = admission.router_in_flight if smg else admission.router_burst
+        return (
+            ["--max-concurrent-requests", "0"] if implementation == RouterImplementation.SMG else []
+        )
+    mine = admission.limits(implementation)
     return [
         "--rate-limit-tokens-per-second",
-        str(admission.router_rps),
+        str(mine.refill),
         "--max-concurrent-requests",
-        str(bound),
+        str(mine.size),
         "--queue-size",
         "0",
     ]
@@ -127,7 +137,8 @@ def _router_labels(plan: Plan) -> dict[str, str]:
 
 def build_router_deployment(owner: Owner, plan: Plan) -> Manifest:
     router = plan.spec.router
-    labels = {**_router_labels(plan), c.LABEL_REVISION: plan.revision}
+    # the keys version: the operator asks each router pod with the key it started with
+    labels = {**_router_labels(plan), c.LABEL_REVISION: plan.revision, **keys_labels(plan)}
     container: dict[str, Any] = {
         "name": "router",
         "image": router.image or plan.spec.engine.image,
@@ -138,7 +149,10 @@ def build_router_deployment(owner: Owner, plan: Plan) -> Manifest:
             {"name": "http", "containerPort": c.ROUTER_PORT},
             {"name": "metrics", "containerPort": c.ROUTER_METRICS_PORT},
         ],
-        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
+        "readinessProbe": {
+            "httpGet": {"path": ROUTER_READINESS_PATH, "port": "http"},
+            "periodSeconds": 5,
+        },
         "livenessProbe": {
             "httpGet": {"path": "/liveness", "port": "http"},
             "periodSeconds": 15,
