@@ -49,3 +49,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if not item.get_closest_marker("xdist_group"):
             item.add_marker(pytest.mark.xdist_group(group))
     items[:] = [by_id[nodeid] for nodeid in suite.order]
+    if getattr(config.option, "loadgroup", False):  # set on xdist workers under loadgroup
+        for item in items:
+            name_group(item)
+
+
+def name_group(item: pytest.Item) -> None:
+    """Suffix the item's node id with ``@group``, which is how xdist's ``loadgroup`` scheduler
+    finds a group. xdist 3.8 does this by setting ``item._nodeid``, which pytest 9.2 no longer
+    reads (the id lives in ``item._id``): without this, every group is silently split across
+    workers and the clusterwide tests run beside the namespaced ones. xdist's own suffixing,
+    where it still works, appends the same group again, and the scheduler takes the last one."""
+    groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                     for m in item.iter_markers("xdist_group")})  # fmt: skip
+    if not groups or item.nodeid.endswith("@" + "_".join(groups)):
+        return
+    named = f"{item.nodeid}@{'_'.join(groups)}"
+    if hasattr(item, "_id"):
+        from _pytest.nodeid import NodeId
+
+        item._id = NodeId.parse(named)
+    else:
+        item._nodeid = named

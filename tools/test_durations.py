@@ -27,13 +27,21 @@ MIN_SECONDS = 1.0
 
 def node_id(classname: str, name: str) -> str:
     """``e2e.tests.test_x`` + ``test_y[a]`` -> ``e2e/tests/test_x.py::test_y[a]`` (a class
-    inside the module stays a ``::`` part)."""
+    inside the module stays a ``::`` part; the ``@group`` suffix xdist's loadgroup adds is
+    dropped)."""
+    name = without_group(name)
     parts = classname.split(".")
     for cut in range(len(parts), 0, -1):
         path = "/".join(parts[:cut]) + ".py"
         if (ROOT / path).exists():
             return "::".join([path, *parts[cut:], name])
     return f"{classname}::{name}"
+
+
+def without_group(nodeid: str) -> str:
+    """``test_y[a]@g`` -> ``test_y[a]``: the id a test has without xdist's group suffix."""
+    at = nodeid.rfind("@")
+    return nodeid[:at] if at > nodeid.rfind("]") else nodeid
 
 
 def read(report: Path) -> dict[str, float]:
@@ -59,7 +67,7 @@ def waits_table(durations: dict[str, float], log: Path, min_seconds: float = 20.
     waits: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for line in log.read_text().splitlines():
         w = json.loads(line)
-        waits[w["test"]][f"{w['phase']}: {w['what']}"] += w["seconds"]
+        waits[without_group(w["test"])][f"{w['phase']}: {w['what']}"] += w["seconds"]
     lines = ["| test | seconds | waits (s) |", "| --- | ---: | --- |"]
     for nodeid, seconds in sorted(durations.items(), key=lambda kv: -kv[1]):
         if seconds < min_seconds:
