@@ -32,6 +32,7 @@ SHORT = RaceParams(
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
+@pytest.mark.usefixtures("scheduler_priority")
 def test_immediate_corrupts_and_strict_does_not() -> None:
     """Immediate must show corrupted requests (the race is real); Strict must show none while
     still aborting and reclaiming through acknowledgements."""
@@ -49,6 +50,7 @@ def test_immediate_corrupts_and_strict_does_not() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
+@pytest.mark.usefixtures("scheduler_priority")
 def test_strict_with_two_prefill_ranks_over_shared_memory() -> None:
     """Two ranks write disjoint pages of each request; release needs both acks. Also keeps the
     shared-memory fallback transport exercised where mooncake does load."""
