@@ -18,6 +18,7 @@ share that node's network namespace here and are not enforced.
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -91,6 +92,8 @@ def test_only_the_named_scraper_namespace_reaches_the_metrics_ports(
     network = load_for_kubeconfig(cluster.kubeconfig)
     if network is None or not network.enabled or not resolve().netpol.exists():
         pytest.skip("needs the pod network and cas-netpol (make bins)")
+    if shutil.which("iptables-nft") is None:
+        pytest.skip("needs iptables-nft (make sysdeps)")
     monitoring, elsewhere = other_namespaces
     stack = LiveStack(
         cluster.kubeconfig, namespace, tmp_path / "live", sim_args=["--sim-speedup", "20"],
