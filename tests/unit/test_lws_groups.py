@@ -17,6 +17,7 @@ from cas_operator.anomaly.drain import ANNOTATION_DRAIN_REASON, draining_since
 from cas_operator.anomaly.groups import LWS_SET_LABEL, GroupLeaving, groups_leaving
 from cas_operator.api import constants as c
 from cas_operator.api.models import AnomalyGuardSpec
+from cas_operator.fleet_tick import slim_pod
 from cas_operator.observe.types import PodSignals
 from tests.fakes import CannedMetrics, MemoryPods, RecordingRouters
 
@@ -70,6 +71,8 @@ def test_groups_are_told_apart_by_their_set_and_incarnation() -> None:
     old["metadata"]["name"] = "demo-decode-r1-0-1-old"
     deleted(old, at="2027-01-15T08:10:00Z", grace=630)  # asked at 07:59:30, before BORN
     assert groups_leaving([*ours, old]) == []
+    # as the fleet tick reads them (its slimmed pods keep when each deletion was asked)
+    assert groups_leaving([slim_pod(p) for p in (*ours, old)]) == []
 
 
 def test_single_node_pods_are_no_group() -> None:
