@@ -29,13 +29,14 @@ import yaml
 
 from cas_engine.sim.fleet import router_available
 from e2e.cluster.bins import resolve
-from e2e.cluster.podnet import load_for_kubeconfig
+from e2e.cluster.podnet import PodNetwork, load_for_kubeconfig
 from e2e.cluster.stack import ClusterError, ClusterHandle
 from e2e.fleet.fleetview import Kubectl, apply_crds, role_pods
 from e2e.fleet.livestack import LiveStack, http_ok, resource_live
 from e2e.paths import REPO_ROOT
 from e2e.runtime import chart
 from e2e.runtime.netpol import Enforcer, connect_from
+from e2e.tests.conftest import in_ci
 from e2e.waits import wait_for
 
 pytestmark = [
@@ -89,11 +90,7 @@ def test_only_the_named_scraper_namespace_reaches_the_metrics_ports(
     cluster: ClusterHandle, namespace: str, kubectl: Kubectl, crds: None, tmp_path: Path,
     other_namespaces: tuple[str, str],
 ) -> None:  # fmt: skip
-    network = load_for_kubeconfig(cluster.kubeconfig)
-    if network is None or not network.enabled or not resolve().netpol.exists():
-        pytest.skip("needs the pod network and cas-netpol (make bins)")
-    if shutil.which("iptables-nft") is None:
-        pytest.skip("needs iptables-nft (make sysdeps)")
+    network = require_enforcement(cluster)
     monitoring, elsewhere = other_namespaces
     stack = LiveStack(
         cluster.kubeconfig, namespace, tmp_path / "live", sim_args=["--sim-speedup", "20"],
@@ -127,6 +124,26 @@ def test_only_the_named_scraper_namespace_reaches_the_metrics_ports(
         # the serving port: any client, by default; the rest: the named scraper only
         admitted = port == ROUTER_SERVING or who == "scraper"
         assert outcome == ("connected" if admitted else BLOCKED), (who, name, port, outcome)
+
+
+def require_enforcement(cluster: ClusterHandle) -> PodNetwork:
+    """The pod network with what cas-netpol needs; else skip with the reason, and under CI
+    fail instead (`make test` builds cas-netpol with the other binaries and `make sysdeps`
+    installs iptables), unless loopback mode was asked for (CAS_POD_NETWORK=loopback)."""
+    network = load_for_kubeconfig(cluster.kubeconfig)
+    reason = None
+    if network is None or not network.enabled:
+        reason = network.reason if network is not None else "not a local stack (CAS_KUBECONFIG)"
+    elif not resolve().netpol.exists():
+        reason = f"cas-netpol missing at {resolve().netpol} (make bins)"
+    elif shutil.which("iptables-nft") is None:
+        reason = "iptables-nft missing (make sysdeps)"
+    if reason is None:
+        assert network is not None
+        return network
+    if in_ci() and reason != "CAS_POD_NETWORK=loopback":
+        pytest.fail(f"CI is set, so not skipping: {reason}")
+    pytest.skip(f"needs NetworkPolicy enforcement: {reason}")
 
 
 def answering(kubectl: Kubectl, namespace: str) -> dict[str, dict[str, Any]] | None:
