@@ -8,7 +8,8 @@ and once the worker stops the group's requests fail. Now the operator takes the 
 (serving label off, deregistered from every router replica) on its next tick. Measured here
 too: LeaderWorkerSet v0.9's RecreateGroupOnPodRestart deletes the leader within a second, and
 its preStop lets what it runs finish; before the fix the leader kept its serving label all
-through its drain, so a router (re)discovering pods by label could take it back.
+through its drain, so a router (re)discovering pods by label could take it back. Then the
+recreated group's leader serves again, listed by every router, and is not drained.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ pytestmark = [
 WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
 GROUP_INDEX = "leaderworkerset.sigs.k8s.io/group-index"
 TOKENS = 4000  # ~16 s at speedup 2: still running when the worker goes
+STAY_S = 12.0  # a few operator ticks
+DRAIN_REASON = "cas.dev/drain-reason"
 
 
 def evict(kubectl: Kubectl, namespace: str, pod: str) -> None:
@@ -82,6 +85,7 @@ async def test_an_evicted_worker_takes_its_leader_out_of_rotation_and_cuts_nothi
                 for p in role_pods(kubectl, namespace, "decode")}  # fmt: skip
         (worker,) = [n for n, labels in pods.items() if labels[GROUP_INDEX] ==
                      pods[busy][GROUP_INDEX] and labels[WORKER_INDEX] != "0"]  # fmt: skip
+        old_uid = pods_uid(kubectl, namespace, busy)
         evicted = time.monotonic()
         evict(kubectl, namespace, worker)
         url = leaders[busy]
@@ -94,6 +98,46 @@ async def test_an_evicted_worker_takes_its_leader_out_of_rotation_and_cuts_nothi
         out = await asyncio.to_thread(wait_for, f"{busy} out of rotation", out_of_rotation, 20)
         took = time.monotonic() - evicted
         results = await asyncio.gather(*requests)
+        back = await asyncio.to_thread(
+            wait_for, f"{busy} recreated and serving",
+            lambda: recreated_serving(kubectl, namespace, busy, old_uid, key), 90,
+        )  # fmt: skip
+        # the group comes back (LWS recreates it) and, a few ticks on, still serves: nothing
+        # takes the new leader out for what its old group did
+        await asyncio.sleep(STAY_S)
+        after = leader_annotations(kubectl, namespace, busy)
+        still = recreated_serving(kubectl, namespace, busy, old_uid, key)
     assert took <= 12, f"{busy} left rotation {took:.0f}s after its worker's eviction"
     assert results == [(200, TOKENS)] * 4, results
+    assert still is not None and still == back, (back, still)
+    assert DRAIN_REASON not in after, after
     print(f"{busy} out of rotation {took:.1f}s after its worker's eviction: {out}")
+
+
+def pods_uid(kubectl: Kubectl, namespace: str, name: str) -> str | None:
+    raw = kubectl("get", "pod", name, "-n", namespace, "-o", "json", check=False)
+    return json.loads(raw)["metadata"]["uid"] if raw.strip() else None
+
+
+def leader_annotations(kubectl: Kubectl, namespace: str, name: str) -> dict[str, str]:
+    raw = kubectl("get", "pod", name, "-n", namespace, "-o", "json", check=False)
+    return (json.loads(raw)["metadata"].get("annotations") or {}) if raw.strip() else {}
+
+
+def recreated_serving(
+    kubectl: Kubectl, namespace: str, name: str, old_uid: str | None, key: str
+) -> str | None:
+    """The uid of leader `name` once it is a new pod (not `old_uid`), serving and listed by
+    every router replica; else None."""
+    raw = kubectl("get", "pod", name, "-n", namespace, "-o", "json", check=False)
+    if not raw.strip():
+        return None
+    pod = json.loads(raw)
+    meta, ip = pod["metadata"], pod.get("status", {}).get("podIP")
+    if meta["uid"] == old_uid or meta.get("deletionTimestamp") or not ip:
+        return None
+    if (meta.get("labels") or {}).get("cas.dev/serving") != "true":
+        return None
+    url = f"http://{ip}:30000"
+    listed = [r for r in routers(kubectl, namespace) if url in router_workers(r, key)]
+    return str(meta["uid"]) if listed and len(listed) == len(routers(kubectl, namespace)) else None

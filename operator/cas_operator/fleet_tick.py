@@ -141,7 +141,6 @@ POD_METADATA_KEPT = (
     "annotations",
     "creationTimestamp",
     "deletionTimestamp",
-    "deletionGracePeriodSeconds",  # when a deletion was asked (anomaly.groups)
 )
 
 POD_STATUS_KEPT = ("podIP", "phase", "conditions")

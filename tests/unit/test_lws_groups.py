@@ -62,17 +62,24 @@ def test_a_leaving_worker_takes_its_leader_and_only_its_leader_out() -> None:
 
 def test_groups_are_told_apart_by_their_set_and_incarnation() -> None:
     """Group 0 of another LeaderWorkerSet (a canary's) is another group; a worker of an
-    earlier incarnation still terminating (deleted before this leader was created) does not
-    count: a recreated group must not be drained again."""
+    earlier incarnation still terminating does not count, even when its deletion was asked
+    after this leader was created (its leader was evicted, a background deletion: the old
+    worker StatefulSet and its pods are garbage-collected after the new leader exists): a
+    recreated group must not be drained again, over and over."""
     ours, canary = group(0), group(0, set_name="demo-decode-r2")
     deleted(canary[1])
     assert [g.leader for g in groups_leaving(ours + canary)] == ["demo-decode-r2-0"]
-    old = group(0)[1]
-    old["metadata"]["name"] = "demo-decode-r1-0-1-old"
-    deleted(old, at="2027-01-15T08:10:00Z", grace=630)  # asked at 07:59:30, before BORN
-    assert groups_leaving([*ours, old]) == []
-    # as the fleet tick reads them (its slimmed pods keep when each deletion was asked)
-    assert groups_leaving([slim_pod(p) for p in (*ours, old)]) == []
+    for asked_at in ("2027-01-15T08:10:00Z", "2027-01-15T08:20:00Z"):  # 07:59:30, 08:09:30
+        old = group(0)[1]
+        old["metadata"]["name"] = "demo-decode-r1-0-1-old"
+        old["metadata"]["creationTimestamp"] = "2027-01-15T07:50:00Z"  # before this leader
+        deleted(old, at=asked_at, grace=630)
+        assert groups_leaving([*ours, old]) == [], asked_at
+        # as the fleet tick reads them (its slimmed pods keep their creation times)
+        assert groups_leaving([slim_pod(p) for p in (*ours, old)]) == [], asked_at
+    # this incarnation's worker (created the same second as its leader) counts
+    deleted(ours[1])
+    assert [g.leader for g in groups_leaving([slim_pod(p) for p in ours])] == ["demo-decode-r1-0"]
 
 
 def test_single_node_pods_are_no_group() -> None:

@@ -10,10 +10,16 @@ the local stack), but the operator must not depend on that controller being up.
 
 Input: the resource's engine pods as listed (leaders and workers, deleting ones included).
 Output: one `GroupLeaving` per leader whose group has a pod being deleted, the leader itself
-included (LeaderWorkerSet deletes it when any pod of its group goes). A pod counts only
-if its deletion was asked after the leader was created: a recreated group's new leader may
-run while the old group's workers still terminate. This module reads pods and decides;
-`anomaly.act` writes.
+included (LeaderWorkerSet deletes it when any pod of its group goes). A worker counts only
+if it was created with or after its leader (this incarnation's workers are made by the
+leader's own worker StatefulSet): a recreated group's new leader may run while the old
+group's workers still terminate, and their deletion can be asked after the new leader was
+created (a leader deleted with background propagation, e.g. evicted: its worker StatefulSet
+and pods are garbage-collected after it is gone); draining the new leader for them would
+recreate the group over and over. LeaderWorkerSet v0.9 tells them apart by owner UIDs
+(`pod_controller.go`, `workerPodBelongsToLeader`); the pods' creation times say the same
+without reading the StatefulSets (an old worker was created before the old leader left,
+so before the new one was created). This module reads pods and decides; `anomaly.act` writes.
 """
 
 from __future__ import annotations
@@ -48,13 +54,14 @@ def _group(pod: Manifest) -> tuple[str, str] | None:
     return str(name), str(index)
 
 
-def _deletion_asked(pod: Manifest) -> float | None:
-    """When the pod's deletion was asked (its deletionTimestamp is that time plus its grace)."""
-    meta = pod.get("metadata", {})
-    deadline = parse_time(meta.get("deletionTimestamp"))
-    if deadline is None:
-        return None
-    return deadline - float(meta.get("deletionGracePeriodSeconds") or 0)
+def _this_incarnation(pod: Manifest, leader: Manifest) -> bool:
+    """Whether `pod` belongs to `leader`'s incarnation of the group: the leader itself, or a
+    worker created with or after it (timestamps have whole seconds: the same second counts)."""
+    if pod is leader:
+        return True
+    born = parse_time(leader["metadata"].get("creationTimestamp"))
+    created = parse_time(pod["metadata"].get("creationTimestamp"))
+    return born is None or created is None or created >= born
 
 
 def groups_leaving(pods: list[Manifest]) -> list[GroupLeaving]:
@@ -66,13 +73,12 @@ def groups_leaving(pods: list[Manifest]) -> list[GroupLeaving]:
             leaders[group] = pod
     found: dict[str, GroupLeaving] = {}
     for pod in pods:
-        group, asked = _group(pod), _deletion_asked(pod)
+        group = _group(pod)
         leader = leaders.get(group) if group is not None else None
-        if leader is None or asked is None:
+        if leader is None or not pod["metadata"].get("deletionTimestamp"):
             continue
-        born = parse_time(leader["metadata"].get("creationTimestamp"))
-        if born is not None and asked < born:
-            continue  # an earlier incarnation's pod, still terminating
+        if not _this_incarnation(pod, leader):
+            continue  # an earlier incarnation's worker, still terminating
         name = leader["metadata"]["name"]
         deleting = bool(leader["metadata"].get("deletionTimestamp"))
         found.setdefault(name, GroupLeaving(name, pod["metadata"]["name"], deleting))
