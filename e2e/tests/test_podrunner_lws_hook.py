@@ -9,27 +9,34 @@ deletion: nothing on the local stack showed a worker that waits on its leader, a
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from cas_operator.api.models import parse_spec
 from cas_operator.desired.build import build_plan
 from cas_operator.desired.resources.pools import pod_template
-from e2e.runtime.podrunner import PodRunner, prestop_for
+from e2e.runtime.podrunner import PodRunner, launch_for
 
 LEADER = "demo-decode-r1-0.demo-decode-r1.ns"  # what LWS injects: <lws>-<group>.<subdomain>.<ns>
 
 
-def worker_container() -> dict[str, object]:
-    """The worker container the operator renders for a TP2 decode over 2 nodes."""
+def worker_pod() -> dict[str, Any]:
+    """A worker pod of a TP2 decode over 2 nodes, as the operator renders its template and
+    LeaderWorkerSet's webhook completes it (the leader's address in its env)."""
     decode = {"replicas": 1, "tensorParallel": 2, "gpusPerNode": 1}
     spec = parse_spec({"model": {"name": "glm-5"}, "decode": decode})
     plan = build_plan("demo", "ns", spec).at_revision("r1")
-    worker = pod_template(plan, plan.decode, serving=False)
-    container: dict[str, object] = worker["spec"]["containers"][0]
-    return container
+    template = pod_template(plan, plan.decode, serving=False)
+    container = template["spec"]["containers"][0]
+    container["env"] = [*container.get("env", []), {"name": "LWS_LEADER_ADDRESS", "value": LEADER}]
+    meta = {"name": "demo-decode-r1-0-1", "namespace": "ns", "uid": "u1"}
+    pod_spec = {**template["spec"], "nodeName": "node-1"}
+    return {"metadata": meta, "spec": pod_spec, "status": {"podIP": "127.0.5.7"}}
 
 
 def test_a_workers_hook_waits_on_its_leader_at_the_leaders_pod_ip(tmp_path: Path) -> None:
-    hook = prestop_for(worker_container(), "/py", "100.96.2.7", {"LWS_LEADER_ADDRESS": LEADER})
+    launch = launch_for(worker_pod(), "/py", [])
+    assert launch is not None
+    hook = launch.prestop
     assert hook[:3] == ("/py", "-m", "cas_engine.prestop"), hook
     assert hook[hook.index("--host") + 1] == LEADER and "--grace" in hook, hook
     runner = PodRunner(lambda: [], tmp_path)
