@@ -68,7 +68,7 @@ image: ## Build the engine image (needs a container engine)
 
 ##@ Local stack
 
-bins: ## Build (or reuse) kube-apiserver, controller-manager, scheduler, kubectl, kube-proxy, etcd, kwok, lws, traefik, helm, argocd
+bins: ## Build (or reuse) kube-apiserver, controller-manager, scheduler, kubectl, kube-proxy, etcd, kwok, lws, traefik, helm, argocd, cas-netpol
 	e2e/cluster/build-bins.sh
 
 cluster-up: setup bins ## Start the local control plane as processes, with a pod network (netns; root)

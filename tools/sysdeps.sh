@@ -4,10 +4,11 @@
 # stack's pod network (network namespaces, veths, routes, guard tables: e2e/cluster/podnet.py)
 # and kube-proxy's nftables mode works with the kernel's nf_tables; curl sends requests from
 # inside node namespaces in the e2e tests; redis-server (Argo CD's cache) and git (its daemon
-# serves the repository Argo CD syncs from) run the GitOps e2e test. Installs only what is
-# missing.
+# serves the repository Argo CD syncs from) run the GitOps e2e test; iptables (iptables-nft)
+# writes the NFQUEUE rules of the NetworkPolicy enforcement some e2e tests start
+# (e2e/runtime/netpol.py). Installs only what is missing.
 set -euo pipefail
-packages=(libibverbs1 libnuma1 openssl prometheus iproute2 nftables curl redis-server git)
+packages=(libibverbs1 libnuma1 openssl prometheus iproute2 nftables iptables curl redis-server git)
 missing=()
 for pkg in "${packages[@]}"; do
   dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")

@@ -47,7 +47,7 @@ def bin_dir() -> Path:
 
 # Started by the tests that need them, never by `up` (e2e/cluster/argocd.py for Argo CD): a
 # stack without them still starts.
-OPTIONAL = ("argocd_controller", "argocd_repo_server", "argocd_manifests")
+OPTIONAL = ("argocd_controller", "argocd_repo_server", "argocd_manifests", "netpol")
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,7 @@ class Bins:
     argocd_controller: Path  # Argo CD's one binary, started under each component's name
     argocd_repo_server: Path
     argocd_manifests: Path  # crds/ and base/config/argocd-cm.yaml, from Argo CD's module
+    netpol: Path  # NetworkPolicy enforcement some e2e tests start (e2e/runtime/netpol.py)
 
     def missing(self, *, optional: bool = False) -> list[str]:
         """Names of the entries that do not exist on disk (empty when the build is complete);
@@ -111,6 +112,7 @@ def resolve(root: Path | None = None) -> Bins:
         argocd_controller=argocd / "argocd-application-controller",
         argocd_repo_server=argocd / "argocd-repo-server",
         argocd_manifests=argocd / "manifests",
+        netpol=base / f"kube-network-policies-{v['KUBE_NETWORK_POLICIES_VERSION']}" / "cas-netpol",
     )
 
 

@@ -354,6 +354,28 @@ go_at_least() {
   [[ "$(printf '%s\n%s\n' "$1" "${have_v}" | sort -V | head -n 1)" == "$1" ]]
 }
 
+# ---- kube-network-policies (NetworkPolicy enforcement, e2e/runtime/netpol.py) ------------------
+# Our main (e2e/cluster/netpol/main.go) around the module's own packages, at exactly the versions
+# its go.mod selects; the stamp holds a hash of that main, so an edit rebuilds it.
+build_netpol() {
+  local v=${KUBE_NETWORK_POLICIES_VERSION} out="${BIN_DIR}/kube-network-policies-${KUBE_NETWORK_POLICIES_VERSION}"
+  local main="${HERE}/netpol/main.go" sum
+  sum=$(sha256sum "${main}" | cut -c1-16)
+  if have "${out}" cas-netpol && grep -qx "${sum}" "${out}/.complete"; then
+    log "kube-network-policies ${v}: cached in ${out}"; return
+  fi
+  local work="${BUILD_DIR}/kube-network-policies-${v}"
+  wrapper_module "${work}" casbuild/netpol
+  cp "${main}" "${work}/main.go"
+  log "kube-network-policies ${v}: resolving"
+  (cd "${work}" && quiet "${work}/resolve.log" go get "sigs.k8s.io/kube-network-policies@${v}")
+  log "kube-network-policies ${v}: building cas-netpol"
+  mkdir -p "${out}"
+  (cd "${work}" && "${GOBUILD[@]}" -ldflags "-s -w" -o "${out}/cas-netpol" .)
+  echo "${sum}" >"${out}/.complete"; BUILT=1
+  log "kube-network-policies ${v}: done"
+}
+
 main() {
   mkdir -p "${BIN_DIR}" "${BUILD_DIR}"
   log "binaries in ${BIN_DIR} (go $(go env GOVERSION))"
@@ -364,6 +386,7 @@ main() {
   build_traefik
   build_helm
   build_argocd
+  build_netpol
   local total=$(( $(date +%s) - START ))
   if [[ ${BUILT} == 1 ]]; then
     log "build finished: total build time ${total}s"

@@ -27,7 +27,8 @@ KWOK only pretends to run containers; this runner makes engine pods real process
    (a new pod UID under the same name); as a kubelet does, it first runs the container's
    ``cas_engine.prestop`` preStop hook (at the pod IP, in the pod's namespace), in the
    background and bounded by the pod's ``terminationGracePeriodSeconds``, so a deleted pod
-   finishes its requests in flight before its process stops; a preStop ``sleep`` action (the
+   finishes its requests in flight before its process stops (an LWS worker's hook waits on its
+   leader, at the leader pod's IP: :func:`prestop_for`); a preStop ``sleep`` action (the
    router's) delays the SIGTERM by its seconds, within the same grace (other hooks are not
    run);
 4. rewrites the Prometheus file_sd targets (:func:`e2e.runtime.prometheus.write_file_sd`) for pods
@@ -55,6 +56,7 @@ import argparse
 import ipaddress
 import os
 import re
+import shlex
 import signal
 import sys
 import threading
@@ -81,6 +83,7 @@ LOOPBACK = ipaddress.IPv4Network("127.0.0.0/8")
 DEFAULT_PORT = 30000
 DEFAULT_GRACE_S = 30.0  # Kubernetes' terminationGracePeriodSeconds default
 PRESTOP_MODULE = ("python3", "-m", "cas_engine.prestop")
+_SHELL_VAR = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")  # $NAME, ${NAME}
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 # (namespace, Secret name) -> its decoded keys, or None when it does not exist
 SecretReader = Callable[[str, str], dict[str, str] | None]
@@ -215,15 +218,27 @@ def _http_port(container: dict[str, Any]) -> int:
     return DEFAULT_PORT
 
 
-def prestop_for(container: dict[str, Any], python: str, ip: str) -> tuple[str, ...]:
+def prestop_for(
+    container: dict[str, Any], python: str, ip: str, env: dict[str, str] | None = None
+) -> tuple[str, ...]:
     """The container's cas_engine.prestop hook as this runner runs it: with this Python, and
-    at the pod IP (the sim binds that, not 0.0.0.0 as an engine in its own pod does)."""
+    at the pod IP (the sim binds that, not 0.0.0.0 as an engine in its own pod does). An LWS
+    worker's hook is a shell line that waits on its leader (``sh -c "exec python3 -m
+    cas_engine.prestop --host \"$LWS_LEADER_ADDRESS\" ..."``, desired.resources.pools):
+    its variables come from the container's `env`, and the leader's address (a DNS name; the
+    local stack has no DNS) becomes the leader pod's IP when the hook runs
+    (:meth:`PodRunner._stop`)."""
     command = (((container.get("lifecycle") or {}).get("preStop") or {}).get("exec") or {}).get(
         "command"
     ) or []
-    if tuple(command[:3]) != PRESTOP_MODULE:
-        return ()
-    return (python, *command[1:], "--host", ip)
+    if tuple(command[:3]) == PRESTOP_MODULE:
+        return (python, *command[1:], "--host", ip)
+    if len(command) == 3 and command[:2] == ["sh", "-c"]:
+        line = _SHELL_VAR.sub(lambda m: (env or {}).get(m.group(1), ""), command[2])
+        words = shlex.split(line.removeprefix("exec "))
+        if tuple(words[:3]) == PRESTOP_MODULE:
+            return (python, *words[1:])
+    return ()
 
 
 def prestop_sleep_for(container: dict[str, Any]) -> float:
@@ -270,7 +285,7 @@ def launch_for(
         port=port,
         argv=argv,
         env=tuple(sorted(env.items())),
-        prestop=prestop_for(container, python, ip),
+        prestop=prestop_for(container, python, ip, env),
         grace_s=_grace_of(pod),
         prestop_sleep_s=prestop_sleep_for(container),
         projections=projections,
@@ -481,6 +496,8 @@ class PodRunner:
     # set (both): configMap volumes of engine pods are projected under volume_root
     configmaps: ConfigMapReader | None = None
     volume_root: Path | None = None
+    # (namespace, pod name) -> pod IP as last listed: an LWS worker's preStop reaches its leader
+    pod_ips: dict[tuple[str, str], str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.network is not None and self.network.enabled:
@@ -490,6 +507,13 @@ class PodRunner:
         """One pass; returns what it did (for logs and tests)."""
         actions: list[str] = []
         pods = self.list_pods()
+        self.pod_ips = {
+            (p["metadata"].get("namespace", ""), p["metadata"].get("name", "")): p["status"][
+                "podIP"
+            ]
+            for p in pods
+            if (p.get("status") or {}).get("podIP")
+        }
         wanted: dict[tuple[str, str], Launch] = {}
         secrets = _once_per_pass(self.secrets)
         for pod in pods:
@@ -672,13 +696,27 @@ class PodRunner:
                 f" (up to {launch.grace_s:.0f}s)"
             )
         name = f"{launch.namespace}.{launch.name}"
-        record = procs.spawn(f"{name}.prestop", list(launch.prestop), self.log_dir,
+        hook = self._at_pod_ip(launch.prestop, launch.namespace)
+        record = procs.spawn(f"{name}.prestop", list(hook), self.log_dir,
                              env=dict(launch.env), netns=self._netns(launch))  # fmt: skip
         self.draining[launch.uid] = (run.record, record)
         threading.Thread(
             target=self._stop_after_hook, args=(launch.uid, launch.grace_s), daemon=True
         ).start()
         return f"preStop of {name} runs (up to {launch.grace_s:.0f}s)"
+
+    def _at_pod_ip(self, argv: tuple[str, ...], namespace: str) -> tuple[str, ...]:
+        """`argv` with its ``--host`` a pod's DNS name (an LWS leader address: the pod's name
+        first) replaced by that pod's IP, as a cluster's DNS would answer; else unchanged."""
+        if "--host" not in argv[:-1]:
+            return argv
+        at = argv.index("--host") + 1
+        try:
+            ipaddress.ip_address(argv[at])
+            return argv
+        except ValueError:
+            ip = self.pod_ips.get((namespace, argv[at].split(".")[0]))
+        return argv if ip is None else (*argv[:at], ip, *argv[at + 1 :])
 
     def _stop_after_hook(self, uid: str, grace_s: float) -> None:
         """The kubelet's order: the hook runs to its end or the grace period, then SIGTERM."""

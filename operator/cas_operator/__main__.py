@@ -14,7 +14,7 @@ import sys
 import kopf
 
 from cas_operator.api import constants as c
-from cas_operator.api.limits import MAX_GPUS_ENV
+from cas_operator.api.limits import MAX_GPUS_ENV, SCRAPER_NAMESPACES_ENV
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -42,6 +42,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=None,
         help=f"refuse a resource that plans more GPUs than this (sets {MAX_GPUS_ENV})",
+    )
+    parser.add_argument(
+        "--metrics-scraper-namespace",
+        action="append",
+        default=[],
+        help="the fleets' NetworkPolicies admit Prometheus pods (app.kubernetes.io/name="
+        "prometheus) of this namespace to the metrics ports (repeatable; sets "
+        f"{SCRAPER_NAMESPACES_ENV}); none: no scraper, unless a resource names metricsFrom",
     )
     parser.add_argument(
         "--leader-elect",
@@ -90,6 +98,8 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     if args.max_gpus_per_resource is not None:  # the handlers read it once, at import
         os.environ[MAX_GPUS_ENV] = str(args.max_gpus_per_resource)
+    if args.metrics_scraper_namespace:  # the handlers read it once, at import
+        os.environ[SCRAPER_NAMESPACES_ENV] = ",".join(args.metrics_scraper_namespace)
     if args.leader_elect:  # the handlers read it at start-up
         os.environ[c.LEADER_ELECTION_ENV] = (
             f"{args.leader_elect_namespace}/{args.leader_elect_name}"

@@ -56,3 +56,17 @@ def test_the_pass_reports_the_cap_and_applies_nothing() -> None:
     degraded = find_condition(outcome.status, c.COND_DEGRADED)
     assert degraded["reason"] == c.REASON_INVALID_SPEC and "cap of 16" in degraded["message"]
     assert kube.applies == []
+
+
+def test_the_metrics_scraper_namespaces_come_from_the_environment() -> None:
+    """Issue 41, item 2: where the fleets' NetworkPolicies admit Prometheus from is the
+    installer's setting (`--metrics-scraper-namespace`, the chart's metricsScraperNamespaces);
+    a value that is not a namespace name is refused at start, never read as "every"."""
+    from cas_operator.api.limits import SCRAPER_NAMESPACES_ENV
+
+    assert OperatorLimits.from_env({}).scraper_namespaces == ()
+    found = OperatorLimits.from_env({SCRAPER_NAMESPACES_ENV: " monitoring, obs,monitoring,"})
+    assert found.scraper_namespaces == ("monitoring", "obs")
+    for bad in ("*", "Monitoring", "a b", "-x"):
+        with pytest.raises(ValueError, match=SCRAPER_NAMESPACES_ENV):
+            OperatorLimits.from_env({SCRAPER_NAMESPACES_ENV: bad})

@@ -406,3 +406,77 @@ def test_an_action_is_consumed_once_and_refused_on_a_rolling_fleet() -> None:
                            None, Findings(), 100.0)  # fmt: skip
     assert refused.state is None and refused.events[0][1] == "RolloutActionRefused"
     assert len(api.patches) == 1
+
+
+# ---- a fleet without speculative decoding (issue 41, item 9) ----
+
+
+def unguarded(requests: float) -> PodSignals:
+    """A decode pod of a fleet without speculative decoding: its engine's quality gate judges
+    nothing and exports no series (`checked` and trips None), everything else is measured."""
+    return replace(decode(requests), checked=None, trips_low_accept=None, trips_high_accept=None)
+
+
+def test_without_speculative_decoding_the_gate_trip_gates_do_not_apply() -> None:
+    """Regression (issue 41, item 9): without speculative decoding the engines export no
+    quality-gate series, so `gateTrips` (and `anomalyRate`) stayed Inconclusive and every
+    canary step of such a fleet (the minimal sample) paused forever. A gate that cannot apply
+    is NotApplicable, and the status says why; with the gate running, missing series stay
+    inconclusive (metrics missing must never pass)."""
+    stable = metrics("s", ("decode", unguarded(1000)), ("router", router(1000)))
+    canary = metrics("c", ("decode", unguarded(120)), ("router", router(120)))
+    spec = AnalysisSpec(max_anomaly_rate=0.01)
+    result = analyse(canary, stable, spec, window_seconds=60, trip_floor=0.001, quality_gate=False)
+    assert result.verdict == Verdict.PASS, result.reason
+    moot = {g.name: g.to_status() for g in result.gates if g.verdict == Verdict.NOT_APPLICABLE}
+    assert set(moot) == {"gateTrips", "anomalyRate"}, result.gates
+    assert moot["gateTrips"]["verdict"] == "NotApplicable"
+    assert "no speculative decoding" in moot["gateTrips"]["limit"]
+    assert "gateTrips, anomalyRate not applicable" in result.reason
+    guarded = analyse(canary, stable, spec, window_seconds=60, trip_floor=0.001)
+    assert guarded.verdict == Verdict.INCONCLUSIVE and "gateTrips" in guarded.reason
+
+
+class FleetPods:
+    """Both revisions' decode and router pods, as `rollout.act.measure` lists them."""
+
+    def list(self, kind: str, namespace: str, selector: dict[str, str]) -> list[Any]:
+        return [
+            {"metadata": {"name": f"{rev}-{role}", "namespace": "ns",
+                          "labels": {"cas.dev/role": role, "cas.dev/revision": rev}}}
+            for rev in ("r1", "r2") for role in ("decode", "router")
+        ]  # fmt: skip
+
+    def patch(self, kind: str, namespace: str, name: str, patch: Any) -> Any:
+        return {}
+
+
+def test_a_canary_step_of_a_fleet_without_speculative_decoding_passes_its_analysis() -> None:
+    """Regression (issue 41, item 9), through the act step: a step of the minimal sample's
+    canary, held past its window with enough requests, ends on its analysis (it paused
+    forever: the gate-trip gate never had a verdict); the same fleet with speculative
+    decoding, whose decodes export no gate series, still pauses."""
+    from cas_operator.observe.types import Observation
+    from cas_operator.rollout.act import Findings, rollout_tick
+
+    class Window:
+        def observe(self, targets: Any, window: float) -> Observation:
+            signals = {"decode": unguarded(200), "router": router(200)}
+            return Observation({t.name: signals[t.role] for t in targets})
+
+    steps = {"strategy": "Canary", "steps": [{"weight": 50, "pauseSeconds": 10}, {"weight": 80}],
+             "analysis": {"windowSeconds": 15, "minRequests": 10}}  # fmt: skip
+    at_step = replace_state(weight=50, step_started=1000.0)
+    status = {"revision": "r2", "rollout": at_step.to_status()}
+    resource = {"metadata": {"name": "demo", "namespace": "ns"}, "status": status}
+    minimal = parse_spec({"model": {"name": "glm-5"}, "rollout": steps})
+    result = rollout_tick(FleetPods(), Window(), resource, minimal, None, Findings(), 1060.0)
+    assert result.state is not None and (result.state.step, result.state.phase) == (
+        1, Phase.PROGRESSING), result.state.reason  # fmt: skip
+    gates = {g["name"]: g["verdict"] for g in (result.state.analysis or {})["gates"]}
+    assert gates["gateTrips"] == "NotApplicable", gates
+    nextn = {"algorithm": "NEXTN", "numSteps": 3, "eagleTopk": 1, "numDraftTokens": 4}
+    speculative = parse_spec({"model": {"name": "glm-5"}, "rollout": steps,
+                              "engine": {"speculative": nextn}})  # fmt: skip
+    held = rollout_tick(FleetPods(), Window(), resource, speculative, None, Findings(), 1060.0)
+    assert held.state is not None and held.state.phase == Phase.PAUSED, held.state

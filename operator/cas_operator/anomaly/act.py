@@ -3,10 +3,11 @@
 Entry point: `anomaly_tick(api, source, ...)`, called by the fleet tick once per resource:
 1. list the engine pods; 2. observe them over the guard's window (`source`);
 3. decide (`anomaly.detect.decide`, pure); 4. start the drains it ordered (label off,
-annotations: `anomaly.drain`) and deregister every draining pod from every router replica
-(`routers.py`); 5. advance drains in progress (`anomaly.drain.next_step`): hold or delete;
-6. report `status.draining`, the Degraded messages, per-pool anomaly rates, and the pods
-with their signals (`TickResult.views`, which the autoscale loop reads).
+annotations: `anomaly.drain`), take out of rotation every LWS leader whose group has a pod
+leaving (`anomaly.groups`), and deregister every draining or deleted instance from every
+router replica (`routers.py`); 5. advance drains in progress (`anomaly.drain.next_step`):
+hold or delete; 6. report `status.draining`, the Degraded messages, per-pool anomaly rates,
+and the pods with their signals (`TickResult.views`, which the autoscale loop reads).
 Ownership: `api` (the operator's `Kube`) does all API I/O; `source` all metrics I/O; the caller
 keeps the returned `LoopState` in memory for the next tick and posts the returned events.
 """
@@ -32,6 +33,7 @@ from cas_operator.anomaly.drain import (
     next_step,
     view_of,
 )
+from cas_operator.anomaly.groups import groups_leaving
 from cas_operator.api import constants as c
 from cas_operator.api.models import AnomalyGuardSpec, GuardAction
 from cas_operator.observe.types import MetricsSource, Observation, PodTarget, PodView
@@ -79,26 +81,58 @@ class TickResult:
     canary_anomaly: str | None = None  # a canary revision's pods judged anomalous
 
 
-def engine_pods(api: PodApi, namespace: str, name: str) -> list[Manifest]:
-    """This resource's engine instances, one pod each, not already being deleted.
+def all_engine_pods(api: PodApi, namespace: str, name: str) -> list[Manifest]:
+    """Every engine pod of the resource: instances, LWS group workers, deleting ones."""
+    return api.list("Pod", namespace, {c.LABEL_NAME: name, c.LABEL_APP_NAME: c.APP_ENGINE})
+
+
+def instances(pods: list[Manifest]) -> list[Manifest]:
+    """The engine instances among `pods`, one pod each, not already being deleted.
 
     A multi-node instance is its leader pod: only the leader serves (the router knows only
     it) and exports the instance's metrics, so it is what is observed, judged and drained.
     Deleting it replaces the whole group (the LWS restart policy is RecreateGroupOnPodRestart),
     and holding it out of rotation holds the group; the worker pods are never touched here."""
-    selector = {c.LABEL_NAME: name, c.LABEL_APP_NAME: c.APP_ENGINE}
-    pods = api.list("Pod", namespace, selector)
     return [p for p in pods if not _meta(p).get("deletionTimestamp") and not is_group_worker(p)]
 
 
-def leaving_pods(api: PodApi, namespace: str, name: str) -> list[Manifest]:
-    """This resource's engine instances being deleted (a scale-down, a retired revision, an
+def engine_pods(api: PodApi, namespace: str, name: str) -> list[Manifest]:
+    """This resource's engine instances (`instances`)."""
+    return instances(all_engine_pods(api, namespace, name))
+
+
+def leaving(pods: list[Manifest]) -> list[Manifest]:
+    """The engine instances among `pods` being deleted (a scale-down, a retired revision, an
     eviction): their preStop hook lets them finish what they run, but the router (0.3.2)
     keeps sending a deleted pod new requests (measured: 6 of 12 within 7 s), so they must
     leave every router too."""
-    selector = {c.LABEL_NAME: name, c.LABEL_APP_NAME: c.APP_ENGINE}
-    pods = api.list("Pod", namespace, selector)
     return [p for p in pods if _meta(p).get("deletionTimestamp") and not is_group_worker(p)]
+
+
+def leave_with_group(
+    api: PodApi, listed: list[Manifest], serving: list[Manifest], now: float
+) -> list[Event]:
+    """Take out of rotation every leader whose LeaderWorkerSet group has a pod leaving
+    (`anomaly.groups`): one still running starts a drain (label off, annotations; the drain
+    path then removes it once idle); one being deleted already loses its serving label. Both
+    are then deregistered from every router replica by `deregister_leaving`. `serving` are
+    the instances of this tick (their copies are marked as patched)."""
+    events: list[Event] = []
+    by_name = {_meta(p)["name"]: p for p in serving}
+    deleting = {_meta(p)["name"]: p for p in leaving(listed)}
+    for found in groups_leaving(listed):
+        running = by_name.get(found.leader)
+        if running is not None and draining_since(running) is None:
+            events.append(start_drain(api, running, found.reason, now))
+            _mark_draining(running, found.reason, now)
+        gone = deleting.get(found.leader)
+        if gone is not None and _meta(gone).get("labels", {}).get(c.LABEL_SERVING):
+            meta = _meta(gone)
+            unlabel = {"metadata": {"labels": {c.LABEL_SERVING: None}}}
+            api.patch("Pod", meta["namespace"], meta["name"], unlabel)
+            meta["labels"].pop(c.LABEL_SERVING, None)
+            events.append(("Normal", "PodOutOfRotation", f"pod {meta['name']}: {found.reason}"))
+    return events
 
 
 def start_drain(api: PodApi, pod: Manifest, reason: str, now: float) -> Event:
@@ -207,7 +241,8 @@ def anomaly_tick(
     this finds (`TickResult.canary_anomaly`).
     """
     drain_policy = drain_policy or DrainPolicy()
-    pods = engine_pods(api, namespace, name)
+    listed = all_engine_pods(api, namespace, name)
+    pods = instances(listed)
     observation = source.observe([PodTarget.of(p) for p in pods], float(spec.window_seconds))
     events: list[Event] = []
     decision: AnomalyDecision | None = None
@@ -227,8 +262,9 @@ def anomaly_tick(
         for order in decision.drains:
             events.append(start_drain(api, by_name[order.name], order.reason, now))
             _mark_draining(by_name[order.name], order.reason, now)
+    events += leave_with_group(api, listed, pods, now)
     routers = routers or HttpRouters(router_endpoints(api, namespace, name))
-    events += deregister_leaving(pods + leaving_pods(api, namespace, name), routers)
+    events += deregister_leaving(pods + leaving(listed), routers)
     stepped, deleted = advance_drains(api, pods, observation, spec.action, now, drain_policy)
     events += stepped
     remaining = [p for p in pods if _meta(p)["name"] not in deleted]

@@ -537,7 +537,8 @@ class RouterSpec(Spec):
 
 class NetworkPeer(Spec):
     """Who may connect: pods by labels (in this namespace, or in the namespaces whose labels
-    match `namespaceLabels`; `{}` there means every namespace), or an IP range."""
+    match `namespaceLabels`; `{}` there means every namespace, which only `clientsFrom`
+    accepts), or an IP range."""
 
     model_config = _config(
         cel(
@@ -562,6 +563,17 @@ class NetworkPeer(Spec):
 
 
 class NetworkPolicySpec(Spec):
+    model_config = _config(
+        cel(
+            "!has(self.metricsFrom) || self.metricsFrom.all(p, "
+            "(!has(p.namespaceLabels) || size(p.namespaceLabels) > 0) "
+            "&& (!has(p.cidr) || !p.cidr.endsWith('/0')))",
+            "a metricsFrom peer must name its namespaces: namespaceLabels {} selects every "
+            "namespace and a /0 cidr every address",
+            ".metricsFrom",
+        ),
+    )
+
     enabled: bool = Field(
         default=True,
         description="NetworkPolicies for the fleet's engine and router pods (your CNI must "
@@ -576,8 +588,10 @@ class NetworkPolicySpec(Spec):
         default=None,
         max_length=32,
         description="Who may scrape the engines' and routers' metrics ports (an engine's is its "
-        "serving port). Default: pods labelled app.kubernetes.io/name=prometheus in any "
-        "namespace.",
+        "serving port); each peer names its namespaces. Default: pods labelled "
+        "app.kubernetes.io/name=prometheus in the operator's metrics-scraper namespaces "
+        "(cas-operator --metrics-scraper-namespace, the chart's metricsScraperNamespaces); "
+        "none set: no scraper.",
     )
 
 

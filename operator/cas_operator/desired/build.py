@@ -127,6 +127,7 @@ def build_plan(
         cp_strategy=resolved.cp_strategy,
         recommendation=recommendation,
         operator_namespace=limits.operator_namespace,
+        scraper_namespaces=limits.scraper_namespaces,
         measured_shape=shape_of(observed),
         refused_rate=None if observed is None else observed.refused_rate,
         keys_version=keys_version,

@@ -68,6 +68,7 @@ class Plan:
     keys_version: str = ""
     warnings: tuple[str, ...] = ()  # what the operator did not take from the spec, and why
     operator_namespace: str | None = None  # where the operator pod runs (api.limits)
+    scraper_namespaces: tuple[str, ...] = ()  # where metrics scrapers run (api.limits)
     routers: int | None = None  # router replicas, when a rollout sets them (else the spec's)
     # the measured request shape (input, output tokens per request), when the fleet tick has it
     measured_shape: Shape | None = None

@@ -249,7 +249,9 @@ def surge_errors(
 
 
 def _network_errors(spec: CodingAgentServingSpec) -> list[SpecError]:
-    """Each peer is an IP range or labels, not both, not neither (the CRD's CEL rule too)."""
+    """Each peer is an IP range or labels, not both, not neither; a `metricsFrom` peer names
+    its namespaces: not `namespaceLabels: {}` (every namespace), not a /0 range (the CRD's CEL
+    rules too; `desired.resources.network.check_scoped` checks the rendered policies)."""
     policy = spec.security.network_policy
     errors = []
     for field, peers in (
@@ -263,7 +265,17 @@ def _network_errors(spec: CodingAgentServingSpec) -> list[SpecError]:
                 errors.append(SpecError(where, "a network peer is either cidr or labels"))
             elif peer.cidr is not None and not _is_cidr(peer.cidr):
                 errors.append(SpecError(f"{where}.cidr", f"{peer.cidr!r} is not an IP range"))
+            elif field == "metricsFrom" and peer.namespace_labels == {}:
+                errors.append(SpecError(f"{where}.namespaceLabels", EVERY_NAMESPACE))
+            elif field == "metricsFrom" and (peer.cidr or "").endswith("/0"):
+                errors.append(SpecError(f"{where}.cidr", f"{peer.cidr} is every address"))
     return errors
+
+
+EVERY_NAMESPACE = (
+    "{} selects every namespace: name the scrapers' namespaces "
+    "(kubernetes.io/metadata.name: <namespace>)"
+)
 
 
 def _is_cidr(text: str) -> bool:

@@ -144,6 +144,7 @@ def rollout_tick(
             spec.rollout.analysis,
             window_seconds=window,
             trip_floor=spec.anomaly_guard.pod_anomaly_rate_threshold,
+            quality_gate=spec.engine.speculative is not None,
         )
     inputs = RolloutInputs(
         revision=str(revision),

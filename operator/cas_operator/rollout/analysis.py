@@ -7,7 +7,11 @@ since the step's weight took effect (`rollout.act`) -> `RevisionMetrics.of` per 
   `ALPHA`; a few requests can already fail a canary that is clearly bad), or a latency is over
   its limit with enough requests on both sides;
 - Inconclusive: too few canary requests for a verdict (`minRequests`), or metrics missing;
-- Pass: every gate passed.
+- Pass: every gate passed, or cannot apply to this fleet.
+A gate that cannot apply is NotApplicable, never Inconclusive: the quality-gate gates
+(`gateTrips`, `anomalyRate`) without speculative decoding, where the engines' quality gate has
+nothing to judge and exports no series (`desired.resources.engine_args.cas_args`); an
+Inconclusive there held every step of such a fleet paused forever.
 Rate gates compare with `ratio x` the stable revision's rate, never below a floor (a stable
 revision with no gate trips must not make one trip a failure); without enough stable requests
 the floor alone is the limit. Nothing here does I/O or reads a clock.
@@ -35,6 +39,7 @@ class Verdict(StrEnum):
     PASS = "Pass"
     FAIL = "Fail"
     INCONCLUSIVE = "Inconclusive"
+    NOT_APPLICABLE = "NotApplicable"
 
 
 @dataclass(frozen=True)
@@ -157,6 +162,13 @@ class Analysis:
         }
 
 
+NO_QUALITY_GATE = "no speculative decoding: the quality gate judges no request"
+
+
+def not_applicable(name: str, why: str) -> GateResult:
+    return GateResult(name, Verdict.NOT_APPLICABLE, "n/a", why)
+
+
 def _pct(value: float) -> str:
     return f"{value:.2%}"
 
@@ -224,11 +236,13 @@ def analyse(
     *,
     window_seconds: float,
     trip_floor: float,
+    quality_gate: bool = True,
 ) -> Analysis:
     """The verdict of one window (see the module docstring); `trip_floor` is the anomaly
-    guard's per-pod threshold, the lowest gate-trip limit."""
+    guard's per-pod threshold, the lowest gate-trip limit; `quality_gate`: whether the
+    canary's engines run the quality gate (speculative decoding), else its gates do not apply."""
     n = spec.min_requests
-    gates = [
+    trips = (
         rate_gate(
             "gateTrips",
             (canary.trips, canary.checked),
@@ -236,7 +250,12 @@ def analyse(
             ratio=spec.max_gate_trip_ratio,
             floor=trip_floor,
             min_requests=n,
-        ),
+        )
+        if quality_gate
+        else not_applicable("gateTrips", NO_QUALITY_GATE)
+    )
+    gates = [
+        trips,
         rate_gate(
             "routerErrors",
             (canary.errors_5xx, canary.responses),
@@ -270,7 +289,9 @@ def analyse(
             min_requests=n,
         ),
     ]
-    if spec.max_anomaly_rate is not None:
+    if spec.max_anomaly_rate is not None and not quality_gate:
+        gates.append(not_applicable("anomalyRate", NO_QUALITY_GATE))
+    elif spec.max_anomaly_rate is not None:
         gates.append(
             rate_gate(
                 "anomalyRate",
@@ -302,4 +323,6 @@ def _verdict(
     if open_gates:
         reason = f"no verdict yet from {', '.join(open_gates)}"
         return Analysis(Verdict.INCONCLUSIVE, window, requests, gates, reason)
-    return Analysis(Verdict.PASS, window, requests, gates, "every gate passed")
+    moot = [g.name for g in gates if g.verdict == Verdict.NOT_APPLICABLE]
+    reason = "every gate passed" + (f" ({', '.join(moot)} not applicable)" if moot else "")
+    return Analysis(Verdict.PASS, window, requests, gates, reason)
