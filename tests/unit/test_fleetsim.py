@@ -41,7 +41,21 @@ from cas_operator.autoscale.search import recommend
 SPEC = pf.load_spec("glm5-fp8-h200")
 P = pf.prefill_profile(SPEC)
 D = pf.decode_profile(SPEC)
-MIX = SessionMix(session_rate=0.15)  # ~3 req/s
+# ~3 req/s of short sessions: these tests check the simulator's mechanics on a small fleet, so
+# they keep a mix of their own (SessionMix's defaults are the real sessions', far longer)
+MIX = SessionMix(
+    session_rate=0.15,
+    mean_turns=20.0,
+    first_input_tokens=32_000.0,
+    first_input_sigma=0.5,
+    new_tokens_per_turn=3_400.0,
+    new_tokens_sigma=1.0,
+    output_tokens=400.0,
+    output_sigma=0.8,
+    tool_pause_s=20.0,
+    tool_pause_sigma=1.0,
+    max_context=180_000.0,
+)
 
 
 def _cfg(n_p: int, n_d: int, **kw: object) -> FleetConfig:
