@@ -41,6 +41,7 @@ from cas_operator.autoscale.model import (
     WorkloadInputs,
 )
 from cas_operator.autoscale.profiles import ProfileSpec, decode_profile, load_spec, prefill_profile
+from cas_operator.autoscale.reuse import request_mix
 from cas_operator.autoscale.search import recommend
 from cas_operator.autoscale.signals import shape_of
 from cas_operator.desired.resolve import Resolved, resolve
@@ -174,12 +175,28 @@ def planner_workload(
     a fleet whose answers grew 4x is planned for them, not for the spec's estimate, and the
     plan moves with the limit, only when the shape really changed."""
     inp, out = shape_of(observed) or (declared.avg_input_tokens, declared.avg_output_tokens)
-    return WorkloadInputs(
+    wl = WorkloadInputs(
         request_rate=rate,
         avg_input_tokens=float(inp),
         avg_output_tokens=float(out),
         prefix_cache_hit_rate=declared.prefix_cache_hit_rate,
         reuse=observed.reuse if observed is not None else None,
+    )
+    if wl.reuse is None:
+        return wl
+    mix = request_mix(wl.reuse, wl.avg_input_tokens)
+    wl = replace(
+        wl,
+        p95_input_tokens=mix.p95_input_tokens,
+        context_sigma=mix.context_sigma,
+        first_turn_sigma=max(wl.first_turn_sigma, mix.context_sigma),
+    )
+    if mix.first_turn_fraction is None or mix.new_tokens_per_turn is None:
+        return wl
+    return replace(
+        wl,
+        first_turn_fraction=mix.first_turn_fraction,
+        new_tokens_per_turn=mix.new_tokens_per_turn,
     )
 
 
