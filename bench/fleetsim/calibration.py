@@ -32,7 +32,7 @@ import numpy as np
 
 from bench.traces import TraceSession
 
-from .workload import SessionMix, lognormal
+from .workload import SessionMix, draw_turns
 
 Z90 = NormalDist().inv_cdf(0.9)
 
@@ -108,24 +108,6 @@ def mix_figures(mix: SessionMix) -> dict[str, Figure]:
 
 
 def simulated_prompts(mix: SessionMix, sessions: int, seed: int) -> np.ndarray:
-    """Every prompt of ``sessions`` sessions drawn as the simulator draws them (`engine`'s
-    session arrivals and turns): a first prompt (at most ``max_context``), each turn growing
-    by its answer and new tokens, the session ending after its turns or once its context
-    would pass ``max_context``."""
-    rng = np.random.default_rng(seed)
-    ctx = np.minimum(lognormal(rng, mix.first_input_tokens, mix.first_input_sigma, sessions),
-                     mix.max_context)  # fmt: skip
-    turns = rng.geometric(1.0 / max(mix.mean_turns, 1.0), sessions)
-    prompts = []
-    live = np.ones(sessions, dtype=bool)
-    k = 0
-    while live.any():
-        prompts.append(ctx[live])
-        k += 1
-        n = int(live.sum())
-        grow = lognormal(rng, mix.output_tokens, mix.output_sigma, n) + lognormal(
-            rng, mix.new_tokens_per_turn, mix.new_tokens_sigma, n
-        )
-        ctx[live] += grow
-        live &= (turns > k) & (ctx <= mix.max_context)
-    return np.concatenate(prompts)
+    """Every prompt of ``sessions`` sessions drawn as the simulator draws them
+    (`workload.draw_turns`)."""
+    return draw_turns(mix, sessions, np.random.default_rng(seed)).context

@@ -3,11 +3,15 @@
 Time advances in fixed steps of ``dt`` seconds; within a step every event is handled as a batch
 with numpy, and event times inside a step are kept exact where they are determined at arrival:
 
-- Arrivals: sessions whose next turn falls in the step (closed loop), new sessions (Poisson), or
-  trace requests (open loop).
-- Routing (prefix-aware): a returning turn whose prefix is still cached on its home prefill
-  instance goes there; otherwise to the least-backlogged ready instance (only the shared system
-  prefix is cached there). Tiers: GPU and host (HiCache, loaded at the profile's load rate).
+- Arrivals: sessions whose next turn falls in the step (closed loop), new sessions (Poisson),
+  trace requests (open loop), or real sessions' requests (`sessions.SessionTraffic`, closed
+  loop: each request its think time after the previous answer).
+- Routing as the product's cache-aware router routes (`CacheAwareRouting`): a returning turn
+  whose prefix an instance holds goes there; a new session (or one whose prefix no instance
+  holds) to the instance caching the least, blind to load unless the instances' loads differ
+  by over 64 requests. Caches: per session on its home instance (synthetic sessions), or per
+  (session, block) on every instance for real sessions (`prefixcache`, exact LRU). Tiers: GPU
+  and host (HiCache, loaded at the profile's load rate).
 - Prefill: each instance admits requests FIFO while their whole contexts fit in its KV capacity
   (LayerSplit raises it); an admitted request loads its host-tier prefix (GPU free for others),
   then computes on the instance's one GPU queue (chunked prefill over cached context is in the
@@ -51,7 +55,7 @@ from cas_operator.autoscale.reuse import ReuseProfile, profile_from_counts
 
 from .prefixcache import BlockTrie, InstanceCache, Overlap
 from .sessions import BLOCK_SIZE, SessionTraffic
-from .workload import SessionWorkload, Trace, lognormal
+from .workload import SessionWorkload, Trace, draw_turns, lognormal
 
 OFF, STARTING, READY, DRAINING = 0, 1, 2, 3
 ADMISSION_BURST_S = 5.0  # desired.admission.BURST_SECONDS
@@ -59,6 +63,7 @@ RETRY_AFTER_S = 2.0  # a client's wait after a 429 (smg's Retry-After; an SDK's 
 # The engines' ghost map reaches this many blocks (cas_engine.prefixreuse: 2^18 tracked
 # blocks, 1 in 16 tracked); the simulator's exact equivalent remembers as many.
 GHOST_BLOCKS = DEFAULT_GHOST_ENTRIES * DEFAULT_SAMPLE_RATE
+PREPOPULATE_DRAWS = 4000  # sessions drawn to pick the live ones of the steady state from
 
 
 @dataclass(frozen=True)
@@ -122,7 +127,6 @@ class FleetConfig:
     accept_multiplier: float = 1.0
     warmup_s: float = 0.0
     prepopulate: bool = True  # start with steady-state sessions (cold caches)
-    route_balance_s: float = 30.0  # slack before a cache hit is sent elsewhere cold
     seed: int = 0
     admission: Admission | None = None
     routing: CacheAwareRouting = CacheAwareRouting()  # real sessions only (`SessionTraffic`)
@@ -261,6 +265,13 @@ def spread(n: int, load: np.ndarray, eligible: np.ndarray) -> np.ndarray:
         return np.full(n, -1, dtype=np.int64)
     ranked = idx[np.argsort(load[idx], kind="stable")]
     return ranked[np.arange(n) % ranked.size]
+
+
+def _at(index: np.ndarray, values: np.ndarray, size: int | None = None) -> np.ndarray:
+    """``values`` placed at ``index`` in a zero array (of the index's top + 1 by default)."""
+    out = np.zeros(int(index.max()) + 1 if size is None else size)
+    out[index] = values
+    return out
 
 
 class _Records:
@@ -475,32 +486,48 @@ class Simulator:
     # ------------------------------------------------------------ arrivals
 
     def _prepopulate(self) -> None:
-        """Start in steady state: the sessions Little's law says are live, at random turns
-        (contexts grown accordingly), next turns spread over one cycle; caches start cold."""
+        """Start in steady state: the sessions live at a random moment of the session process.
+        Sessions are drawn as they will run (`workload.draw_turns`, at the modifiers' values at
+        0); each of their turns is equally likely to be the one a live session is at (a longer
+        session is live longer), so live sessions are turns drawn at random, as many as Little's
+        law says (session starts x turns per session x cycle). Each has its turns still to go,
+        its next turn a uniform share of a length-biased pause away, and its last prefix cached
+        (on a random instance; caches start cold beyond)."""
         wl, S, rng = self.wl, self.S, self.rng
         assert wl is not None
         mix = wl.mix
         cycle = wl.value("tool_pause_s", 0.0) + 8.0
-        live = wl.value("session_rate", 0.0) * mix.mean_turns * cycle
-        k = int(rng.poisson(live))
+        drawn = draw_turns(
+            mix,
+            PREPOPULATE_DRAWS,
+            rng,
+            wl.value("output_tokens", 0.0),
+            wl.value("new_tokens_per_turn", 0.0),
+        )
+        per_session = drawn.context.size / PREPOPULATE_DRAWS
+        k = int(rng.poisson(wl.value("session_rate", 0.0) * per_session * cycle))
         if k == 0:
             return
+        pick = rng.integers(0, drawn.context.size, k)
+        done = drawn.index[pick]
         sid = S.alloc(k)
-        done = rng.geometric(1.0 / max(mix.mean_turns, 1.0), k) - 1
-        first = lognormal(rng, mix.first_input_tokens, mix.first_input_sigma, k)
         per_turn = wl.value("new_tokens_per_turn", 0.0) + wl.value("output_tokens", 0.0)
-        grow = done * per_turn
         S.live[sid] = True
         S.first[sid] = done == 0
-        S.ctx[sid] = np.minimum(first + grow, mix.max_context * 0.95)
-        S.turns[sid] = rng.geometric(1.0 / max(mix.mean_turns, 1.0), k)
-        S.next[sid] = rng.uniform(0.0, cycle, k)
+        S.ctx[sid] = drawn.context[pick]
+        S.turns[sid] = drawn.turns[pick] - done
+        # the pause a live session is in is length-biased (a long pause holds a session live
+        # for long), and its next turn a uniform share of it away: a lognormal's length-biased
+        # draw has the same sigma and e^(sigma^2) times the mean
+        pause, sigma = wl.value("tool_pause_s", 0.0), mix.tool_pause_sigma
+        biased = lognormal(rng, pause * math.exp(sigma * sigma), sigma, k) + (cycle - pause)
+        S.next[sid] = rng.uniform(0.0, 1.0, k) * biased
         # warm caches: each session homed on a ready prefill instance holding its last prefix
         ready = np.flatnonzero(self.P.state == READY)
         S.home[sid] = np.where(done > 0, ready[rng.integers(0, ready.size, k)], -1)
         S.tier[sid] = np.where(done > 0, 1, 0)
         S.cached[sid] = np.where(done > 0, np.maximum(S.ctx[sid] - per_turn, 0.0), 0.0)
-        S.last[sid] = -rng.uniform(0.0, cycle, k)
+        S.last[sid] = S.next[sid] - biased
         self._evict()
 
     def _session_arrivals(self, t0: float, t1: float) -> tuple[np.ndarray, np.ndarray]:
@@ -586,20 +613,12 @@ class Simulator:
         home = S.home[sid]
         safe_home = np.where(home >= 0, home, 0)
         prof = cfg.prefill
-        backlog = np.maximum(P.busy - t0, 0.0)
-        b_min = backlog[ready_p].min()
         shared = np.maximum(np.minimum(self.shared, inp - 1.0), 0.0)
         warm = np.maximum(np.minimum(prev, inp - 1.0), 0.0)
-        t_hit = prof.prefill_time_array(inp - warm, warm)
-        t_miss = prof.prefill_time_array(inp - shared, shared)
-        # cost-aware prefix routing: stay home unless finishing elsewhere cold is sooner
-        near = backlog[safe_home] + t_hit <= b_min + t_miss + cfg.route_balance_s
-        hit = (~S.first[sid]) & (home >= 0) & (S.tier[sid] > 0) & ready_p[safe_home] & near
+        held = (~S.first[sid]) & (home >= 0) & (S.tier[sid] > 0) & ready_p[safe_home]
+        inst, hit = self._route_sessions(held, home, warm, inp, t0, ready_p)
         cached = np.where(hit, warm, shared)
         host = np.where(hit & (S.tier[sid] == 2), cached, 0.0)
-        inst = np.where(hit, home, -1)
-        miss = ~hit
-        inst[miss] = spread(int(miss.sum()), P.busy, ready_p)
         load = prof.host_load_s_per_token * host
         busy = prof.prefill_time_array(inp - cached, cached)
         flow = min(prof.flow_bytes_per_s, cfg.decode.flow_bytes_per_s)
@@ -629,6 +648,43 @@ class Simulator:
                 "tried": np.zeros(n, dtype=bool),
             }
         )
+
+    def _route_sessions(
+        self,
+        held: np.ndarray,
+        home: np.ndarray,
+        warm: np.ndarray,
+        inp: np.ndarray,
+        now: float,
+        ready_p: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(instance, hit) per arrival, as the product's router places them
+        (`CacheAwareRouting`) over the session-level caches: home when the prefix it holds
+        (``held``, ``warm`` tokens) covers more than the threshold of the prompt, else the
+        instance holding the fewest cached tokens, one arrival after the other; all to the
+        least loaded while the in-prefill loads are imbalanced."""
+        rt, S, P = self.cfg.routing, self.S, self.P
+        ready = np.flatnonzero(ready_p)
+        loads = np.array([self._in_prefill(i, now) for i in ready.tolist()], dtype=float)
+        if loads.max() - loads.min() > rt.balance_abs_threshold and loads.max() > (
+            rt.balance_rel_threshold * loads.min()
+        ):
+            inst = spread(home.size, _at(ready, loads, P.state.size), ready_p)
+            return inst, held & (inst == home)
+        hit = held & (warm > rt.cache_threshold * inp)
+        inst = np.where(hit, home, -1)
+        cached = S.home[: S.n] >= 0
+        tree = np.bincount(
+            S.home[: S.n][cached],
+            weights=np.where(S.tier[: S.n][cached] > 0, S.cached[: S.n][cached], 0.0),
+            minlength=P.state.size,
+        ).astype(float)
+        tree += np.bincount(home[hit], weights=inp[hit], minlength=P.state.size)
+        for k in np.flatnonzero(~hit).tolist():
+            i = int(ready[int(np.argmin(tree[ready]))])
+            inst[k] = i
+            tree[i] += inp[k]
+        return inst, hit
 
     def _admitted(
         self, step: int, ta: np.ndarray, t0: float, t1: float

@@ -90,6 +90,56 @@ def lognormal(rng: np.random.Generator, mean: float, sigma: float, n: int) -> np
     return rng.lognormal(mu, sigma, n)
 
 
+@dataclass(frozen=True)
+class Turns:
+    """Every turn of sessions drawn from a mix: per turn its session, its index in the session
+    (0: the first), the context it sends, and its session's drawn turn count."""
+
+    session: np.ndarray
+    index: np.ndarray
+    context: np.ndarray
+    turns: np.ndarray
+
+
+def draw_turns(
+    mix: SessionMix,
+    sessions: int,
+    rng: np.random.Generator,
+    output_tokens: float | None = None,
+    new_tokens_per_turn: float | None = None,
+) -> Turns:
+    """``sessions`` sessions drawn as the simulator draws them: a first prompt (at most
+    ``max_context``), each turn growing by its answer and new tokens, the session ending after
+    its turn count or once its context would pass ``max_context``. Every turn of them, in
+    order of turn index."""
+    out = mix.output_tokens if output_tokens is None else output_tokens
+    new = mix.new_tokens_per_turn if new_tokens_per_turn is None else new_tokens_per_turn
+    ctx = np.minimum(
+        lognormal(rng, mix.first_input_tokens, mix.first_input_sigma, sessions), mix.max_context
+    )
+    turns = rng.geometric(1.0 / max(mix.mean_turns, 1.0), sessions)
+    ids = np.arange(sessions)
+    live = np.ones(sessions, dtype=bool)
+    rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    k = 0
+    while live.any():
+        rows.append((ids[live], np.full(int(live.sum()), k), ctx[live].copy()))
+        k += 1
+        n = int(live.sum())
+        grow = lognormal(rng, out, mix.output_sigma, n) + lognormal(
+            rng, new, mix.new_tokens_sigma, n
+        )
+        ctx[live] += grow
+        live &= (turns > k) & (ctx <= mix.max_context)
+    session = np.concatenate([r[0] for r in rows])
+    return Turns(
+        session,
+        np.concatenate([r[1] for r in rows]),
+        np.concatenate([r[2] for r in rows]),
+        turns[session],
+    )
+
+
 @dataclass
 class Trace:
     """Open-loop requests sorted by time; ``cached`` is the reusable prefix per request."""
