@@ -218,7 +218,21 @@ class RatioPlannerPolicy:
                 first_turn_fraction=min(max(h.first_turn_fraction, 0.01), 1.0),
             )
             observed = None
-        return wl, observed
+        return wl, self._with_ttft(observed, m, fleet)
+
+    def _with_ttft(
+        self, observed: ObservedSignals | None, m: Metrics, fleet: FleetView
+    ) -> ObservedSignals | None:
+        """`observed` with the window's TTFT p90 and the ready pools it was measured on, which
+        stretch the model's TTFT (`search.ttft_scale`), as the operator passes them."""
+        ready_p = fleet.prefill if fleet.ready_prefill is None else fleet.ready_prefill
+        ready_d = fleet.decode if fleet.ready_decode is None else fleet.ready_decode
+        if m.ttft_p90_s <= 0 or not ready_p or not ready_d:
+            return observed
+        base = observed or ObservedSignals(arrival_rate=m.arrival_rate)
+        return replace(
+            base, ttft_p90_s=m.ttft_p90_s, prefill_replicas=ready_p, decode_replicas=ready_d
+        )
 
     def _operator_load(
         self, now: float, m: Metrics, fleet: FleetView
@@ -243,17 +257,10 @@ class RatioPlannerPolicy:
         calibrate = load.observed.decode_kv_usage is not None
         kv = self._observed(m, fleet) if calibrate else None
         observed = kv or ObservedSignals(arrival_rate=m.arrival_rate)
-        ready_p = fleet.prefill if fleet.ready_prefill is None else fleet.ready_prefill
-        ready_d = fleet.decode if fleet.ready_decode is None else fleet.ready_decode
-        observed = replace(
-            observed,
-            hit_rate=hit.hit_rate,
-            prefill_replicas=fleet.prefill,
-            ttft_p90_s=m.ttft_p90_s if m.ttft_p90_s > 0 and ready_p and ready_d else None,
-        )
-        if observed.ttft_p90_s is not None:  # the TTFT was measured on the ready pools
-            observed = replace(observed, prefill_replicas=ready_p, decode_replicas=ready_d)
-        return self._workload(m, rate), observed
+        observed = replace(observed, hit_rate=hit.hit_rate, prefill_replicas=fleet.prefill)
+        with_ttft = self._with_ttft(observed, m, fleet)
+        assert with_ttft is not None
+        return self._workload(m, rate), with_ttft
 
     def _prefill_changed_at(self) -> float:
         """As `autoscale.loop.prefill_changed_at`: the loop's last prefill change, or the

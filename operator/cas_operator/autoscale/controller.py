@@ -320,7 +320,8 @@ def fast_adjust(
     output shift: 15 -> 13 prefill at TTFT p90 4.3 s against a 3 s SLO, with no prefill queue
     counted, then 30-50 s for ten minutes). A failing or queueing decode still takes prefill's
     instance at the cap (its wait is in that TTFT). The price: a pool whose prompts alone keep
-    TTFT near the SLO does not shrink at low load either."""
+    TTFT near the SLO does not shrink at low load either. At the cap a plan that moves prefill
+    to decode is not held: the planner reads the measured TTFT (`search.ttft_scale`)."""
     want_p, want_d = target
     prefill_bad, decode_bad = failing_sides(observed, slo, tolerance)
     if prefill_bad:
@@ -349,13 +350,13 @@ def fast_adjust(
         want_d = max(want_d, min(in_use, current[1]))
     near_slo = (observed.ttft_p90_s or 0.0) > prefill_ttft_keep * slo.ttft_s
     decode_waits = decode_bad or (observed.decode_queue_depth or 0.0) > 0.0
-    # ...except when the fleet is behind (TTFT p90 over twice the SLO) at the cap and the plan
-    # moves prefill to decode: it is the model's call, made knowing the TTFT
-    # (`search.ttft_scale`), and on real sessions the hold kept a fleet at 27P:5D for a whole
-    # run while its plans asked for 24-26P (the simulator served 16% more at 25P:7D).
-    to_decode = target[1] > current[1] and target[0] < current[0]
-    behind = at_budget and behind_load(observed, slo.ttft_s)
-    if want_p < current[0] and near_slo and not decode_waits and not (behind and to_decode):
+    # ...except at the cap when the plan moves prefill to decode: that is the model's call
+    # that decode is short, made knowing the measured TTFT (`search.ttft_scale`), and on real
+    # sessions, whose TTFT p90 is near or over the SLO at every split, the hold kept a fleet
+    # at 27P:5D for a whole run while its plans asked for 24-26P (the simulator served 16%
+    # more at 25P:7D).
+    to_decode = at_budget and target[1] > current[1] and target[0] < current[0]
+    if want_p < current[0] and near_slo and not decode_waits and not to_decode:
         want_p = current[0]
     return want_p, want_d
 
