@@ -286,10 +286,11 @@ def test_planner_policy_does_not_read_closed_loop_throttling_as_lower_demand() -
     policy._slow(0.0, hot, view)
     assert policy.last_rec is not None
     held = replace(policy._workload(hot, 20.0 * policy.headroom), first_turn_fraction=0.05)
-    want = recommend(held, slo, P, D, bounds)
+    seen = policy._with_ttft(None, hot, view)  # the TTFT the planner reads, and nothing else
+    assert seen is not None and seen.decode_kv_usage is None
+    want = recommend(held, slo, P, D, bounds, observed=seen)
     assert (policy.last_rec.n_prefill, policy.last_rec.n_decode) == (want.n_prefill, want.n_decode)
-    throttled = recommend(policy._workload(hot, 8.0 * policy.headroom), slo, P, D, bounds)
-    assert want.n_decode > throttled.n_decode
+    assert "of 22.0 req/s" in policy.last_rec.reason  # the held demand, not the 8 let in
 
 
 def test_decode_waiting_counts_only_requests_whose_kv_has_arrived() -> None:
