@@ -208,10 +208,11 @@ def test_at_the_cap_the_fast_loop_takes_only_what_the_plan_would_give() -> None:
 
 
 def test_a_saturated_decode_at_the_cap_takes_prefill_at_once() -> None:
-    """Auto passes the simulator-proven rush (docs/planner.md, budget-capped rebalance): at
-    the budget cap, with decode KV full AND requests waiting for it, and the planner asking for
-    more decode, prefill's lower target is taken now; KV full alone, or a starving prefill,
-    keeps the rebalance wait (a storm's prefill pressure passes; a cut decode collapsed)."""
+    """Auto passes the simulator-proven rush (docs/results/2026-12-06-planner-history.md,
+    budget-capped rebalance): at the budget cap, with decode KV full AND requests waiting for
+    it, and the planner asking for more decode, prefill's lower target is taken now; KV full
+    alone, or a starving prefill, keeps the rebalance wait (a storm's prefill pressure passes;
+    a cut decode collapsed)."""
     cap = inputs(6, 2, gpu_budget=64)
     saturated = ObservedSignals(decode_kv_usage=0.97, decode_queue_depth=3.0)
     assert auto_step(cap, (4, 4), saturated, None, T0).prefill < 6

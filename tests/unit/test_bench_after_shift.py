@@ -2,7 +2,7 @@
 against the ready pools' capacity at the new request shape, from the planner's model as the
 planner calibrates it. The model as it is predicts a hit rate the shifted fleet does not reach
 (0.93 against a measured 0.91) and overstated the end pools' within-SLO rate by 30-45% against
-the simulator's own check (docs/planner.md, "Open problems")."""
+the simulator's own check (docs/results/2026-12-06-planner-history.md, "Open problems")."""
 
 from __future__ import annotations
 

@@ -48,7 +48,8 @@ from cas_operator.desired.resolve import Resolved, resolve
 from cas_operator.desired.shapes import InstanceShape
 
 # Measured rates are planned with 10% to spare: on the planner benchmark, without it, the
-# long-tool-pauses scenario fell from 18.0 to 14.7 req/s (seeds 1-3, median; docs/planner.md).
+# long-tool-pauses scenario fell from 18.0 to 14.7 req/s (seeds 1-3, median;
+# docs/results/2026-12-06-planner-history.md).
 PLAN_HEADROOM = 1.1
 
 PROFILE_BY_MODEL = (("glm-5", "glm5-fp8-h200"), ("deepseek-v3", "deepseek-v3-bf16kv-h200"))
