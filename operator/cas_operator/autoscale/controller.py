@@ -353,7 +353,7 @@ def fast_adjust(
     # ...except at the cap when the plan moves prefill to decode: that is the model's call
     # that decode is short, made knowing the measured TTFT (`search.ttft_scale`), and on real
     # sessions, whose TTFT p90 is near or over the SLO at every split, the hold kept a fleet
-    # at 27P:5D for a whole run while its plans asked for 24-26P (the simulator served 16%
+    # at 27P:5D for a whole run while its plans asked for 24-26P (the simulator served 19%
     # more at 25P:7D).
     to_decode = at_budget and target[1] > current[1] and target[0] < current[0]
     if want_p < current[0] and near_slo and not decode_waits and not to_decode:
