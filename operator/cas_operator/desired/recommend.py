@@ -99,6 +99,7 @@ class Recommendation:
     hit_rate: float | None = None
     meets_slo: bool | None = None
     shape: ShapeAdvice | None = None
+    hit_rate_curve: str | None = None  # which hit-rate curve gave `hit_rate` (`curve_name`)
 
     @property
     def ratio(self) -> str | None:
@@ -310,7 +311,19 @@ def _recommend(
         itl_milliseconds=round(result.itl_ms, 2),
         hit_rate=round(result.hit_rate, 4),
         meets_slo=result.meets_slo,
+        hit_rate_curve=curve_name(workload),
     )
+
+
+MEASURED_CURVE = "measured prompt reuse (autoscale.reuse)"
+DEFAULT_CURVE = "default: Che's approximation with exponential gaps (no prompt reuse measured yet)"
+
+
+def curve_name(workload: WorkloadInputs) -> str:
+    """Which hit-rate curve the model used (`model.hit_probabilities`): the one drawn from the
+    prefill engines' measured prompt reuse, or the fallback until a window holds it, which asks
+    for 1.4-3.4x the cache real sessions need (docs/planner.md, "The hit-rate model")."""
+    return MEASURED_CURVE if workload.reuse is not None else DEFAULT_CURVE
 
 
 def instance_profiles(
