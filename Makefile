@@ -108,11 +108,12 @@ bench-lifecycle: setup bins ## Pod-removal paths under load: sent / failed / cut
 bench-canary: setup bins ## Canary rollouts under load through the Gateway: seconds per step, abort of a bad canary, exposure, failed and mixed-pair requests
 	$(PY) bench/canary.py --out bench/results/canary.json
 
-bench-planner: setup ## P:D planner vs 1:1, best fixed, mean-based, exhaustive; LayerSplit gain table
-	$(PY) -m bench.planner --quick --scale-tables --out bench/results/planner.json
-	$(PY) -m bench.layersplit --out bench/results/layersplit.json
-
 TRACES ?= ../shared/traces/claude-code-sessions.tar.gz
+
+bench-planner: setup ## P:D planner vs 1:1, best fixed, mean-based, exhaustive, synthetic and on real sessions (TRACES=folder or tarball); LayerSplit tables
+	$(PY) -m bench.planner --quick --scale-tables --out bench/results/planner.json
+	$(PY) -m bench.planner_traces --sessions $(TRACES) --quick --out bench/results/planner-traces.json
+	$(PY) -m bench.layersplit --out bench/results/layersplit.json
 
 bench-hitrate: setup ## Hit-rate model vs an exact LRU replay of real Claude Code sessions (TRACES=folder or tarball); draws docs/results/hitrate.png
 	$(PY) -m bench.hitrate --sessions $(TRACES) --out bench/results/hitrate.json --figure docs/results/hitrate.png

@@ -56,6 +56,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from bench.fleetsim import FleetConfig, Modifier, SessionMix, SessionWorkload
+from bench.fleetsim.calibration import simulated_prompts
 from bench.fleetsim.engine import ADMISSION_BURST_S, FleetView, Limit, Metrics, SimResult, Simulator
 from bench.fleetsim.policies import MeanBasedPolicy, RatioPlannerPolicy, SwitchPolicy
 from cas_operator.api.models import WorkloadSpec
@@ -79,6 +80,10 @@ from cas_operator.desired.admission import (
 
 SLO = SloInputs(ttft_s=3.0, itl_ms=50.0)
 SPEC = pf.load_spec("glm5-fp8-h200")
+# Session starts per second of the steady scenario: with SessionMix's defaults (the real
+# sessions' figures, 56 requests a session) about 8.6 req/s of 121K-token prompts, near what
+# the 256-GPU budget serves at its best split.
+STEADY_SESSION_RATE = 0.18
 
 
 @dataclass(frozen=True)
@@ -116,7 +121,7 @@ class Scenario:
 def scenarios(quick: bool) -> list[Scenario]:
     """The issue's scenarios on a 256-GPU budget (32 instances of 8 GPUs)."""
     dur = 2400.0 if quick else 3600.0
-    base = SessionMix(session_rate=1.3, tool_pause_s=20.0)
+    base = SessionMix(session_rate=STEADY_SESSION_RATE)
     out = [
         Scenario("steady", base, duration_s=dur),
         Scenario(
@@ -153,15 +158,16 @@ def scenarios(quick: bool) -> list[Scenario]:
             duration_s=dur,
             breaks_mean_model="KV transfer link saturates",
         ),
-        # At the cap before the shift (prefill-heavy splits serve it within SLO); at 15 minutes
-        # the agents turn from reading (large tool results, short answers) to writing (small
-        # tool results, long answers, fewer new sessions): the same 224 GPUs still serve it,
-        # with room to drain what queued during the move, but only decode-heavy (the best split
-        # moves from ~21P:7D to ~12P:16D-13P:15D, and no split is good on both sides; see
-        # docs/planner.md). The 5 minutes before the shift are measured too.
+        # At the cap before the shift (prefill-heavy splits serve it best); at 15 minutes the
+        # agents turn from reading (large tool results, short answers) to writing (small tool
+        # results, long answers, fewer new sessions): the same 224 GPUs still serve it, but
+        # the pre-shift best split collapses (quick static runs at two thirds of the steady
+        # session rate: 23P:5D 6.7 req/s before, 0 after; 13P-16P 4.3 after), so the planner
+        # has to shrink prefill, wait for the drain and grow decode. The 5 minutes before the
+        # shift are measured too.
         Scenario(
             "budget-capped-rebalance",
-            replace(base, session_rate=1.25),
+            replace(base, session_rate=STEADY_SESSION_RATE * 2.0 / 3.0),
             (
                 Modifier("new_tokens_per_turn", 0.25, 900.0),
                 Modifier("output_tokens", 4.0, 900.0),
@@ -183,14 +189,23 @@ def scenarios(quick: bool) -> list[Scenario]:
     return out
 
 
+@functools.cache
+def mix_shape(mix: SessionMix) -> tuple[float, float]:
+    """(requests per session, mean prompt tokens) of the sessions `mix` draws (sessions end at
+    their turn count or at `max_context`, whichever comes first)."""
+    prompts = simulated_prompts(mix, 20_000, seed=0)
+    return len(prompts) / 20_000, float(prompts.mean())
+
+
 def _declared(sc: Scenario) -> WorkloadInputs:
     """What a user would write in the resource's workload fields for this scenario."""
     m = sc.mix
+    turns, prompt = mix_shape(replace(m, session_rate=1.0))
     return WorkloadInputs(
-        request_rate=m.request_rate(),
-        avg_input_tokens=75_000.0,
+        request_rate=m.session_rate * turns,
+        avg_input_tokens=prompt,
         avg_output_tokens=m.output_tokens,
-        first_turn_fraction=1.0 / m.mean_turns,
+        first_turn_fraction=1.0 / turns,
         first_turn_input_tokens=m.first_input_tokens,
         tool_pause_s=m.tool_pause_s,
         prefix_cache_hit_rate=0.9,
@@ -670,12 +685,7 @@ def scale_tables(seed: int) -> dict[str, Any]:
         n = budget // 8
         for share in (0.3, 0.5, 0.7, 0.9, 1.0):
             rate = _max_rate(p, d, budget) * share
-            wl = WorkloadInputs(
-                request_rate=rate,
-                avg_input_tokens=75_000,
-                avg_output_tokens=400,
-                first_turn_input_tokens=32_000,
-            )
+            wl = _scale_workload(rate)
             rec = recommend(wl, SLO, p, d, Bounds(max_prefill=n, max_decode=n, gpu_budget=budget))
             rows.append(
                 {
@@ -691,7 +701,7 @@ def scale_tables(seed: int) -> dict[str, Any]:
             )
         # simulator check at 90% of the modelled capacity, 30 minutes after warm-up
         rate = rows[3]["request_rate"]
-        mix = SessionMix(session_rate=rate / 20.0)
+        mix = SessionMix(session_rate=rate / mix_shape(SessionMix(1.0))[0])
         checks = {}
         for label, (n_p, n_d) in {
             "planner": (rows[3]["n_prefill"], rows[3]["n_decode"]),
@@ -718,19 +728,28 @@ def scale_tables(seed: int) -> dict[str, Any]:
     return out
 
 
+def _scale_workload(rate: float) -> WorkloadInputs:
+    """The scale tables' workload: SessionMix's defaults (the real sessions' figures) at
+    `rate`."""
+    mix = SessionMix(1.0)
+    turns, prompt = mix_shape(mix)
+    return WorkloadInputs(
+        request_rate=rate,
+        avg_input_tokens=prompt,
+        avg_output_tokens=mix.output_tokens,
+        first_turn_fraction=1.0 / turns,
+        first_turn_input_tokens=mix.first_input_tokens,
+        tool_pause_s=mix.tool_pause_s,
+    )
+
+
 def _max_rate(p: InstanceProfile, d: InstanceProfile, budget: int) -> float:
     """Highest request rate the model says fits the budget within SLOs (bisection)."""
     lo, hi = 0.0, budget * 1.0
     n = budget // 8
     for _ in range(25):
         mid = (lo + hi) / 2
-        wl = WorkloadInputs(
-            request_rate=mid,
-            avg_input_tokens=75_000,
-            avg_output_tokens=400,
-            first_turn_input_tokens=32_000,
-        )
-        rec = recommend(wl, SLO, p, d, Bounds(max_prefill=n, max_decode=n))
+        rec = recommend(_scale_workload(mid), SLO, p, d, Bounds(max_prefill=n, max_decode=n))
         if rec.meets_slo and rec.gpus <= budget:
             lo = mid
         else:

@@ -3,11 +3,15 @@
 Time advances in fixed steps of ``dt`` seconds; within a step every event is handled as a batch
 with numpy, and event times inside a step are kept exact where they are determined at arrival:
 
-- Arrivals: sessions whose next turn falls in the step (closed loop), new sessions (Poisson), or
-  trace requests (open loop).
-- Routing (prefix-aware): a returning turn whose prefix is still cached on its home prefill
-  instance goes there; otherwise to the least-backlogged ready instance (only the shared system
-  prefix is cached there). Tiers: GPU and host (HiCache, loaded at the profile's load rate).
+- Arrivals: sessions whose next turn falls in the step (closed loop), new sessions (Poisson),
+  trace requests (open loop), or real sessions' requests (`sessions.SessionTraffic`, closed
+  loop: each request its think time after the previous answer).
+- Routing as the product's cache-aware router routes (`CacheAwareRouting`): a returning turn
+  whose prefix an instance holds goes there; a new session (or one whose prefix no instance
+  holds) to the instance caching the least, blind to load unless the instances' loads differ
+  by over 64 requests. Caches: per session on its home instance (synthetic sessions), or per
+  (session, block) on every instance for real sessions (`prefixcache`, exact LRU). Tiers: GPU
+  and host (HiCache, loaded at the profile's load rate).
 - Prefill: each instance admits requests FIFO while their whole contexts fit in its KV capacity
   (LayerSplit raises it); an admitted request loads its host-tier prefix (GPU free for others),
   then computes on the instance's one GPU queue (chunked prefill over cached context is in the
@@ -37,6 +41,7 @@ Pure computation (no I/O, no clock). Outputs per-request records and a per-tick 
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from collections.abc import Callable
@@ -44,13 +49,37 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from cas_engine.prefixreuse import DEFAULT_GHOST_ENTRIES, DEFAULT_SAMPLE_RATE, REUSE_BUCKETS_S
 from cas_operator.autoscale.model import InstanceProfile
+from cas_operator.autoscale.reuse import ReuseProfile, profile_from_counts
 
-from .workload import SessionWorkload, Trace, lognormal
+from .prefixcache import BlockTrie, InstanceCache, Overlap
+from .sessions import BLOCK_SIZE, SessionTraffic
+from .workload import SessionWorkload, Trace, draw_turns, lognormal
 
 OFF, STARTING, READY, DRAINING = 0, 1, 2, 3
 ADMISSION_BURST_S = 5.0  # desired.admission.BURST_SECONDS
 RETRY_AFTER_S = 2.0  # a client's wait after a 429 (smg's Retry-After; an SDK's backoff)
+# The engines' ghost map reaches this many blocks (cas_engine.prefixreuse: 2^18 tracked
+# blocks, 1 in 16 tracked); the simulator's exact equivalent remembers as many.
+GHOST_BLOCKS = DEFAULT_GHOST_ENTRIES * DEFAULT_SAMPLE_RATE
+PREPOPULATE_DRAWS = 4000  # sessions drawn to pick the live ones of the steady state from
+
+
+@dataclass(frozen=True)
+class CacheAwareRouting:
+    """How the product's router (`router.policy: cache_aware`, sglang-router 0.3.2's defaults,
+    `sglang_router/router_args.py`) picks a prefill instance for real sessions: the instance
+    with the longest cached prefix when it covers more than ``cache_threshold`` of the prompt,
+    else the one with the smallest tree (the least cached), unless the loads are imbalanced
+    (the busiest instance over ``balance_abs_threshold`` requests and ``balance_rel_threshold``
+    times the idlest's), then the least loaded. The router's approximate tree is taken to
+    mirror what the instance caches (its 2^26-character tree per worker holds about the tokens
+    of a GPU plus host tier); the load is the requests in prefill on the instance."""
+
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
 
 
 @dataclass(frozen=True)
@@ -98,9 +127,9 @@ class FleetConfig:
     accept_multiplier: float = 1.0
     warmup_s: float = 0.0
     prepopulate: bool = True  # start with steady-state sessions (cold caches)
-    route_balance_s: float = 30.0  # slack before a cache hit is sent elsewhere cold
     seed: int = 0
     admission: Admission | None = None
+    routing: CacheAwareRouting = CacheAwareRouting()  # real sessions only (`SessionTraffic`)
 
 
 @dataclass(frozen=True)
@@ -111,6 +140,8 @@ class FleetView:
     decode: int
     prefill_pods: int
     decode_pods: int
+    ready_prefill: int | None = None  # serving now (None: as `prefill`)
+    ready_decode: int | None = None
 
 
 @dataclass(frozen=True)
@@ -130,6 +161,9 @@ class Metrics:
     decode_kv_usage: float
     decode_waiting: int  # requests whose KV has arrived but that wait for decode admission
     refused_rate: float = 0.0  # arrivals answered 429 by admission per second, retries too
+    # the prefill engines' prompt reuse times over the window (real sessions only), as the
+    # operator sums `cas_prefix_*` (`autoscale.signals.prompt_reuse`)
+    reuse: ReuseProfile | None = None
 
 
 Policy = Callable[[float, Metrics, FleetView], tuple[int, int]]
@@ -154,6 +188,7 @@ class SimResult:
     steps: int = 0
     duration_s: float = 0.0
     warmup_s: float = 0.0
+    reuse: list[ReuseProfile | None] = field(default_factory=list)  # per series row (sessions)
 
     def goodput(self, ttft_s: float, itl_ms: float) -> dict[str, float]:
         """Requests meeting both SLOs after warm-up: rate, attainment, per-GPU rate."""
@@ -230,6 +265,13 @@ def spread(n: int, load: np.ndarray, eligible: np.ndarray) -> np.ndarray:
         return np.full(n, -1, dtype=np.int64)
     ranked = idx[np.argsort(load[idx], kind="stable")]
     return ranked[np.arange(n) % ranked.size]
+
+
+def _at(index: np.ndarray, values: np.ndarray, size: int | None = None) -> np.ndarray:
+    """``values`` placed at ``index`` in a zero array (of the index's top + 1 by default)."""
+    out = np.zeros(int(index.max()) + 1 if size is None else size)
+    out[index] = values
+    return out
 
 
 class _Records:
@@ -402,10 +444,13 @@ class Simulator:
         workload: SessionWorkload | None = None,
         trace: Trace | None = None,
         policy: Policy | None = None,
+        sessions: SessionTraffic | None = None,
     ) -> None:
-        if (workload is None) == (trace is None):
-            raise ValueError("give exactly one of workload or trace")
+        if sum(x is not None for x in (workload, trace, sessions)) != 1:
+            raise ValueError("give exactly one of workload, trace or sessions")
         self.cfg, self.wl, self.trace, self.policy = cfg, workload, trace, policy
+        self.traffic = sessions
+        self.caches = [InstanceCache(GHOST_BLOCKS) for _ in range(cfg.max_prefill)]
         self.rng = np.random.default_rng(cfg.seed)
         self.P = _Pool(cfg.n_prefill, cfg.max_prefill)
         self.D = _Pool(cfg.n_decode, cfg.max_decode)
@@ -418,10 +463,15 @@ class Simulator:
         self.n_steps = n_steps
         self.bins = {
             k: np.zeros(n_steps + 1)
-            for k in ("arr", "inp", "cached", "first", "pause", "pauses", "shed")
-        }
+            for k in (
+                "arr", "inp", "cached", "first", "pause", "pauses", "shed",
+                "first_seen", "tracked", "tracked_tokens", "tracked_squares", "returning",
+            )
+        }  # fmt: skip
+        self.reuse_bins = np.zeros((n_steps + 1, len(REUSE_BUCKETS_S) + 1))
         self.done_time: list[np.ndarray] = []
         self.series: list[dict[str, float]] = []
+        self.tick_reuse: list[ReuseProfile | None] = []
         self.actions = 0
         self.gpu_s = 0.0
         self.peak = 0
@@ -436,32 +486,48 @@ class Simulator:
     # ------------------------------------------------------------ arrivals
 
     def _prepopulate(self) -> None:
-        """Start in steady state: the sessions Little's law says are live, at random turns
-        (contexts grown accordingly), next turns spread over one cycle; caches start cold."""
+        """Start in steady state: the sessions live at a random moment of the session process.
+        Sessions are drawn as they will run (`workload.draw_turns`, at the modifiers' values at
+        0); each of their turns is equally likely to be the one a live session is at (a longer
+        session is live longer), so live sessions are turns drawn at random, as many as Little's
+        law says (session starts x turns per session x cycle). Each has its turns still to go,
+        its next turn a uniform share of a length-biased pause away, and its last prefix cached
+        (on a random instance; caches start cold beyond)."""
         wl, S, rng = self.wl, self.S, self.rng
         assert wl is not None
         mix = wl.mix
         cycle = wl.value("tool_pause_s", 0.0) + 8.0
-        live = wl.value("session_rate", 0.0) * mix.mean_turns * cycle
-        k = int(rng.poisson(live))
+        drawn = draw_turns(
+            mix,
+            PREPOPULATE_DRAWS,
+            rng,
+            wl.value("output_tokens", 0.0),
+            wl.value("new_tokens_per_turn", 0.0),
+        )
+        per_session = drawn.context.size / PREPOPULATE_DRAWS
+        k = int(rng.poisson(wl.value("session_rate", 0.0) * per_session * cycle))
         if k == 0:
             return
+        pick = rng.integers(0, drawn.context.size, k)
+        done = drawn.index[pick]
         sid = S.alloc(k)
-        done = rng.geometric(1.0 / max(mix.mean_turns, 1.0), k) - 1
-        first = lognormal(rng, mix.first_input_tokens, mix.first_input_sigma, k)
         per_turn = wl.value("new_tokens_per_turn", 0.0) + wl.value("output_tokens", 0.0)
-        grow = done * per_turn
         S.live[sid] = True
         S.first[sid] = done == 0
-        S.ctx[sid] = np.minimum(first + grow, mix.max_context * 0.95)
-        S.turns[sid] = rng.geometric(1.0 / max(mix.mean_turns, 1.0), k)
-        S.next[sid] = rng.uniform(0.0, cycle, k)
+        S.ctx[sid] = drawn.context[pick]
+        S.turns[sid] = drawn.turns[pick] - done
+        # the pause a live session is in is length-biased (a long pause holds a session live
+        # for long), and its next turn a uniform share of it away: a lognormal's length-biased
+        # draw has the same sigma and e^(sigma^2) times the mean
+        pause, sigma = wl.value("tool_pause_s", 0.0), mix.tool_pause_sigma
+        biased = lognormal(rng, pause * math.exp(sigma * sigma), sigma, k) + (cycle - pause)
+        S.next[sid] = rng.uniform(0.0, 1.0, k) * biased
         # warm caches: each session homed on a ready prefill instance holding its last prefix
         ready = np.flatnonzero(self.P.state == READY)
         S.home[sid] = np.where(done > 0, ready[rng.integers(0, ready.size, k)], -1)
         S.tier[sid] = np.where(done > 0, 1, 0)
         S.cached[sid] = np.where(done > 0, np.maximum(S.ctx[sid] - per_turn, 0.0), 0.0)
-        S.last[sid] = -rng.uniform(0.0, cycle, k)
+        S.last[sid] = S.next[sid] - biased
         self._evict()
 
     def _session_arrivals(self, t0: float, t1: float) -> tuple[np.ndarray, np.ndarray]:
@@ -512,6 +578,9 @@ class Simulator:
 
     def _admit_arrivals(self, step: int, t0: float, t1: float) -> None:
         cfg, S, P = self.cfg, self.S, self.P
+        if self.traffic is not None:
+            self._admit_sessions(step, t0, t1)
+            return
         if self.trace is not None:
             sid, ta, _ = self._trace_arrivals(t1)
             out = self._trace_out
@@ -529,7 +598,10 @@ class Simulator:
         if sid.size == 0:
             return
         if self.limit is not None and self.trace is None:
-            sid, ta, out = self._admission(step, sid, ta, out, t0, t1)
+            keep, shed = self._admitted(step, ta, t0, t1)
+            if shed.size:
+                S.next[sid[shed]] = ta[shed] + RETRY_AFTER_S
+            sid, ta, out = sid[keep], ta[keep], out[keep]
             if sid.size == 0:
                 return
         ready_p = P.state == READY
@@ -541,20 +613,12 @@ class Simulator:
         home = S.home[sid]
         safe_home = np.where(home >= 0, home, 0)
         prof = cfg.prefill
-        backlog = np.maximum(P.busy - t0, 0.0)
-        b_min = backlog[ready_p].min()
         shared = np.maximum(np.minimum(self.shared, inp - 1.0), 0.0)
         warm = np.maximum(np.minimum(prev, inp - 1.0), 0.0)
-        t_hit = prof.prefill_time_array(inp - warm, warm)
-        t_miss = prof.prefill_time_array(inp - shared, shared)
-        # cost-aware prefix routing: stay home unless finishing elsewhere cold is sooner
-        near = backlog[safe_home] + t_hit <= b_min + t_miss + cfg.route_balance_s
-        hit = (~S.first[sid]) & (home >= 0) & (S.tier[sid] > 0) & ready_p[safe_home] & near
+        held = (~S.first[sid]) & (home >= 0) & (S.tier[sid] > 0) & ready_p[safe_home]
+        inst, hit = self._route_sessions(held, home, warm, inp, t0, ready_p)
         cached = np.where(hit, warm, shared)
         host = np.where(hit & (S.tier[sid] == 2), cached, 0.0)
-        inst = np.where(hit, home, -1)
-        miss = ~hit
-        inst[miss] = spread(int(miss.sum()), P.busy, ready_p)
         load = prof.host_load_s_per_token * host
         busy = prof.prefill_time_array(inp - cached, cached)
         flow = min(prof.flow_bytes_per_s, cfg.decode.flow_bytes_per_s)
@@ -585,23 +649,192 @@ class Simulator:
             }
         )
 
-    def _admission(
-        self, step: int, sid: np.ndarray, ta: np.ndarray, out: np.ndarray, t0: float, t1: float
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The arrivals the bucket admits, in time order; the rest retry after a 429."""
+    def _route_sessions(
+        self,
+        held: np.ndarray,
+        home: np.ndarray,
+        warm: np.ndarray,
+        inp: np.ndarray,
+        now: float,
+        ready_p: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(instance, hit) per arrival, as the product's router places them
+        (`CacheAwareRouting`) over the session-level caches: home when the prefix it holds
+        (``held``, ``warm`` tokens) covers more than the threshold of the prompt, else the
+        instance holding the fewest cached tokens, one arrival after the other; all to the
+        least loaded while the in-prefill loads are imbalanced."""
+        rt, S, P = self.cfg.routing, self.S, self.P
+        ready = np.flatnonzero(ready_p)
+        loads = np.array([self._in_prefill(i, now) for i in ready.tolist()], dtype=float)
+        if loads.max() - loads.min() > rt.balance_abs_threshold and loads.max() > (
+            rt.balance_rel_threshold * loads.min()
+        ):
+            inst = spread(home.size, _at(ready, loads, P.state.size), ready_p)
+            return inst, held & (inst == home)
+        hit = held & (warm > rt.cache_threshold * inp)
+        inst = np.where(hit, home, -1)
+        cached = S.home[: S.n] >= 0
+        tree = np.bincount(
+            S.home[: S.n][cached],
+            weights=np.where(S.tier[: S.n][cached] > 0, S.cached[: S.n][cached], 0.0),
+            minlength=P.state.size,
+        ).astype(float)
+        tree += np.bincount(home[hit], weights=inp[hit], minlength=P.state.size)
+        for k in np.flatnonzero(~hit).tolist():
+            i = int(ready[int(np.argmin(tree[ready]))])
+            inst[k] = i
+            tree[i] += inp[k]
+        return inst, hit
+
+    def _admitted(
+        self, step: int, ta: np.ndarray, t0: float, t1: float
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(admitted, refused) indices of the arrivals at ``ta``: the bucket admits in time
+        order; the caller sends the refused again ``RETRY_AFTER_S`` later (a 429)."""
         limit = self.limit
         assert limit is not None
         self.tokens = min(limit.bucket, self.tokens + limit.rate * (t1 - t0))
         room = limit.in_flight - (len(self.wait) + len(self.act))  # inf without smg's bound
-        k = max(0, int(min(sid.size, self.tokens, room)))
+        k = max(0, int(min(ta.size, self.tokens, room)))
         order = np.argsort(ta, kind="stable")
-        keep, shed = order[:k], order[k:]
+        keep, shed = np.sort(order[:k]), order[k:]
         self.tokens -= k
         if shed.size:
-            self.S.next[sid[shed]] = ta[shed] + RETRY_AFTER_S
             self.shed += int(shed.size)
             self.bins["shed"][step] += shed.size
-        return sid[keep], ta[keep], out[keep]
+        return keep, shed
+
+    # ------------------------------------------------------------ real sessions
+
+    def _admit_sessions(self, step: int, t0: float, t1: float) -> None:
+        """Real sessions' requests released in this step: admission, the product's
+        cache-aware routing over the instances' block-exact caches, then prefill."""
+        traffic, cfg, P = self.traffic, self.cfg, self.P
+        assert traffic is not None
+        due = traffic.due(t1)
+        if due.chain.size == 0:
+            return
+        chain, ta, place, req = due.chain, due.time, due.placement, due.request
+        if self.limit is not None:
+            keep, shed = self._admitted(step, ta, t0, t1)
+            traffic.retry(chain[shed], ta[shed] + RETRY_AFTER_S)
+            chain, ta, place, req = chain[keep], ta[keep], place[keep], req[keep]
+            if chain.size == 0:
+                return
+        ready = np.flatnonzero(P.state == READY)
+        if ready.size == 0:
+            traffic.retry(chain, np.full(chain.size, t1))
+            return
+        n = chain.size
+        inp, out = np.empty(n), np.empty(n)
+        cached, host, inst = np.zeros(n), np.zeros(n), np.empty(n, dtype=np.int64)
+        first = np.zeros(n, dtype=bool)
+        routed = np.zeros(P.state.size)
+        for k in range(n):
+            s = traffic.session(int(place[k]))
+            r = int(req[k])
+            inp[k], out[k] = float(s.input_tokens[r]), float(s.output_tokens[r])
+            first[k] = r in s.first[:-1]
+            i, gpu, hit = self._route(
+                step, traffic.scope(int(place[k])), s.trie, int(s.leaf[r]), int(s.blocks[r]),
+                inp[k], float(ta[k]), ready, routed,
+            )  # fmt: skip
+            inst[k], cached[k], host[k] = i, hit, hit - gpu
+            routed[i] += 1
+        prof = cfg.prefill
+        load = prof.host_load_s_per_token * host
+        busy = prof.prefill_time_array(inp - cached, cached)
+        flow = min(prof.flow_bytes_per_s, cfg.decode.flow_bytes_per_s)
+        xfer = inp * prof.kv_bytes_per_token / flow
+        sent = kv_bounded_prefill(inst, ta, load, busy, xfer, inp, prof.kv_capacity_tokens, P).sent
+        b = self.bins
+        b["arr"][step] += n
+        b["inp"][step] += inp.sum()
+        b["cached"][step] += cached.sum()
+        b["first"][step] += first.sum()
+        self.wait.put(
+            {
+                "sid": chain,
+                "arr": ta,
+                "ready": sent,
+                "inp": inp,
+                "inp0": inp,
+                "cached": cached,
+                "out": out,
+                "gen": np.zeros(n),
+                "first": np.full(n, np.nan),
+                "inst": np.full(n, -1, dtype=np.int64),
+                "tried": np.zeros(n, dtype=bool),
+            }
+        )
+
+    def _route(
+        self,
+        step: int,
+        scope: str,
+        trie: BlockTrie,
+        leaf: int,
+        blocks: int,
+        inp: float,
+        now: float,
+        ready: np.ndarray,
+        routed: np.ndarray,
+    ) -> tuple[int, float, float]:
+        """The instance the product's router picks (`CacheAwareRouting`) and the request's
+        cached tokens there (GPU tier, any tier); the instance's cache and its engine's reuse
+        measurement take the request."""
+        rt, prof, caches = self.cfg.routing, self.cfg.prefill, self.caches
+        gpu_blocks = int(prof.kv_capacity_tokens // BLOCK_SIZE)
+        any_blocks = int((prof.kv_capacity_tokens + prof.host_cache_tokens) // BLOCK_SIZE)
+        found: dict[int, list[Overlap]] = {}
+        best, best_blocks = -1, 0
+        for i in ready.tolist():
+            if caches[i].holds(scope):
+                ovs = caches[i].lookup(scope, trie, leaf)
+                found[i] = ovs
+                m = sum(ov.within(any_blocks) for ov in ovs)
+                if m > best_blocks:
+                    best, best_blocks = i, m
+        loads = np.array([self._in_prefill(i, now) + routed[i] for i in ready.tolist()])
+        lo, hi = float(loads.min()), float(loads.max())
+        if hi - lo > rt.balance_abs_threshold and hi > rt.balance_rel_threshold * lo:
+            choice = int(ready[int(np.argmin(loads))])
+        elif best >= 0 and best_blocks * BLOCK_SIZE > rt.cache_threshold * inp:
+            choice = best
+        else:
+            trees = np.array([min(caches[i].total, any_blocks) for i in ready.tolist()])
+            choice = int(ready[np.lexsort((loads, trees))[0]])
+        ovs = found.get(choice, [])
+        gpu = sum(ov.within(gpu_blocks) for ov in ovs) * BLOCK_SIZE
+        hit = sum(ov.within(any_blocks) for ov in ovs) * BLOCK_SIZE
+        self._measure_reuse(step, ovs, blocks, inp, now)
+        caches[choice].reference(scope, trie, leaf, blocks, now, ovs)
+        cap = max(inp - 1.0, 0.0)  # the last token is always computed
+        return choice, min(gpu, cap), min(hit, cap)
+
+    def _in_prefill(self, i: int, now: float) -> int:
+        """Requests on prefill instance ``i`` whose KV has not been sent yet."""
+        return sum(1 for sent, _ in self.P.resident[i] if sent > now)
+
+    def _measure_reuse(
+        self, step: int, overlaps: list[Overlap], blocks: int, inp: float, now: float
+    ) -> None:
+        """What the chosen instance's engine exports for this request
+        (`cas_engine.prefixreuse`, exact: every block tracked): tokens by the time since
+        their block was last referenced on the instance, tokens seen for the first time,
+        the request and its full-block tokens, and its prompt when it reused a block."""
+        b, seen = self.bins, 0
+        for ov in overlaps:
+            bucket = bisect.bisect_left(REUSE_BUCKETS_S, now - ov.time)
+            self.reuse_bins[step, bucket] += ov.blocks * BLOCK_SIZE
+            seen += ov.blocks
+        tokens = blocks * BLOCK_SIZE
+        b["first_seen"][step] += (blocks - seen) * BLOCK_SIZE
+        b["tracked"][step] += 1
+        b["tracked_tokens"][step] += tokens
+        b["tracked_squares"][step] += float(tokens) ** 2
+        if seen:
+            b["returning"][step] += inp
 
     # ------------------------------------------------------------ decode
 
@@ -720,6 +953,9 @@ class Simulator:
         self.done_time.append(t_end)
         if self.limit is not None and self.limit.returns:  # sglang-router 0.3.2's bucket
             self.tokens = min(self.limit.bucket, self.tokens + float(t_end.size))
+        if self.traffic is not None:
+            self._session_turns(step_idx, rows["sid"], t_end)
+            return
         if self.trace is not None or self.wl is None:
             return
         S, mix, sid = self.S, self.wl.mix, rows["sid"]
@@ -737,6 +973,34 @@ class Simulator:
         ends = (S.turns[sid] <= 0) | (S.ctx[sid] > mix.max_context)
         S.next[sid] = np.where(ends, np.inf, t_end + pause)
         S.live[sid[ends]] = False
+
+    def _session_turns(self, step_idx: int, chains: np.ndarray, t_end: np.ndarray) -> None:
+        """Real sessions: the answered chains release their next requests after their think
+        times (counted as the window's tool pauses)."""
+        traffic = self.traffic
+        assert traffic is not None
+        thinks = traffic.finished(chains, t_end)
+        self.bins["pause"][step_idx] += sum(thinks)
+        self.bins["pauses"][step_idx] += len(thinks)
+
+    def _warm_sessions(self) -> None:
+        """Sessions already running at the start: their last request before it is routed and
+        cached at its trace time, in time order (no load yet, nothing measured)."""
+        traffic = self.traffic
+        assert traffic is not None
+        ready = np.flatnonzero(self.P.state == READY)
+        if ready.size == 0:
+            return
+        saved = (self.reuse_bins.copy(), {k: v.copy() for k, v in self.bins.items()})
+        none = np.zeros(self.P.state.size)
+        for w in traffic.warm:
+            s = traffic.session(w.placement)
+            r = w.request
+            self._route(
+                0, traffic.scope(w.placement), s.trie, int(s.leaf[r]), int(s.blocks[r]),
+                float(s.input_tokens[r]), w.time, ready, none,
+            )  # fmt: skip
+        self.reuse_bins, self.bins = saved
 
     # ------------------------------------------------------------ caches
 
@@ -773,6 +1037,8 @@ class Simulator:
     # ------------------------------------------------------------ control
 
     def _on_removed(self, p_gone: np.ndarray, d_gone: np.ndarray, now: float) -> None:
+        for i in p_gone.tolist():  # a removed pod's cache and ghost map are gone
+            self.caches[i] = InstanceCache(GHOST_BLOCKS)
         if p_gone.size:
             lost = np.isin(self.S.home[: self.S.n], p_gone)
             self.S.home[: self.S.n][lost] = -1
@@ -822,11 +1088,34 @@ class Simulator:
             decode_kv_usage=float(used[ready_d].sum() / cap),
             decode_waiting=int((self.wait["ready"] <= now).sum()),
             refused_rate=float(b["shed"][lo:hi].sum() / span),
+            reuse=self._reuse(lo, hi) if self.traffic is not None else None,
+        )
+
+    def _reuse(self, lo: int, hi: int) -> ReuseProfile | None:
+        """The window's prompt reuse over every prefill instance, as the operator sums the
+        engines' counters (`autoscale.signals.prompt_reuse`)."""
+        b = self.bins
+        per_bucket = self.reuse_bins[lo:hi].sum(axis=0)
+        bounds = [*REUSE_BUCKETS_S, math.inf]
+        return profile_from_counts(
+            list(zip(bounds, np.cumsum(per_bucket).tolist(), strict=True)),
+            first_seen_tokens=float(b["first_seen"][lo:hi].sum()),
+            requests=float(b["tracked"][lo:hi].sum()),
+            request_tokens=float(b["tracked_tokens"][lo:hi].sum()),
+            request_token_squares=float(b["tracked_squares"][lo:hi].sum()),
+            returning_prompt_tokens=float(b["returning"][lo:hi].sum()),
         )
 
     def _tick(self, step: int, now: float) -> None:
         cfg = self.cfg
-        view = FleetView(self.P.spec(), self.D.spec(), self.P.pods(), self.D.pods())
+        view = FleetView(
+            self.P.spec(),
+            self.D.spec(),
+            self.P.pods(),
+            self.D.pods(),
+            int((self.P.state == READY).sum()),
+            int((self.D.state == READY).sum()),
+        )
         m = self.metrics(step, now)
         if self.policy is not None:
             want_p, want_d = self.policy(now, m, view)
@@ -852,8 +1141,11 @@ class Simulator:
                 "ready_prefill": float((self.P.state == READY).sum()),
                 "ready_decode": float((self.D.state == READY).sum()),
                 "admit_rate": self.limit.rate if self.limit is not None else math.inf,
+                "avg_input_tokens": m.avg_input_tokens,
+                "avg_output_tokens": m.avg_output_tokens,
             }
         )
+        self.tick_reuse.append(m.reuse)
 
     # ------------------------------------------------------------ main loop
 
@@ -864,6 +1156,8 @@ class Simulator:
         gp, gd = cfg.prefill.gpus, cfg.decode.gpus
         if self.wl is not None and cfg.prepopulate:
             self._prepopulate()
+        if self.traffic is not None and cfg.prepopulate:
+            self._warm_sessions()
         if cfg.admission is not None:
             self.limit = cfg.admission(cfg.n_prefill, cfg.n_decode)
             self.tokens = self.limit.bucket if self.limit is not None else 0.0
@@ -898,6 +1192,7 @@ class Simulator:
             steps=self.n_steps,
             duration_s=cfg.duration_s,
             warmup_s=cfg.warmup_s,
+            reuse=self.tick_reuse,
         )
 
 
@@ -906,6 +1201,7 @@ def simulate(
     workload: SessionWorkload | None = None,
     trace: Trace | None = None,
     policy: Policy | None = None,
+    sessions: SessionTraffic | None = None,
 ) -> SimResult:
     """Run one simulation (see :class:`Simulator`)."""
-    return Simulator(cfg, workload=workload, trace=trace, policy=policy).run()
+    return Simulator(cfg, workload=workload, trace=trace, policy=policy, sessions=sessions).run()

@@ -22,9 +22,10 @@ and returns target (prefill, decode) replicas. State lives in the policy object.
   forecast (``desired.recommend.planned_rate``), held while the routers refuse or the fleet
   is behind (``autoscale.signals.planning_load``), and the model's hit rate rescaled by the
   measured one once the prefill pool has settled after its last change or a prefill pod's start
-  (``autoscale.signals.settled_hit_rate``); the
-  p95 prompt, first-turn share and tool pause, which the operator does not measure, are the
-  planner's defaults.
+  (``autoscale.signals.settled_hit_rate``), and on real sessions the prefill engines' prompt
+  reuse times (``Metrics.reuse``, quantised as the operator quantises them), from which the
+  model draws its hit-rate curve; the p95 prompt, first-turn share and tool pause, which the
+  operator does not measure, are the planner's defaults.
 - :class:`MeanBasedPolicy`: a Dynamo-style throughput planner from its published equations:
   ``N_P = ceil(rate * ISL / thpt_P)`` and ``N_D = ceil(rate * OSL / thpt_D)``, where the
   per-instance throughputs come from the profile at mean lengths, a fixed prefix hit rate and
@@ -56,6 +57,7 @@ from cas_operator.autoscale.model import (
     SloInputs,
     WorkloadInputs,
 )
+from cas_operator.autoscale.reuse import quantized_profile
 from cas_operator.autoscale.search import recommend
 from cas_operator.autoscale.signals import (
     Shape,
@@ -139,6 +141,7 @@ class RatioPlannerPolicy:
             shape = ObservedSignals(
                 avg_input_tokens=self.kept[0] if self.kept else None,
                 avg_output_tokens=self.kept[1] if self.kept else None,
+                reuse=None if m.reuse is None else quantized_profile(m.reuse),
             )
             return planner_workload(self.operator_inputs, rate, shape)
         return WorkloadInputs(
@@ -215,7 +218,21 @@ class RatioPlannerPolicy:
                 first_turn_fraction=min(max(h.first_turn_fraction, 0.01), 1.0),
             )
             observed = None
-        return wl, observed
+        return wl, self._with_ttft(observed, m, fleet)
+
+    def _with_ttft(
+        self, observed: ObservedSignals | None, m: Metrics, fleet: FleetView
+    ) -> ObservedSignals | None:
+        """`observed` with the window's TTFT p90 and the ready pools it was measured on, which
+        stretch the model's TTFT (`search.ttft_scale`), as the operator passes them."""
+        ready_p = fleet.prefill if fleet.ready_prefill is None else fleet.ready_prefill
+        ready_d = fleet.decode if fleet.ready_decode is None else fleet.ready_decode
+        if m.ttft_p90_s <= 0 or not ready_p or not ready_d:
+            return observed
+        base = observed or ObservedSignals(arrival_rate=m.arrival_rate)
+        return replace(
+            base, ttft_p90_s=m.ttft_p90_s, prefill_replicas=ready_p, decode_replicas=ready_d
+        )
 
     def _operator_load(
         self, now: float, m: Metrics, fleet: FleetView
@@ -241,7 +258,9 @@ class RatioPlannerPolicy:
         kv = self._observed(m, fleet) if calibrate else None
         observed = kv or ObservedSignals(arrival_rate=m.arrival_rate)
         observed = replace(observed, hit_rate=hit.hit_rate, prefill_replicas=fleet.prefill)
-        return self._workload(m, rate), observed
+        with_ttft = self._with_ttft(observed, m, fleet)
+        assert with_ttft is not None
+        return self._workload(m, rate), with_ttft
 
     def _prefill_changed_at(self) -> float:
         """As `autoscale.loop.prefill_changed_at`: the loop's last prefill change, or the

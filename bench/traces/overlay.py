@@ -5,7 +5,8 @@ The Claude Code traces have no fleet arrival process (times are per session), so
 chooses one: `poisson_starts` (a rate; `rate_for_live_sessions` turns a live-session count into
 one by Little's law), `ramp_starts` (a rate moving linearly), `burst_starts` (a rate with a
 burst window) or `trace_starts` (a real arrival process, e.g. `read.mooncake_arrivals`,
-rescaled to a rate). `think_scaled` scales each session's think times (tool and human pauses)
+rescaled to a rate; `shaped_starts` maps it onto a horizon and thins it to a rate).
+`think_scaled` scales each session's think times (tool and human pauses)
 by a factor. `fleet_requests(sessions, starts, seed)` assigns sessions to the start times in a
 seeded random order (cycling through them when there are more starts than sessions; each
 placement is a distinct session with its own block id scope) and yields `FleetRequest`s in
@@ -114,6 +115,22 @@ def trace_starts(
     copies = int(np.ceil(horizon_s / span)) if span > 0 else 1
     tiled = np.concatenate([times + k * span for k in range(max(copies, 1))])
     return tiled[tiled < horizon_s]
+
+
+def shaped_starts(arrivals: Times, rate: float, horizon_s: float, seed: int) -> Times:
+    """Session starts over [0, horizon_s) shaped like a real arrival process (`arrivals`,
+    seconds, e.g. Mooncake's): its times mapped linearly onto the horizon (its bursts and its
+    trend kept, compressed or stretched), thinned at random (seeded) to `rate` per second on
+    average (repeated whole when that asks for more than it holds)."""
+    times = np.sort(np.asarray(arrivals, dtype=float))
+    if len(times) < 2 or rate <= 0 or horizon_s <= 0:
+        return np.zeros(0)
+    span = float(times[-1] - times[0]) * len(times) / (len(times) - 1)
+    mapped = (times - times[0]) / span * horizon_s
+    want = rate * horizon_s / len(times)  # copies of each arrival, on average
+    rng = np.random.default_rng((seed, 3))
+    copies = np.floor(want).astype(int) + (rng.uniform(0.0, 1.0, len(mapped)) < want % 1.0)
+    return np.sort(np.repeat(mapped, copies))
 
 
 # ---------------------------------------------------------------- the fleet stream

@@ -172,30 +172,47 @@ def test_scale_down_waits_for_the_lower_target_to_hold() -> None:
 
 def test_stabilization_windows_come_from_the_resource() -> None:
     """ratio.scaleDownStabilizationSeconds / rebalanceStabilizationSeconds reach the step: a
-    shorter scale-down window shrinks sooner; at the budget cap a prefill-starved fleet gives
-    up a decode after the rebalance window, and the prefill grows only once that decode pod is
-    gone (drain-confirm-then-grow)."""
+    shorter scale-down window shrinks sooner; at the budget cap a plan that moves a decode to
+    prefill takes it after the rebalance window, and the prefill grows only once that decode
+    pod is gone (drain-confirm-then-grow). (The fast loop alone no longer takes a decode the
+    plan sized: `test_at_the_cap_the_fast_loop_takes_only_what_the_plan_would_give`.)"""
     quick = dict(down_stable_s=60.0)
     s = auto_step(inputs(8, 8, **quick), (8, 4), QUIET, None, T0)
     s = auto_step(inputs(8, 8, current=s, **quick), (8, 4), QUIET, None, T0 + 61)
     assert s.replicas == (8, 6)
     cap = dict(gpu_budget=24, ratio_max=2.0, rebalance_stable_s=20.0)
     starved = ObservedSignals(ttft_p90_s=9.0, prefill_queue_depth=4.0)
-    s = auto_step(inputs(1, 2, **cap), (1, 2), starved, None, T0)
+    s = auto_step(inputs(1, 2, **cap), (2, 1), starved, None, T0)
     assert s.replicas == (1, 2)  # the decode's lower target starts its rebalance window
-    s = auto_step(inputs(1, 2, current=s, **cap), (1, 2), starved, None, T0 + 21)
+    s = auto_step(inputs(1, 2, current=s, **cap), (2, 1), starved, None, T0 + 21)
     assert s.replicas == (1, 1)
-    s = auto_step(inputs(1, 1, current=s, decode_pods=2, **cap), (1, 1), starved, None, T0 + 81)
+    s = auto_step(inputs(1, 1, current=s, decode_pods=2, **cap), (2, 1), starved, None, T0 + 81)
     assert s.replicas == (1, 1)  # the removed decode pod still holds its GPUs
-    s = auto_step(inputs(1, 1, current=s, **cap), (1, 1), starved, None, T0 + 82)
+    s = auto_step(inputs(1, 1, current=s, **cap), (2, 1), starved, None, T0 + 82)
     assert s.replicas == (2, 1)
 
 
+def test_at_the_cap_the_fast_loop_takes_only_what_the_plan_would_give() -> None:
+    """Regression (real sessions, the ramp): with TTFT p90 over the SLO at every split (long
+    cold prefills hold the instances their sessions are homed on), prefill always read as
+    failing, and at the cap the fast loop took a decode the plan had sized for the load
+    (28P:4D -> 29P:3D), where decode KV filled and TTFT reached minutes. At the cap the fast
+    loop now moves an instance only from a side the plan itself wants smaller; a plan that
+    sized both sides holds (the pressure hint still moves one from an idle side)."""
+    cap = dict(gpu_budget=256, rebalance_stable_s=20.0)
+    starved = ObservedSignals(ttft_p90_s=9.0, prefill_queue_depth=4.0, decode_kv_usage=0.5)
+    s = auto_step(inputs(28, 4, **cap), (28, 4), starved, None, T0)
+    for k in range(1, 6):
+        s = auto_step(inputs(28, 4, current=s, **cap), (28, 4), starved, None, T0 + 30 * k)
+    assert s.replicas == (28, 4)
+
+
 def test_a_saturated_decode_at_the_cap_takes_prefill_at_once() -> None:
-    """Auto passes the simulator-proven rush (docs/planner.md, budget-capped rebalance): at
-    the budget cap, with decode KV full AND requests waiting for it, and the planner asking for
-    more decode, prefill's lower target is taken now; KV full alone, or a starving prefill,
-    keeps the rebalance wait (a storm's prefill pressure passes; a cut decode collapsed)."""
+    """Auto passes the simulator-proven rush (docs/results/2026-12-06-planner-history.md,
+    budget-capped rebalance): at the budget cap, with decode KV full AND requests waiting for
+    it, and the planner asking for more decode, prefill's lower target is taken now; KV full
+    alone, or a starving prefill, keeps the rebalance wait (a storm's prefill pressure passes;
+    a cut decode collapsed)."""
     cap = inputs(6, 2, gpu_budget=64)
     saturated = ObservedSignals(decode_kv_usage=0.97, decode_queue_depth=3.0)
     assert auto_step(cap, (4, 4), saturated, None, T0).prefill < 6

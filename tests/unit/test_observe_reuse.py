@@ -151,12 +151,16 @@ def test_the_fleet_profile_sums_the_prefill_pods_only() -> None:
 
 
 def test_quantizing_keeps_the_profile_in_coarse_steps() -> None:
+    """Shares in 0.005 steps and sizes to 3 and 2 digits; the returning share to 0.001, as the
+    planner reads the first turns' token share from its distance to 1 (`reuse.request_mix`:
+    real sessions' first turns are 1-2% of the tokens, which steps of 0.01 would halve or
+    double)."""
     profile = ReuseProfile(
-        ((10.0, 0.4012), (60.0, 0.39999), (math.inf, 0.91234)), 123_456.0, 208_765.0, 0.9712
+        ((10.0, 0.4012), (60.0, 0.39999), (math.inf, 0.91234)), 123_456.0, 208_765.0, 0.97123
     )
     q = quantized(ObservedSignals(reuse=profile)).reuse
     assert q == ReuseProfile(
-        ((10.0, 0.4), (60.0, 0.4), (math.inf, 0.91)), 123_000.0, 210_000.0, 0.97
+        ((10.0, 0.4), (60.0, 0.4), (math.inf, 0.91)), 123_000.0, 210_000.0, 0.971
     )
     assert quantized(ObservedSignals()).reuse is None
 

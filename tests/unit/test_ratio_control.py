@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -249,12 +249,31 @@ def test_failing_decode_takes_the_rebalance_without_the_stability_wait() -> None
 
 def test_failing_decode_does_not_skip_the_deadband() -> None:
     """Guards against churn at the cap: a one-instance rebalance target on a 21-instance
-    prefill pool (inside its deadband) is not taken even while decode reports failing, so a
-    stale slow-loop target cannot start a cooldown that blocks the real rebalance."""
+    prefill pool (inside its deadband) is not rushed while decode reports failing, so a
+    stale slow-loop target cannot start a cooldown that blocks the real rebalance; it waits
+    out the rebalance hold like any other."""
     bounds = Bounds(min_prefill=1, max_prefill=27, min_decode=1, max_decode=27, gpu_budget=224)
     cfg = _cfg(bounds=bounds, pod_start_s=600.0, down_stable_s=900.0)
     hist = _run(World(21, 7, drain_s=60.0), [(20, 8)], cfg, ticks_per=20, decode_failing=True)
-    assert all((dec.prefill, dec.decode) == (21, 7) for _, dec, _ in hist)
+    early = [dec for now, dec, _ in hist if now < cfg.rebalance_stable_s]
+    assert early and all((dec.prefill, dec.decode) == (21, 7) for dec in early)
+
+
+def test_at_the_cap_a_held_target_inside_the_deadband_still_rebalances() -> None:
+    """Regression (real sessions, the Mooncake-shaped scenario): plans of 24-26 prefill at a
+    27P:5D cap, mostly one instance below (inside prefill's deadband), reset the lower target's
+    hold at every such plan, so decode never grew for half an hour. A lower target held for
+    the rebalance hold is taken at the cap, inside the deadband too; off the cap the deadband
+    still blocks a scale-in."""
+    bounds = Bounds(min_prefill=1, max_prefill=31, min_decode=1, max_decode=31, gpu_budget=256)
+    cfg = _cfg(bounds=bounds, pod_start_s=600.0, down_stable_s=900.0)
+    plans = [(26, 6), (24, 8), (26, 6), (26, 6), (25, 7), (26, 6)]
+    hist = _run(World(27, 5, drain_s=60.0), plans, cfg, ticks_per=4)
+    assert min(dec.prefill for _, dec, _ in hist) < 27
+    assert max(pods.decode for _, _, pods in hist) > 5
+    off_cap = _cfg(bounds=replace(bounds, gpu_budget=None), pod_start_s=600.0)
+    hist = _run(World(27, 5, drain_s=60.0), [(26, 5)], off_cap, ticks_per=60)
+    assert all(dec.prefill == 27 for _, dec, _ in hist)
 
 
 # ------------------------------------------ cooldown by direction (issue 18, the output shift)

@@ -386,14 +386,17 @@ def test_fast_adjust_at_the_cap_does_not_take_from_a_side_the_plan_wants_to_grow
     queued sessions kept decode KV full, the slow loop asked for 14P:14D, and the fast loop
     still took one prefill instance for decode every time: the fleet walked to 11P:17D, away
     from the plan. At the cap the healthy side gives up an instance only when the plan does
-    not want it to grow; the failing side is still raised."""
+    not want it to grow (decode: only when the plan wants it smaller); the failing side is
+    raised when it has an instance to grow into."""
     slo = SloInputs(ttft_s=3.0, itl_ms=50.0)
     full = ObservedSignals(ttft_p90_s=8.0, decode_kv_usage=0.98, decode_queue_depth=150.0)
     assert fast_adjust((14, 14), (13, 15), full, slo, at_budget=True) == (14, 16)
     assert fast_adjust((13, 15), (13, 15), full, slo, at_budget=True) == (12, 16)
     hot = ObservedSignals(ttft_p90_s=8.0, prefill_queue_depth=2.0, decode_kv_usage=0.3)
-    assert fast_adjust((24, 9), (24, 8), hot, slo, at_budget=True) == (25, 9)
+    assert fast_adjust((24, 9), (24, 8), hot, slo, at_budget=True) == (24, 9)
     assert fast_adjust((24, 7), (24, 8), hot, slo, at_budget=True) == (25, 7)
+    assert fast_adjust((24, 8), (24, 8), hot, slo, at_budget=True) == (24, 8)
+    assert fast_adjust((24, 8), (24, 8), hot, slo) == (25, 8)  # off the cap: raised
 
 
 def test_observed_decode_kv_use_recalibrates_decode() -> None:
@@ -472,7 +475,7 @@ def test_fast_adjust_never_cuts_prefill_while_ttft_is_near_the_slo() -> None:
     the cap decode takes prefill's instance), it goes through."""
     slo = SloInputs(ttft_s=3.0, itl_ms=50.0)
     near = ObservedSignals(ttft_p90_s=2.6, prefill_queue_depth=0.0, decode_kv_usage=0.7)
-    assert fast_adjust((13, 19), (15, 17), near, slo, at_budget=True) == (15, 19)
+    assert fast_adjust((13, 17), (15, 17), near, slo, at_budget=True) == (15, 17)
     assert fast_adjust((13, 17), (15, 17), near, slo) == (15, 17)
     calm = replace(near, ttft_p90_s=2.3)
     assert fast_adjust((13, 19), (15, 17), calm, slo, at_budget=True) == (13, 19)
@@ -481,6 +484,21 @@ def test_fast_adjust_never_cuts_prefill_while_ttft_is_near_the_slo() -> None:
     assert fast_adjust((15, 17), (15, 17), full, slo, at_budget=True) == (14, 18)
     waiting = replace(near, decode_queue_depth=3.0)  # TTFT near the SLO, from decode's wait
     assert fast_adjust((13, 19), (15, 17), waiting, slo, at_budget=True) == (13, 19)
+
+
+def test_at_the_cap_a_plan_toward_decode_is_not_held_by_the_prefill_rule() -> None:
+    """Regression (real sessions, the Mooncake-shaped surge; and the synthetic steady load
+    since SessionMix is the real sessions'): their TTFT p90 is near or over the SLO at every
+    split (long cold prefills hold the instances their sessions are homed on), so the rule
+    above held prefill at 27 for the whole run while the plan, which reads the measured TTFT
+    (`search.ttft_scale`), asked for 24-26P and more decode. At the cap a plan that moves
+    prefill to decode goes through; off the cap, or a plan that only cuts prefill, the rule
+    still holds."""
+    slo = SloInputs(ttft_s=3.0, itl_ms=50.0)
+    near = ObservedSignals(ttft_p90_s=4.3, prefill_queue_depth=0.0, decode_kv_usage=0.7)
+    assert fast_adjust((25, 7), (27, 5), near, slo, at_budget=True) == (25, 7)
+    assert fast_adjust((25, 7), (27, 5), near, slo) == (27, 7)
+    assert fast_adjust((25, 5), (27, 5), near, slo, at_budget=True) == (27, 5)
 
 
 def test_a_cap_that_serves_nothing_within_slo_gets_the_most_balanced_split() -> None:

@@ -18,6 +18,7 @@ from cas_operator.desired.recommend import (
 )
 from cas_operator.reconcile.status import ratio_status
 from tests.paths import load_sample
+from tests.unit.test_real_traffic_model import PROFILE
 
 
 def glm5(**ratio: Any) -> dict[str, Any]:
@@ -180,3 +181,18 @@ def test_the_planner_sizes_for_the_request_shape_the_fleet_measured() -> None:
     short = build_plan("x", "ns", spec, shorter).recommendation
     assert short is not None and short.prefill is not None and declared.prefill is not None
     assert short.prefill < declared.prefill, (declared.ratio, short.ratio)
+
+
+def test_the_status_names_the_hit_rate_curve_the_planner_used() -> None:
+    """Regression (issue 39): `status.ratio.predicted.hitRate` did not say which curve gave
+    it, so a user could not tell a prediction from the engines' measured prompt reuse (within
+    0.03 of an exact replay of real sessions) from the fallback's (Che's approximation, up to
+    0.49 off). Without a reuse measurement the status names the fallback; with one, the
+    measured curve, and the predicted hit rate is the one that curve gives."""
+    spec = parse_spec(glm5(mode="Recommend", min=0.1, max=10, gpuBudget=256))
+    unmeasured = ratio_status(build_plan("x", "ns", spec, ObservedSignals(arrival_rate=10.0)))
+    assert unmeasured["predicted"]["hitRateCurve"].startswith("default: Che's approximation")
+    observed = ObservedSignals(arrival_rate=10.0, reuse=PROFILE)
+    measured = ratio_status(build_plan("x", "ns", spec, observed))
+    assert measured["predicted"]["hitRateCurve"].startswith("measured prompt reuse")
+    assert measured["predicted"]["hitRate"] != unmeasured["predicted"]["hitRate"]

@@ -298,7 +298,8 @@ def fast_adjust(
     decode evidence: in PD most are prefill time-budget aborts, which the anomaly loop's
     pressure hint turns into prefill growth. Off the budget cap it never lowers anything; at
     the cap (``at_budget``) the side that is not failing gives up one instance so the other can
-    grow after it drained, unless the slow loop's target wants that side to grow.
+    grow after it drained, unless the slow loop's target wants that side to grow (decode: when
+    the target wants it smaller; see the code's comment).
     ``next_replicas`` then bounds the steps and orders them.
 
     Decode is never lowered below the size its observed KV use needs (used fraction x current
@@ -319,7 +320,8 @@ def fast_adjust(
     output shift: 15 -> 13 prefill at TTFT p90 4.3 s against a 3 s SLO, with no prefill queue
     counted, then 30-50 s for ten minutes). A failing or queueing decode still takes prefill's
     instance at the cap (its wait is in that TTFT). The price: a pool whose prompts alone keep
-    TTFT near the SLO does not shrink at low load either."""
+    TTFT near the SLO does not shrink at low load either. At the cap a plan that moves prefill
+    to decode is not held: the planner reads the measured TTFT (`search.ttft_scale`)."""
     want_p, want_d = target
     prefill_bad, decode_bad = failing_sides(observed, slo, tolerance)
     if prefill_bad:
@@ -331,8 +333,15 @@ def fast_adjust(
         # what the model misses, it does not overrule the model's own call that a side is short
         # (a closed-loop backlog keeps decode KV full at the right split; taking prefill for it
         # anyway walked a capped fleet from 13P:15D to 11P:17D, away from the plan's 14P:14D).
-        if prefill_bad and target[1] <= current[1]:
+        # Decode gives an instance only when the plan wants it smaller too: on real sessions,
+        # whose TTFT p90 is over the SLO at every split (long cold prefills hold the instances
+        # their sessions are homed on), prefill always read as failing, and taking a decode the
+        # plan had sized for the load walked a capped fleet from 28P:4D to 29P:3D, where decode
+        # KV filled. Without a donor the raise is dropped: it would only reset the holds.
+        if prefill_bad and target[1] < current[1]:
             want_d = min(want_d, current[1] - 1)
+        elif prefill_bad:
+            want_p = target[0]
         elif decode_bad and target[0] <= current[0]:
             want_p = min(want_p, current[0] - 1)
     kv_floor = not (at_budget and behind_load(observed, slo.ttft_s) and not decode_bad)
@@ -341,7 +350,13 @@ def fast_adjust(
         want_d = max(want_d, min(in_use, current[1]))
     near_slo = (observed.ttft_p90_s or 0.0) > prefill_ttft_keep * slo.ttft_s
     decode_waits = decode_bad or (observed.decode_queue_depth or 0.0) > 0.0
-    if want_p < current[0] and near_slo and not decode_waits:
+    # ...except at the cap when the plan moves prefill to decode: that is the model's call
+    # that decode is short, made knowing the measured TTFT (`search.ttft_scale`), and on real
+    # sessions, whose TTFT p90 is near or over the SLO at every split, the hold kept a fleet
+    # at 27P:5D for a whole run while its plans asked for 24-26P (the simulator served 19%
+    # more at 25P:7D).
+    to_decode = at_budget and target[1] > current[1] and target[0] < current[0]
+    if want_p < current[0] and near_slo and not decode_waits and not to_decode:
         want_p = current[0]
     return want_p, want_d
 
@@ -455,10 +470,10 @@ def _side_target(
     if want > current:
         up = _step_limit(max(current, math.floor(fleet_units)), cfg.max_step_fraction)
         return SideStep(min(want, current + up), None, "up")
-    deadband = max(1, math.floor(current * cfg.deadband_fraction))
-    if current - want < deadband:
-        return SideStep(current, None, "deadband")
     since = now if down_since is None else down_since
+    deadband = max(1, math.floor(current * cfg.deadband_fraction))
+    if current - want < deadband:  # no scale-in; at the cap its hold can make a rebalance
+        return SideStep(current, since, "deadband")
     if now - since < cfg.down_stable_s:
         return SideStep(current, since, "waiting")
     return SideStep(max(want, current - step), None, "down")
@@ -531,7 +546,10 @@ def next_replicas(
     # the rush also cuts through a cooldown (a prefill pool grown minutes ago must not keep a
     # saturated decode waiting for its pod start time), one step per `plan_step_s`
     rushed = now - state.last_prefill_change >= config.plan_step_s
-    p_ready = _held(ps, settled) or (decode_failing and ps.down_since is not None and rushed)
+    # (not a target inside the deadband: a stale one-instance target rushed would start a
+    # cooldown that blocks the real rebalance; held, it is taken after the rebalance hold)
+    rush = decode_failing and ps.why != "deadband" and ps.down_since is not None and rushed
+    p_ready = _held(ps, settled) or rush
     if ds.replicas < min(recommendation.n_decode, b.max_decode) and p_ready:
         ps = _rebalance_down(current.prefill, recommendation.n_prefill, b.min_prefill, config)
     p, d = ps.replicas, ds.replicas
@@ -547,8 +565,14 @@ def next_replicas(
 
 
 def _held(side: SideStep, settled: float) -> bool:
-    """A lower target waiting to be taken that has held since `settled` or before."""
-    return side.why == "waiting" and side.down_since is not None and side.down_since <= settled
+    """A lower target waiting to be taken (or, for a rebalance, inside the deadband) that has
+    held since `settled` or before. The deadband is the shrinking pool's: at the cap one
+    instance moved from a large pool to a small one is a small change to the first and a large
+    one to the second, and a deadband that reset the hold kept a trace scenario's fleet at
+    27P:5D while its plans asked for 24-26 prefill for half an hour (docs/planner.md, "Real
+    traffic")."""
+    waiting = side.why in ("waiting", "deadband")
+    return waiting and side.down_since is not None and side.down_since <= settled
 
 
 def _rebalance_down(current: int, want: int, lo: int, cfg: ControlConfig) -> SideStep:

@@ -80,6 +80,7 @@ class WorkloadInputs:
     shared_prefix_tokens: float = 2000.0
     first_turn_sigma: float = 0.5  # lognormal log-sd of first-turn input
     new_tokens_sigma: float = 1.0  # lognormal log-sd of new tokens per returning turn
+    context_sigma: float = 0.0  # lognormal log-sd of returning turns' contexts (0: all avg)
     prefix_cache_hit_rate: float | None = None  # declared; used only by mean-based baselines
     reuse: ReuseProfile | None = None  # measured prompt reuse times: the hit-rate curve's input
 
@@ -360,6 +361,32 @@ class _Class:
     load_s: float = 0.0  # of service_s: host-tier load, KV resident but the GPU free for others
 
 
+CONTEXT_POINTS = 4  # quantile points of new tokens when contexts spread
+# Contexts are spread over bins of these probabilities, finer toward the top: the TTFT p90 is
+# set by the longest tenth (a long context's host load and KV transfer), which equal bins
+# would fold into one point at their median.
+TAIL_BINS = (0.5, 0.25, 0.15, 0.07, 0.025, 0.005)
+
+
+def _tail_points(sigma: float) -> list[tuple[float, float]]:
+    """(probability, conditional mean) of a mean-1 lognormal over `TAIL_BINS`: the mean of
+    each bin, so the points keep the distribution's mean."""
+    nd = NormalDist()
+    out, lo = [], 0.0
+    for p in TAIL_BINS:
+        hi = min(lo + p, 1.0)
+        a = nd.inv_cdf(lo) if lo > 0.0 else -math.inf
+        b = nd.inv_cdf(hi) if hi < 1.0 else math.inf
+        mass = _phi(b) - _phi(a)
+        out.append((mass, (_phi(b - sigma) - _phi(a - sigma)) / mass))
+        lo = hi
+    return out
+
+
+def _phi(z: float) -> float:
+    return 0.0 if z == -math.inf else 1.0 if z == math.inf else NormalDist().cdf(z)
+
+
 def _lognormal_points(sigma: float, k: int = 6) -> list[float]:
     """``k`` equal-probability points (bin medians) of a lognormal with mean 1."""
     if sigma <= 0.0:
@@ -380,27 +407,33 @@ def _request_classes(
     new = min(w.new_tokens_per_turn or avg, avg)
     shared = min(w.shared_prefix_tokens, first)
     ret = 1.0 - f
-    spec: list[tuple[float, float, float, float]] = []
+    # (probability, input, cached, host-cached, sticky: a hit routed to its cache home)
+    spec: list[tuple[float, float, float, float, bool]] = []
     firsts = _lognormal_points(w.first_turn_sigma)
-    spec += [(f / len(firsts), first * m, min(shared, first * m), 0.0) for m in firsts]
-    news = _lognormal_points(w.new_tokens_sigma)
-    for m in news:
-        n = min(new * m, avg)
-        q = ret / len(news)
-        spec.append((q * p_gpu, avg, avg - n, 0.0))
-        spec.append((q * max(p_any - p_gpu, 0.0), avg, avg - n, avg - n))
-    spec.append((ret * (1.0 - p_any), avg, shared, 0.0))
-    n_first = len(firsts)
+    spec += [(f / len(firsts), first * m, min(shared, first * m), 0.0, False) for m in firsts]
+    spread = w.context_sigma > 0.0
+    contexts = _tail_points(w.context_sigma) if spread else [(1.0, 1.0)]
+    news = _lognormal_points(w.new_tokens_sigma, CONTEXT_POINTS if spread else 6)
+    for share, c in contexts:
+        ctx = avg * c
+        q = ret * share / len(news)
+        for m in news:
+            n = min(new * m, ctx)
+            spec.append((q * p_gpu, ctx, ctx - n, 0.0, True))
+            spec.append((q * max(p_any - p_gpu, 0.0), ctx, ctx - n, ctx - n, True))
+    for share, c in contexts:
+        ctx = avg * c
+        spec.append((ret * (1.0 - p_any) * share, ctx, min(shared, ctx), 0.0, False))
     return [
         _Class(
             p,
             inp,
             cached,
             prefill.prefill_time(inp - cached, cached, host),
-            sticky=0 < i < len(spec) - 1 and i >= n_first,
+            sticky=sticky,
             load_s=prefill.host_load_s_per_token * host,
         )
-        for i, (p, inp, cached, host) in enumerate(spec)
+        for p, inp, cached, host, sticky in spec
         if p > 0.0
     ]
 
@@ -556,6 +589,12 @@ class ModelLimits:
     queue_pool: int = 1  # instances sharing one queue: sticky prefix routing pools poorly
     kv_scale: float = 1.0  # observed / modelled decode KV use (set by ``recommend``)
     session_imbalance: bool = True  # per-instance load varies with the sessions homed there
+    # Misses (first turns, evicted prefixes) go to the least-backlogged instance and wait in
+    # one pooled queue. The product's cache-aware router (sglang-router, smg) does not: it
+    # sends a returning turn home and a new session to the instance with the smallest tree,
+    # blind to load unless the instances' request counts differ by more than 64 (never, for
+    # prefill queues of a few requests), so by default misses queue where they land.
+    balanced_misses: bool = False
 
 
 def _pool_capacity(
@@ -581,8 +620,12 @@ def evaluate(
     n_decode: int,
     limits: ModelLimits = ModelLimits(),
     hit_scale: float = 1.0,
+    ttft_scale: float = 1.0,
 ) -> PlanEvaluation:
-    """Predict TTFT p90, ITL, hit rate and constraint status of one plan (see module doc)."""
+    """Predict TTFT p90, ITL, hit rate and constraint status of one plan (see module doc).
+    `hit_scale` and `ttft_scale` calibrate the model by what the fleet measured
+    (`search.hit_scale`, `search.ttft_scale`): the hit probabilities times the first, the TTFT
+    distribution stretched by the second."""
     w = wl.resolved()
     active, step = decode_state(w, decode, n_decode)
     itl_ms = step / decode.accept_length * 1000.0
@@ -613,13 +656,16 @@ def evaluate(
     extra = [x + first_step for x in transfer]
     if util < 1.0 and math.isfinite(step):
         live = w.request_rate * cycle
-        sticky_work = sum(c.prob * c.service_s for c in classes if c.sticky)
+        if limits.balanced_misses:
+            sticky_work = sum(c.prob * c.service_s for c in classes if c.sticky) / served
+        else:  # the product's router places misses blind to load: they queue like the hits
+            sticky_work = 1.0
         hits, misses = _prefill_waits(
-            w.request_rate, n_prefill, mean_s, cs2, live, limits, sticky_work / served
+            w.request_rate, n_prefill, mean_s, cs2, live, limits, sticky_work
         )
-        waits = [hits if c.sticky else misses for c in classes]
-        ttft = _ttft_quantile(classes, extra, waits, slo.ttft_quantile)
-        attain = _attainment(1.0 - _ttft_tail(classes, extra, waits, slo.ttft_s))
+        waits = [hits if c.sticky or not limits.balanced_misses else misses for c in classes]
+        ttft = _ttft_quantile(classes, extra, waits, slo.ttft_quantile) * ttft_scale
+        attain = _attainment(1.0 - _ttft_tail(classes, extra, waits, slo.ttft_s / ttft_scale))
     else:
         ttft, attain = math.inf, 0.0
     return PlanEvaluation(

@@ -229,6 +229,51 @@ def returning_hit_rate(
     return min(share / profile.returning_share, 1.0)
 
 
+Z95 = 1.6448536269514722  # the standard normal's 95th percentile
+FIRST_TURN_RATIO = 0.5  # a first prompt over the mean prompt (`WorkloadInputs.resolved`'s)
+
+
+@dataclass(frozen=True)
+class RequestMix:
+    """The planner's request classes, read from a measured profile instead of defaults (see
+    `request_mix`)."""
+
+    first_turn_fraction: float | None  # None: not measured (no returning share)
+    new_tokens_per_turn: float | None
+    p95_input_tokens: float
+    context_sigma: float
+
+
+def request_mix(profile: ReuseProfile, avg_input_tokens: float) -> RequestMix:
+    """What the measured reuse says of the request mix the queueing model spreads its classes
+    over (`model._request_classes`), which it would otherwise take from defaults:
+
+    - the prompts' spread: ``E[S^2] / E[S]`` over ``E[S]`` (the engines count both) is
+      ``1 + cv^2``; read as a lognormal, its log-sd and its 95th percentile (the decode KV
+      need's tail; the default 1.8x the mean is a lognormal of log-sd 0.45);
+    - the first turns' share: their prompts are the referenced tokens of requests that reuse
+      nothing, ``1 - returning_share``; at the model's first-turn size (`FIRST_TURN_RATIO` of
+      the mean prompt) that many tokens are ``(1 - returning_share) / FIRST_TURN_RATIO`` of
+      the requests;
+    - the new tokens of a returning turn: the tokens of returning requests not seen before,
+      ``1 - seen_share / returning_share`` of their prompt.
+
+    On real Claude Code sessions the model's defaults (5% first turns, the mean prompt for
+    every returning turn, p95 at 1.8x) under-stated the long prompts' share of the prefill
+    tail and of decode KV (docs/planner.md, "Real traffic")."""
+    mean = max(profile.tokens_per_request, 1.0)
+    cv2 = max(profile.size_biased_tokens / mean - 1.0, 0.0)
+    sigma = math.sqrt(math.log1p(cv2))
+    p95 = avg_input_tokens * math.exp(Z95 * sigma - sigma * sigma / 2.0)
+    returning = profile.returning_share
+    if not returning:
+        return RequestMix(None, None, p95, sigma)
+    first_share = min(max(1.0 - returning, 0.0), 1.0)
+    fraction = min(max(first_share / FIRST_TURN_RATIO, 1e-3), 1.0)
+    new_share = min(max(1.0 - profile.seen_share / returning, 0.0), 1.0)
+    return RequestMix(fraction, max(new_share * avg_input_tokens, 1.0), p95, sigma)
+
+
 def _significant(value: float, digits: int) -> float:
     return float(f"{value:.{digits}g}") if value > 0 else value
 
@@ -246,5 +291,5 @@ def quantized_profile(profile: ReuseProfile) -> ReuseProfile:
         reused=tuple(reused),
         tokens_per_request=_significant(profile.tokens_per_request, 3),
         size_biased_tokens=_significant(profile.size_biased_tokens, 2),
-        returning_share=None if returning is None else round(returning, 2),
+        returning_share=None if returning is None else round(returning, 3),
     )

@@ -50,10 +50,19 @@ class _Ctx:
     bounds: Bounds
     limits: ModelLimits
     hit_scale: float
+    ttft_scale: float = 1.0
 
     def eval(self, wl: WorkloadInputs, n_p: int, n_d: int) -> PlanEvaluation:
         return evaluate(
-            wl, self.slo, self.prefill, self.decode, n_p, n_d, self.limits, self.hit_scale
+            wl,
+            self.slo,
+            self.prefill,
+            self.decode,
+            n_p,
+            n_d,
+            self.limits,
+            self.hit_scale,
+            self.ttft_scale,
         )
 
 
@@ -268,7 +277,8 @@ def recommend(
 
     ``observed.hit_rate`` measured at ``observed.prefill_replicas`` rescales the modelled
     returning-turn hit probability (clamped to [0.5, 1.5]); ``observed.decode_kv_usage`` at
-    ``observed.decode_replicas`` rescales the modelled decode KV need (clamped to [1.0, 2.5]).
+    ``observed.decode_replicas`` rescales the modelled decode KV need (clamped to [1.0, 2.5]);
+    ``observed.ttft_p90_s`` at both stretches the modelled TTFT (`ttft_scale`).
     Other prefill shapes are compared by ``cas_operator.desired.recommend.shape_advice``.
     """
     wl = workload.resolved()
@@ -278,7 +288,8 @@ def recommend(
         wl = replace(wl, request_rate=max(wl.request_rate, observed.arrival_rate))
     scale = hit_scale(seen, slo, prefill, decode, bounds, observed, limits)
     limits = replace(limits, kv_scale=_kv_scale(seen, decode, observed))
-    ctx = _Ctx(slo, prefill, decode, bounds, limits, scale)
+    stretch = ttft_scale(seen, slo, prefill, decode, observed, limits, scale)
+    ctx = _Ctx(slo, prefill, decode, bounds, limits, scale, stretch)
     ev, rate, meets = _plan(ctx, wl)
     return RatioRecommendation(
         n_prefill=ev.n_prefill,
@@ -330,6 +341,45 @@ def hit_scale(
     if model <= 0.0:
         return 1.0
     return min(1.5, max(0.5, observed.hit_rate / model))
+
+
+TTFT_SCALE_MAX = 2.5
+TTFT_CALIBRATION_OVERLOAD = 2.0  # a TTFT p90 over this x the SLO is a backlog, not the model's
+
+
+def ttft_scale(
+    wl: WorkloadInputs,
+    slo: SloInputs,
+    prefill: InstanceProfile,
+    decode: InstanceProfile,
+    observed: ObservedSignals | None,
+    limits: ModelLimits,
+    hit: float = 1.0,
+) -> float:
+    """Measured / modelled TTFT p90 at the observed pools and rate, clamped to [1,
+    `TTFT_SCALE_MAX`]; 1 without a usable observation. While the fleet is behind its load
+    (TTFT p90 over `TTFT_CALIBRATION_OVERLOAD` x the SLO, a backlog the model does not
+    describe) the cap: a window in which the fleet falls behind is never read as the model
+    being right. Never below 1, as the KV calibration: a TTFT under the model's is read as a
+    quiet window, not as spare prefill. Why: on real sessions the model's TTFT tail was short
+    (first prompts with heavier tails than its classes, long cold prefills that hold an
+    instance while the sessions homed on it wait), and it planned fewer prefill instances than
+    the fleet needed (docs/planner.md, "Real traffic")."""
+    if (
+        observed is None
+        or observed.ttft_p90_s is None
+        or not observed.prefill_replicas
+        or not observed.decode_replicas
+    ):
+        return 1.0
+    if observed.ttft_p90_s > TTFT_CALIBRATION_OVERLOAD * slo.ttft_s:
+        return TTFT_SCALE_MAX  # behind its load: never read as room to shrink prefill
+    model = evaluate(
+        wl, slo, prefill, decode, observed.prefill_replicas, observed.decode_replicas, limits, hit
+    ).ttft_p90_s
+    if not math.isfinite(model) or model <= 0.0:
+        return 1.0
+    return min(TTFT_SCALE_MAX, max(1.0, observed.ttft_p90_s / model))
 
 
 def scale_down_ok(

@@ -196,9 +196,9 @@ def planning_load(
     arrivals fall exactly when the fleet is short): the planner's rate (`demand_rate`) is then
     never below the last unthrottled window's, and while TTFT is over, decode KV use (full of
     backlog) does not recalibrate the model. A planner sizing for the admitted rate shrank
-    the fleet to the limit that throttled it (docs/planner.md, "Open problems": the output
-    shift's prefill drained 24 -> 11 behind the limit, then could not serve what the limit
-    let in)."""
+    the fleet to the limit that throttled it (docs/results/2026-12-06-planner-history.md,
+    "Open problems": the output shift's prefill drained 24 -> 11 behind the limit, then could
+    not serve what the limit let in)."""
     rate = o.arrival_rate
     if rate is None:
         return PlanningLoad(o, unthrottled_rate)

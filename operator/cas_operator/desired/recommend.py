@@ -41,13 +41,15 @@ from cas_operator.autoscale.model import (
     WorkloadInputs,
 )
 from cas_operator.autoscale.profiles import ProfileSpec, decode_profile, load_spec, prefill_profile
+from cas_operator.autoscale.reuse import request_mix
 from cas_operator.autoscale.search import recommend
 from cas_operator.autoscale.signals import shape_of
 from cas_operator.desired.resolve import Resolved, resolve
 from cas_operator.desired.shapes import InstanceShape
 
 # Measured rates are planned with 10% to spare: on the planner benchmark, without it, the
-# long-tool-pauses scenario fell from 18.0 to 14.7 req/s (seeds 1-3, median; docs/planner.md).
+# long-tool-pauses scenario fell from 18.0 to 14.7 req/s (seeds 1-3, median;
+# docs/results/2026-12-06-planner-history.md).
 PLAN_HEADROOM = 1.1
 
 PROFILE_BY_MODEL = (("glm-5", "glm5-fp8-h200"), ("deepseek-v3", "deepseek-v3-bf16kv-h200"))
@@ -97,6 +99,7 @@ class Recommendation:
     hit_rate: float | None = None
     meets_slo: bool | None = None
     shape: ShapeAdvice | None = None
+    hit_rate_curve: str | None = None  # which hit-rate curve gave `hit_rate` (`curve_name`)
 
     @property
     def ratio(self) -> str | None:
@@ -174,12 +177,28 @@ def planner_workload(
     a fleet whose answers grew 4x is planned for them, not for the spec's estimate, and the
     plan moves with the limit, only when the shape really changed."""
     inp, out = shape_of(observed) or (declared.avg_input_tokens, declared.avg_output_tokens)
-    return WorkloadInputs(
+    wl = WorkloadInputs(
         request_rate=rate,
         avg_input_tokens=float(inp),
         avg_output_tokens=float(out),
         prefix_cache_hit_rate=declared.prefix_cache_hit_rate,
         reuse=observed.reuse if observed is not None else None,
+    )
+    if wl.reuse is None:
+        return wl
+    mix = request_mix(wl.reuse, wl.avg_input_tokens)
+    wl = replace(
+        wl,
+        p95_input_tokens=mix.p95_input_tokens,
+        context_sigma=mix.context_sigma,
+        first_turn_sigma=max(wl.first_turn_sigma, mix.context_sigma),
+    )
+    if mix.first_turn_fraction is None or mix.new_tokens_per_turn is None:
+        return wl
+    return replace(
+        wl,
+        first_turn_fraction=mix.first_turn_fraction,
+        new_tokens_per_turn=mix.new_tokens_per_turn,
     )
 
 
@@ -292,7 +311,19 @@ def _recommend(
         itl_milliseconds=round(result.itl_ms, 2),
         hit_rate=round(result.hit_rate, 4),
         meets_slo=result.meets_slo,
+        hit_rate_curve=curve_name(workload),
     )
+
+
+MEASURED_CURVE = "measured prompt reuse (autoscale.reuse)"
+DEFAULT_CURVE = "default: Che's approximation with exponential gaps (no prompt reuse measured yet)"
+
+
+def curve_name(workload: WorkloadInputs) -> str:
+    """Which hit-rate curve the model used (`model.hit_probabilities`): the one drawn from the
+    prefill engines' measured prompt reuse, or the fallback until a window holds it, which asks
+    for 1.4-3.4x the cache real sessions need (docs/planner.md, "The hit-rate model")."""
+    return MEASURED_CURVE if workload.reuse is not None else DEFAULT_CURVE
 
 
 def instance_profiles(

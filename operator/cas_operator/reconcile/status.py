@@ -445,6 +445,7 @@ def ratio_status(plan: Plan) -> dict[str, Any]:
                 "ttftP90Seconds": rec.ttft_p90_seconds,
                 "itlMilliseconds": rec.itl_milliseconds,
                 "hitRate": rec.hit_rate,
+                "hitRateCurve": rec.hit_rate_curve,
                 "meetsSlo": rec.meets_slo,
             }
         if rec.shape is not None:

@@ -1,0 +1,204 @@
+"""The fleet simulator on real sessions (bench.fleetsim.sessions and the simulator's
+`sessions=` mode; issue 39, part 3).
+
+Guards: real requests replayed in closed loop (a request's successor leaves its think time
+after the answer ends on the simulated fleet, a subagent after the parent request that spawned
+it); the product's cache-aware routing (a returning turn goes back to the instance holding its
+prefix, a new session to the least-filled instance); the prefill engines' reuse measurement,
+which must be what `cas_engine.prefixreuse` exports for the same routed requests; and the
+planner's operator-fed loop reading it."""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import numpy as np
+import pytest
+
+from bench.fleetsim import FleetConfig
+from bench.fleetsim.engine import Simulator
+from bench.fleetsim.policies import RatioPlannerPolicy
+from bench.fleetsim.sessions import Placement, SessionTraffic, SimSession
+from bench.traces import parse_claude_session
+from cas_engine.prefixreuse import REUSE_BUCKETS_S, ReuseTracker
+from cas_operator.api.models import WorkloadSpec
+from cas_operator.autoscale import profiles as pf
+from cas_operator.autoscale.model import Bounds, SloInputs
+
+SPEC = pf.load_spec("glm5-fp8-h200")
+P = pf.prefill_profile(SPEC)
+D = pf.decode_profile(SPEC)
+
+
+def _doc(key: str, turns: int, seed: int, subagent: bool = False) -> dict[str, Any]:
+    """A session whose prompt grows by a few blocks a turn (sometimes cut back: compaction),
+    think times of 5-40 s, optionally a subagent spawned after its second request."""
+    rng = np.random.default_rng(seed)
+    chain, next_id, t, reqs = list(range(1, 40)), 1000, 0.0, []
+    for k in range(turns):
+        if k and rng.random() < 0.15:
+            chain = chain[: len(chain) // 2]
+        grow = int(rng.integers(2, 30))
+        chain = chain + list(range(next_id, next_id + grow))
+        next_id += grow
+        think = float(rng.uniform(5.0, 40.0)) if k else 0.0
+        t += think + (3.0 if k else 0.0)
+        reqs.append(
+            {"t": t, "type": "n", "in": 64 * len(chain) + 17, "out": int(rng.integers(20, 300)),
+             "hash_ids": list(chain), "think_time": think, "api_time": 3.0}
+        )  # fmt: skip
+        if subagent and k == 1:
+            sub = [1, 2, 3, 5000, 5001]
+            reqs.append(
+                {"t": t + 4.0, "type": "subagent", "agent_id": "a",
+                 "requests": [
+                     {"t": 0.0, "in": 64 * len(sub), "out": 30, "hash_ids": sub},
+                     {"t": 6.0, "in": 64 * 6 + 9, "out": 30, "hash_ids": [*sub, 5002],
+                      "think_time": 4.0},
+                 ]}
+            )  # fmt: skip
+    return {"id": key, "block_size": 64, "requests": reqs}
+
+
+def _sessions(n: int) -> list[SimSession]:
+    return [
+        SimSession.of(parse_claude_session(_doc(f"s{i}", 6 + i % 5, i, i == 0))) for i in range(n)
+    ]
+
+
+def _cfg(n_p: int, n_d: int, duration: float, **kw: Any) -> FleetConfig:
+    return FleetConfig(
+        prefill=P, decode=D, n_prefill=n_p, n_decode=n_d, max_prefill=n_p, max_decode=n_d,
+        duration_s=duration, seed=1, **kw,
+    )  # fmt: skip
+
+
+class _Logged(Simulator):
+    """The simulator with every routed request logged: (time, instance, placement, request)."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.log: list[tuple[float, int, str, int, int]] = []
+
+    def _route(self, step, scope, trie, leaf, blocks, inp, now, ready, routed):  # type: ignore[no-untyped-def]
+        out = super()._route(step, scope, trie, leaf, blocks, inp, now, ready, routed)
+        self.log.append((now, out[0], scope, leaf, blocks))
+        return out
+
+
+def test_requests_leave_their_think_time_after_the_answer_on_the_fleet() -> None:
+    """Closed loop: every request after a session's first is released its trace think time
+    after its predecessor's answer ended in the simulation, not at its trace time; the
+    subagent's first request follows the parent request before it."""
+    sessions = _sessions(3)
+    traffic = SessionTraffic(sessions, [Placement(1.0 + 5.0 * i, i) for i in range(3)])
+    sim = _Logged(_cfg(2, 1, 900.0, prepopulate=False), sessions=traffic)
+    res = sim.run()
+    done = sum(len(s.input_tokens) for s in sessions)
+    assert len(res.arrival) == done
+    end = res.arrival + res.ttft + res.itl * np.maximum(res.output_tokens - 1, 1)
+    s0 = sessions[0]
+    order = np.argsort(res.arrival)
+    first = order[0]
+    assert res.arrival[first] == pytest.approx(1.0)
+    # session 0's second request: released think_s after its first answer ended
+    second = next(k for k in order if k != first and res.input_tokens[k] == s0.input_tokens[1])
+    assert res.arrival[second] == pytest.approx(end[first] + s0.think_s[1], abs=0.6)
+    # the subagent's first request is released after session 0's second request was answered
+    sub_first = int(s0.first[1])
+    sub = next(k for k in order if res.input_tokens[k] == s0.input_tokens[sub_first])
+    assert res.arrival[sub] >= end[second] - 0.6
+
+
+def test_returning_turns_go_home_and_new_sessions_to_the_least_filled_instance() -> None:
+    """The product's cache-aware routing: a session's later turns land on the instance that
+    cached its earlier ones (their prefix covers far more than 30% of the prompt), and a new
+    session's first turn on the instance holding the fewest blocks."""
+    sessions = _sessions(6)
+    traffic = SessionTraffic(sessions, [Placement(2.0 * i, i) for i in range(6)])
+    sim = _Logged(_cfg(3, 2, 900.0, prepopulate=False), sessions=traffic)
+    res = sim.run()
+    homes: dict[str, set[int]] = {}
+    for _, inst, scope, _, _ in sim.log:
+        if "/" not in scope.split("@")[0]:
+            homes.setdefault(scope, set()).add(inst)
+    assert all(len(h) == 1 for h in homes.values()), homes
+    firsts = [inst for (_, inst, scope, _, _) in sim.log[:3]]
+    assert sorted(firsts) == [0, 1, 2]  # three new sessions spread over the empty instances
+    assert res.goodput(3.0, 50.0)["hit_rate"] > 0.5
+
+
+def _tokens(scope: str, ids: list[int], total: int) -> list[int]:
+    """A prompt with the block structure of ``ids``: each (session, block id) its own 64
+    tokens, then a fresh tail."""
+    root = scope.split("@")[1]
+    out: list[int] = []
+    for b in ids:
+        seed = zlib.crc32(f"{root}:{b}".encode())
+        out += np.random.default_rng(seed).integers(1, 50_000, 64).tolist()
+    return out + list(range(100_000, 100_000 + total - len(out)))
+
+
+def test_the_engines_reuse_measurement_is_cas_engines() -> None:
+    """Every prefill instance's exported prompt reuse (`Metrics.reuse` summed over the run)
+    equals what `cas_engine.prefixreuse.ReuseTracker` (every block tracked) exports when fed
+    the same requests in the same order on each instance, on the simulated clock."""
+    sessions = _sessions(6)
+    traffic = SessionTraffic(sessions, [Placement(3.0 * i, i) for i in range(6)])
+    sim = _Logged(_cfg(2, 2, 600.0, prepopulate=False, evict_every_s=1.0), sessions=traffic)
+    sim.run()
+    clock = [0.0]
+    trackers = [ReuseTracker(sample_rate=1, clock=lambda: clock[0]) for _ in range(2)]
+    hist = np.zeros(len(REUSE_BUCKETS_S) + 1)
+    first_seen = requests = 0
+    by_scope = {traffic.scope(k): traffic.session(k) for k in range(len(traffic.placements))}
+    for now, inst, scope, leaf, blocks in sim.log:
+        s = by_scope[scope]
+        req = next(r for r in range(len(s.leaf)) if s.leaf[r] == leaf and s.blocks[r] == blocks)
+        ids = _path(s, req)
+        clock[0] = now
+        got = trackers[inst].observe(_tokens(scope, ids, int(s.input_tokens[req])))
+        for gap in got.reuse_s:
+            hist[np.searchsorted(REUSE_BUCKETS_S, gap, side="left")] += got.block_tokens
+        first_seen += got.first_seen_tokens
+        requests += 1
+    total = sim.reuse_bins.sum(axis=0)
+    assert hist.sum() > 0 and np.count_nonzero(hist) > 3  # reuses over several buckets
+    assert np.allclose(total, hist)
+    assert sim.bins["first_seen"].sum() == first_seen
+    assert sim.bins["tracked"].sum() == requests
+
+
+def _path(s: SimSession, request: int) -> list[int]:
+    """The block ids of a request's prompt, from the session's trie."""
+    node, out = int(s.leaf[request]), []
+    while node:
+        out.append(node)
+        node = s.trie.parent[node]
+    return out[::-1]
+
+
+def test_the_operator_fed_planner_reads_the_engines_reuse_times() -> None:
+    """`ours` on real sessions plans with the measured reuse histogram (quantised as the
+    operator's) in its workload, so the model draws its hit-rate curve from it."""
+    sessions = _sessions(6)
+    traffic = SessionTraffic(sessions, [Placement(2.0 * i, i) for i in range(6)])
+    seen: list[Any] = []
+    policy = RatioPlannerPolicy(
+        P, D, SloInputs(3.0, 50.0), Bounds(max_prefill=3, max_decode=3), start_s=60.0,
+        operator_inputs=WorkloadSpec.model_validate(
+            {"avgInputTokens": 5000, "avgOutputTokens": 200}
+        ),
+    )  # fmt: skip
+    plan = policy._workload
+
+    def spy(m: Any, rate: float) -> Any:
+        wl = plan(m, rate)
+        seen.append(wl)
+        return wl
+
+    policy._workload = spy  # type: ignore[method-assign]
+    Simulator(_cfg(2, 2, 400.0, prepopulate=False), policy=policy, sessions=traffic).run()
+    assert seen and all(wl.reuse is not None for wl in seen)
+    assert seen[-1].reuse.reused[-1][1] > 0.0  # blocks seen before were measured
