@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import sys
 import time
@@ -57,9 +58,9 @@ def parser() -> argparse.ArgumentParser:
                    help="--local: implementation[/policy],... (default: all compared)")  # fmt: skip
     p.add_argument("--prefills", type=int, default=2)
     p.add_argument("--decodes", type=int, default=1)
-    p.add_argument("--capacity", type=int, default=0,
-                   help="--local: prefix cache per prefill sim in tokens (default: the sim's "
-                        "2M divided by --token-scale)")  # fmt: skip
+    p.add_argument("--capacity", default="",
+                   help="--local: prefix cache per prefill sim in tokens, or several (a,b: "
+                        "every policy at each; default: the sim's 2M / --token-scale)")  # fmt: skip
     p.add_argument("--speedup", type=float, default=20.0, help="--local: the sims' speedup")
     p.add_argument("--rate", type=float, default=0.3, help="session starts per second")
     p.add_argument("--sessions", type=int, default=60, help="session starts in all")
@@ -90,14 +91,14 @@ def _config(args: argparse.Namespace, url: str, model: str, pool: int) -> Replay
     )  # fmt: skip
 
 
-def settings(args: argparse.Namespace, capacity: int) -> dict[str, Any]:
+def settings(args: argparse.Namespace) -> dict[str, Any]:
     """What a row was measured under (the stated factors among them)."""
     return {
         "trace": str(args.trace), "sessions": args.sessions, "rate_per_s": args.rate,
         "duration_s": args.duration, "max_turns": args.max_turns,
         "token_scale": args.token_scale, "think_scale": args.think_scale,
         "prefills": args.prefills, "decodes": args.decodes,
-        "capacity_per_prefill_tokens": capacity, "sim_speedup": args.speedup,
+        "sim_speedup": args.speedup,
         "connections": args.connections, "seed": args.seed,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }  # fmt: skip
@@ -113,7 +114,8 @@ def run_url(args: argparse.Namespace, pool: SessionPool) -> dict[str, Any]:
     if not args.model or args.pool_capacity <= 0:
         raise SystemExit("--url needs --model and --pool-capacity")
     row = replay_once(_config(args, args.url, args.model, args.pool_capacity), pool)
-    return {"settings": settings(args, 0), "runs": [{"fleet": args.url, **row}]}
+    row["pool_capacity_tokens"] = args.pool_capacity
+    return {"settings": settings(args), "runs": [{"fleet": args.url, **row}]}
 
 
 def run_local(args: argparse.Namespace, pool: SessionPool) -> dict[str, Any]:
@@ -134,8 +136,10 @@ def run_local(args: argparse.Namespace, pool: SessionPool) -> dict[str, Any]:
     from e2e.fleet.livestack import LiveStack
     from e2e.paths import REPO_ROOT
 
-    capacity = args.capacity or SIM_KV_CAPACITY // args.token_scale
-    result: dict[str, Any] = {"settings": settings(args, capacity), "runs": []}
+    capacities = [int(c) for c in args.capacity.split(",") if c] or [
+        SIM_KV_CAPACITY // args.token_scale
+    ]
+    result: dict[str, Any] = {"settings": settings(args), "runs": []}
     cluster, started = open_cluster()
 
     def kubectl(*a: str, stdin: str | None = None, check: bool = True) -> str:
@@ -143,7 +147,7 @@ def run_local(args: argparse.Namespace, pool: SessionPool) -> dict[str, Any]:
 
     try:
         apply_crds(kubectl)
-        for text in args.policies.split(","):
+        for capacity, text in itertools.product(capacities, args.policies.split(",")):
             policy = Policy.parse(text.strip())
             ns = f"replay-{policy.label.replace('/', '-').replace('_', '-')}-{uuid.uuid4().hex[:5]}"
             kubectl("create", "namespace", ns)
@@ -160,7 +164,8 @@ def run_local(args: argparse.Namespace, pool: SessionPool) -> dict[str, Any]:
                     row = replay_once(_config(args, url, MODEL, capacity * args.prefills), pool)
                     row["engine_hit_rate"] = engine_hit_rate(before, engine_tokens(kubectl, ns))
                 result["runs"].append({"implementation": policy.implementation,
-                                       "policy": policy.policy or "default", **row})  # fmt: skip
+                                       "policy": policy.policy or "default",
+                                       "capacity_per_prefill_tokens": capacity, **row})  # fmt: skip
                 write(args.out, result)  # what is measured so far survives a later failure
             finally:
                 kubectl("delete", "namespace", ns, "--wait=false", check=False)
@@ -185,14 +190,17 @@ def table(result: dict[str, Any]) -> str:
     def ms(v: float | None) -> str:
         return "-" if v is None else f"{v * 1000:.0f}"
 
-    head = (f"{'fleet':<30} {'requests':>8} {'errors':>6} {'hit':>7} {'bound':>7} "
-            f"{'ratio':>6} {'TTFT p50':>9} {'p90 (ms)':>9} {'goodput/s':>9}")  # fmt: skip
+    head = (f"{'fleet':<30} {'cache/prefill':>13} {'requests':>8} {'errors':>6} "
+            f"{'hit':>7} {'bound':>7} {'ratio':>6} {'TTFT p50':>9} {'p90 (ms)':>9} "
+            f"{'goodput/s':>9}")  # fmt: skip
     lines = [head, "-" * len(head)]
     for r in result["runs"]:
         name = r.get("fleet") or f"{r['implementation']}/{r['policy']}"
+        cache = r.get("capacity_per_prefill_tokens", "-")
         lines.append(
-            f"{name:<30} {r['requests']:>8} {r['errors']:>6} {pct(r['achieved_hit_rate']):>7} "
-            f"{pct(r['bound_hit_rate']):>7} {pct(r['ratio']):>6} {ms(r['ttft_p50_s']):>9} "
+            f"{name:<30} {cache:>13} {r['requests']:>8} {r['errors']:>6} "
+            f"{pct(r['achieved_hit_rate']):>7} {pct(r['bound_hit_rate']):>7} "
+            f"{pct(r['ratio']):>6} {ms(r['ttft_p50_s']):>9} "
             f"{ms(r['ttft_p90_s']):>9} {r['goodput_rps']:>9.2f}"
         )
     return "\n".join(lines)
