@@ -117,13 +117,16 @@ def test_every_policy_reaches_the_router_and_keyed_ones_read_the_session_id(
     default, cache_aware, kept sessions on their prefill no better than random with
     sglang-router 0.3.2 in PD mode (docs/traffic.md). Unset, the policy is the
     implementation's best measured one; smg reads the session id from Claude Code's own
-    header too."""
+    header too; decodes stay round robin under a keyed policy."""
     for policy in POLICIES[implementation]:
         spec = {**GLM5, "router": {"policy": policy}}
         router = parsed(*rendered(spec, implementation))
         assert str(router.policy) == policy, (policy, router.policy)
         headers = getattr(router, "routing_key_headers", None)
-        if implementation == "smg" and policy in ("manual", "consistent_hashing"):
+        keyed = policy in ("manual", "consistent_hashing")
+        if implementation == "smg" and keyed:
             assert headers == ["x-smg-routing-key", "x-claude-code-session-id"], headers
+        # decodes hold no prefix: round robin, so a retry reaches another decode
+        assert str(router.decode_policy) == ("round_robin" if keyed else "None"), policy
     default = parsed(*rendered(GLM5, implementation)).policy
     assert default == {"sglang-router": "manual", "smg": "consistent_hashing"}[implementation]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from cas_operator.api import constants as c
-from cas_operator.api.models import KEYED_POLICIES, RouterImplementation
+from cas_operator.api.models import KEYED_POLICIES, RouterImplementation, RouterPolicy
 from cas_operator.desired.admission import admission_for
 from cas_operator.desired.plan import Plan
 from cas_operator.desired.resources.meta import (
@@ -87,13 +87,19 @@ def router_args(plan: Plan) -> list[str]:
 
 
 def policy_args(plan: Plan) -> list[str]:
-    """The routing policy (`RouterSpec.effective_policy`), for prefill and decode alike; a
-    keyed policy on smg reads the session key from `ROUTING_KEY_HEADERS`."""
+    """The routing policy (`RouterSpec.effective_policy`). A keyed policy keeps a session on
+    its prefill, where its prefix is cached; decodes hold no prefix, so they go round robin: a
+    retry (a quality-gate trip's 503) then reaches another decode, where a keyed decode policy
+    sent it back to the one that failed (one of two decodes failing every answer, 20 requests
+    of 4 sessions, 4 attempts each: 3 failed with either router keyed on both sides, none
+    with round robin decodes). On smg it reads the session key from `ROUTING_KEY_HEADERS`."""
     router = plan.spec.router
     policy = router.effective_policy()
     args = ["--policy", policy.value]
-    if policy in KEYED_POLICIES and router.implementation == RouterImplementation.SMG:
-        args += ["--routing-key-headers", *ROUTING_KEY_HEADERS]
+    if policy in KEYED_POLICIES:
+        args += ["--decode-policy", RouterPolicy.ROUND_ROBIN.value]
+        if router.implementation == RouterImplementation.SMG:
+            args += ["--routing-key-headers", *ROUTING_KEY_HEADERS]
     return args
 
 
