@@ -13,10 +13,11 @@ Two ways to point it at a fleet:
 Sessions: ``--trace`` (a folder or tarball of Claude Code session files: the kv-cache-tester
 format), started as a Poisson process at ``--rate`` per second, ``--sessions`` of them, each
 request sent when the previous one of its session has been answered and its think time times
-``--think-scale`` has passed; token counts divided by ``--token-scale`` (``bench.replay.
-prompts``); nothing sent after ``--duration``. Prints progress, then a table; writes
-``--out`` (JSON: the settings and one row per fleet: requests, errors, achieved hit rate,
-the bound, TTFT p50/p90, goodput).
+``--think-scale`` has passed; or Mooncake's JSONL (``.jsonl``: its first ``--sessions``
+requests at its own arrival times rescaled to ``--rate`` requests per second); token counts
+divided by ``--token-scale`` (``bench.replay.prompts``); nothing sent after ``--duration``.
+Prints progress, then a table; writes ``--out`` (JSON: the settings and one row per fleet:
+requests, errors, achieved hit rate, the bound, TTFT p50/p90, goodput).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Any
 
 from bench.replay.client import Replay, ReplayConfig, run_with_progress
 from bench.replay.prompts import Scale
-from bench.traces import SessionPool
+from bench.replay.sources import Source, open_source
 
 DEFAULT_OUT = Path("bench/results/replay.json")
 DEFAULT_POLICIES = (
@@ -84,9 +85,9 @@ def _config(args: argparse.Namespace, url: str, model: str, pool: int) -> Replay
     slo = args.ttft_slo or (4.0 / args.speedup if args.local else 4.0)
     return ReplayConfig(
         url=url.rstrip("/"), model=model, pool_capacity_tokens=pool,
-        scale=Scale(tokens=args.token_scale, think=args.think_scale), rate=args.rate,
-        sessions=args.sessions, duration_s=args.duration, max_turns=args.max_turns,
-        seed=args.seed, connection_per_request=args.connections == "per-request",
+        scale=Scale(tokens=args.token_scale, think=args.think_scale),
+        duration_s=args.duration, max_turns=args.max_turns,
+        connection_per_request=args.connections == "per-request",
         ttft_slo_s=slo, api_key=args.api_key,
     )  # fmt: skip
 
@@ -95,6 +96,7 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
     """What a row was measured under (the stated factors among them)."""
     return {
         "trace": str(args.trace), "sessions": args.sessions, "rate_per_s": args.rate,
+        "limit": args.limit,
         "duration_s": args.duration, "max_turns": args.max_turns,
         "token_scale": args.token_scale, "think_scale": args.think_scale,
         "prefills": args.prefills, "decodes": args.decodes,
@@ -104,21 +106,21 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def replay_once(config: ReplayConfig, pool: SessionPool) -> dict[str, Any]:
+def replay_once(config: ReplayConfig, source: Source) -> dict[str, Any]:
     """One replay with progress lines; its summary."""
-    replay = Replay(config, pool)
+    replay = Replay(config, source)
     return asyncio.run(run_with_progress(replay, out=lambda s: print(s, flush=True)))
 
 
-def run_url(args: argparse.Namespace, pool: SessionPool) -> dict[str, Any]:
+def run_url(args: argparse.Namespace, source: Source) -> dict[str, Any]:
     if not args.model or args.pool_capacity <= 0:
         raise SystemExit("--url needs --model and --pool-capacity")
-    row = replay_once(_config(args, args.url, args.model, args.pool_capacity), pool)
+    row = replay_once(_config(args, args.url, args.model, args.pool_capacity), source)
     row["pool_capacity_tokens"] = args.pool_capacity
     return {"settings": settings(args), "runs": [{"fleet": args.url, **row}]}
 
 
-def run_local(args: argparse.Namespace, pool: SessionPool) -> dict[str, Any]:
+def run_local(args: argparse.Namespace, source: Source) -> dict[str, Any]:
     from bench.replay.local import (
         MODEL,
         SIM_KV_CAPACITY,
@@ -161,7 +163,8 @@ def run_local(args: argparse.Namespace, pool: SessionPool) -> dict[str, Any]:
                 with fleet_up(stack, kubectl, fleet, log=lambda s: print(f"[live] {s}")):
                     url = wait_serving(kubectl, ns, args.prefills, args.decodes)
                     before = engine_tokens(kubectl, ns)
-                    row = replay_once(_config(args, url, MODEL, capacity * args.prefills), pool)
+                    config = _config(args, url, MODEL, capacity * args.prefills)
+                    row = replay_once(config, source)
                     row["engine_hit_rate"] = engine_hit_rate(before, engine_tokens(kubectl, ns))
                 result["runs"].append({"implementation": policy.implementation,
                                        "policy": policy.policy or "default",
@@ -208,11 +211,12 @@ def table(result: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    pool = SessionPool.load(args.trace, limit=args.limit)
-    if len(pool) == 0:
-        raise SystemExit(f"{args.trace}: no Claude Code sessions")
-    print(f"{len(pool)} sessions read from {args.trace}", flush=True)
-    result = run_local(args, pool) if args.local else run_url(args, pool)
+    try:
+        source = open_source(args.trace, args.rate, args.sessions, args.seed, args.limit)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(str(exc)) from exc
+    print(f"{len(source.places)} {source.format} session starts from {args.trace}", flush=True)
+    result = run_local(args, source) if args.local else run_url(args, source)
     write(args.out, result)
     print(table(result))
     print(f"wrote {args.out}")

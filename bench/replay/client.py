@@ -1,7 +1,7 @@
 """Send real sessions through a fleet's entry point, closed loop, and measure what it served.
 
-Data flow: a `SessionPool` of trace sessions -> `Placement`s (Poisson session starts at
-`rate` per second, sessions in a seeded random order: `bench.traces.overlay`) -> one task per
+Data flow: a `sources.Source` (session instances with their start times and block id scopes:
+Claude Code sessions at Poisson starts, or Mooncake's requests at their arrivals) -> one task per
 session member (a session and each subagent): its requests in order, each sent when the
 previous one has been answered and its think time (times `scale.think`) has passed; a
 subagent starts after the parent's request before it was answered, plus the rest of its gap
@@ -12,7 +12,7 @@ tokens go to the `LruBound` in the order sent -> one `Outcome` per request (TTFT
 engine's prompt and cached tokens from the usage chunk, the bound's hit, the prefill that
 served it when the sim says) -> `summarize`.
 
-Bounded: at most `sessions` sessions, `max_turns` requests per member, nothing sent after
+Bounded: the source's instances, `max_turns` requests per member, nothing sent after
 `duration_s`, `max_in_flight` requests at once, `timeout_s` per request; `Replay.stop` ends it
 at once (requests in flight are abandoned). Ownership: a `Replay` owns its tasks and HTTP
 session; `outcomes` and `progress` are read by the caller (the view reads them from another
@@ -35,7 +35,8 @@ import numpy as np
 
 from bench.replay.bound import LruBound
 from bench.replay.prompts import Prompt, Scale, prompt_for
-from bench.traces import SessionPool, TraceSession, placement_order, poisson_starts
+from bench.replay.sources import Placement, Source
+from bench.traces import TraceSession
 
 # Headers that carry the session id: what Claude Code sends (X-Claude-Code-Session-Id, one UUID
 # per session, since v2.1.86) and smg's own routing-key header.
@@ -50,11 +51,8 @@ class ReplayConfig:
     model: str
     pool_capacity_tokens: int  # every prefill's prefix cache together: the bound's capacity
     scale: Scale = field(default_factory=Scale)
-    rate: float = 0.5  # session starts per second (wall)
-    sessions: int = 20
     duration_s: float | None = None
     max_turns: int | None = None
-    seed: int = 1
     routing_headers: tuple[str, ...] = SESSION_HEADERS
     connection_per_request: bool = True  # else one keep-alive pool (requests share connections)
     max_in_flight: int = 128
@@ -82,36 +80,12 @@ class Outcome:
     prefill: str | None
 
 
-@dataclass(frozen=True)
-class Placement:
-    """One session instance: which trace session, when it starts (s), its block id scope."""
-
-    key: str
-    start_s: float
-    scope: str
-
-
-def placements(keys: list[str], rate: float, count: int, seed: int) -> list[Placement]:
-    """`count` session instances at Poisson starts of `rate`/s, sessions in a seeded random
-    order (each distinct before any repeats; a repeat is a new instance, a new scope)."""
-    starts = np.zeros(count)  # rate 0: all at once
-    horizon = 1.0
-    while rate > 0 and len(starts := poisson_starts(rate, horizon, seed)) < count:
-        horizon *= 2  # long enough for `count` starts
-    starts = np.sort(starts)[:count]
-    order = placement_order(len(keys), count, seed)
-    return [
-        Placement(keys[i], float(t), f"{keys[i]}@{n}")
-        for n, (t, i) in enumerate(zip(starts, order, strict=True))
-    ]
-
-
 @dataclass
 class Replay:
     """See the module docstring. Run `run()` in an event loop (or `start_thread()`)."""
 
     config: ReplayConfig
-    pool: SessionPool
+    source: Source
     outcomes: list[Outcome] = field(default_factory=list)
     started_sessions: int = 0
     finished_sessions: int = 0
@@ -141,8 +115,7 @@ class Replay:
         timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
         with contextlib.suppress(asyncio.CancelledError):
             async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
-                places = placements(self.pool.keys, cfg.rate, cfg.sessions, cfg.seed)
-                await asyncio.gather(*(self._session(http, p) for p in places))
+                await asyncio.gather(*(self._session(http, p) for p in self.source.places))
 
     def start_thread(self) -> Replay:
         """Run in a thread of its own (the demo's view reads `snapshot()` meanwhile)."""
@@ -177,7 +150,7 @@ class Replay:
     async def _session(self, http: aiohttp.ClientSession, place: Placement) -> None:
         if not await self._wait(place.start_s - self.elapsed_s()):
             return
-        session = self.pool.session(place.key)
+        session = self.source.session(place.key)
         with self._lock:
             self.started_sessions += 1
         await self._member(http, session, place, None, 0.0)

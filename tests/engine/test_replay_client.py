@@ -19,6 +19,7 @@ from aiohttp.test_utils import TestServer
 
 from bench.replay.client import Replay, ReplayConfig
 from bench.replay.prompts import Scale
+from bench.replay.sources import claude_source
 from bench.traces import SessionPool
 from cas_engine.sim.config import parse_args
 from cas_engine.sim.server import SimServer
@@ -76,8 +77,6 @@ def _config(url: str, **kw: Any) -> ReplayConfig:
         "model": MODEL,
         "pool_capacity_tokens": 1600,
         "scale": Scale(tokens=1, think=0.01),
-        "rate": 0.0,
-        "sessions": 1,
     }
     return ReplayConfig(**{**base, **kw})  # fmt: skip
 
@@ -89,7 +88,7 @@ async def test_one_engine_of_the_pools_capacity_hits_exactly_the_bound(
     evictions (1,600 tokens hold 25 blocks; the prompts reach 48) and a rewind."""
     url, worker = engine_url
     _write_session(tmp_path, "s", _growing("s", 8, think=5.0))
-    replay = Replay(_config(url), SessionPool.load(tmp_path))
+    replay = Replay(_config(url), claude_source(SessionPool.load(tmp_path), 0.0, 1, 1))
     await replay.run()
     summary = replay.snapshot()
     assert summary["errors"] == 0 and summary["requests"] == 10, summary
@@ -104,7 +103,10 @@ async def test_requests_wait_for_the_answer_and_the_scaled_think_time(
 ) -> None:
     url, _ = engine_url
     _write_session(tmp_path, "s", _growing("s", 4, think=20.0))
-    replay = Replay(_config(url, scale=Scale(tokens=1, think=0.01)), SessionPool.load(tmp_path))
+    replay = Replay(
+        _config(url, scale=Scale(tokens=1, think=0.01)),
+        claude_source(SessionPool.load(tmp_path), 0.0, 1, 1),
+    )
     await replay.run()
     parent = [o for o in replay.outcomes if o.expected_tokens > 300]  # the subagent's are small
     parent.sort(key=lambda o: o.sent_s)
@@ -121,7 +123,7 @@ async def test_the_turn_and_duration_bounds_hold(
 ) -> None:
     url, _ = engine_url
     _write_session(tmp_path, "s", _growing("s", 8, think=50.0))
-    pool = SessionPool.load(tmp_path)
+    pool = claude_source(SessionPool.load(tmp_path), 0.0, 1, 1)
     turns = Replay(_config(url, max_turns=2), pool)
     await turns.run()
     assert turns.snapshot()["requests"] == 2 + 2  # two of the parent's, two of the subagent's

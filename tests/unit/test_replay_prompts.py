@@ -9,11 +9,12 @@ tail shared by two requests, and placements that change between runs."""
 from __future__ import annotations
 
 import itertools
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from bench.replay.client import placements
 from bench.replay.prompts import (
     BLOCK_CHARS,
     BLOCK_TOKENS,
@@ -23,6 +24,7 @@ from bench.replay.prompts import (
     prompt_for,
     scaled_blocks,
 )
+from bench.replay.sources import open_source, placements
 from bench.traces import TraceRequest, read_sessions
 from cas_engine.sim.prefix_cache import PrefixCache
 from cas_engine.sim.server import chat_prompt
@@ -130,3 +132,23 @@ def test_scale_refuses_nonsense() -> None:
         Scale(tokens=0)
     with pytest.raises(ValueError):
         Scale(think=-1.0)
+
+
+def test_mooncake_requests_share_one_scope_at_their_own_arrivals(tmp_path: Path) -> None:
+    """Regression: Mooncake's block ids are one space for the whole trace, so its requests
+    keep it in the replay (a scope per request would lose every cross-request hit); they
+    start at the trace's arrivals, rescaled to the asked rate."""
+    rows = [
+        {"timestamp": 0, "input_length": 1100, "output_length": 5, "hash_ids": [1, 2, 3]},
+        {"timestamp": 3000, "input_length": 1100, "output_length": 5, "hash_ids": [1, 7, 9]},
+        {"timestamp": 6000, "input_length": 600, "output_length": 5, "hash_ids": [4, 5]},
+    ]
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    source = open_source(path, rate=1.0, count=2, seed=1)
+    assert source.format == "mooncake" and [p.scope for p in source.places] == ["mooncake"] * 2
+    assert [p.start_s for p in source.places] == pytest.approx([0.0, 1.0])
+    a, b = (source.session(p.key).requests[0] for p in source.places)
+    pa = prompt_for(a, "mooncake", "a", Scale(tokens=1))
+    pb = prompt_for(b, "mooncake", "b", Scale(tokens=1))
+    assert _hit(pa.tokens(), pb.tokens())[1] == 512  # block 1, as the ids say
