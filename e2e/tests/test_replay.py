@@ -1,16 +1,20 @@
 """Real Claude Code sessions through a fleet with two prefills on the local stack: the hit rate
 the engines achieve against an exact LRU over the pool's whole cache (issue 40).
 
-A time-compressed slice of ../shared/traces (tens of sessions, think times x 0.02, token counts
-/ 16, each prefill sim holding 20K tokens) goes through the fleet's entry Service (kube-proxy
-over the 2 router replicas, a new connection per request) by `bench.replay`, closed loop, each
+A time-compressed slice of ../shared/traces (24 sessions starting 1 a second, think times x 0.02,
+token counts / 16, at most 16 requests a session, 35 s; each prefill sim holding 60K tokens, so
+the sessions' prompts do not all fit) goes through the fleet's entry Service (kube-proxy over
+the 2 router replicas, a new connection per request) by `bench.replay`, closed loop, each
 request naming its session in the headers real clients send. The bound is the same prompts, in
 the order sent, through one exact LRU of both prefills' capacity.
 
-Regression guarded: the operator's default router policy, cache_aware, kept no session on the
-prefill holding its prefix with sglang-router 0.3.2 in PD mode (about as often as random), so
-real sessions hit well below what the pool could hold; now the default policy keeps each
-session on one prefill by its session id.
+Regression guarded: smg's default policy was cache_aware, which kept no session on the prefill
+holding its prefix as well (this slice: 0 errors but 88% of the bound); smg's default is now
+consistent_hashing on the session id, the same prefill from either router replica (99.7%).
+sglang-router's keyed policy, manual, keeps a map per router replica: with 2 replicas a session
+alternates between prefills (76-79% of the bound on this slice at 45 s; 70% with 20K-token
+prefills), so it is measured by ``make bench-replay``, not held to the goal here
+(docs/traffic.md).
 """
 
 from __future__ import annotations
@@ -46,19 +50,19 @@ pytestmark = [
 ]
 
 PREFILLS, DECODES = 2, 1
-CAPACITY = 20_000  # tokens of prefix cache per prefill sim: the sessions' prompts do not all fit
+CAPACITY = 60_000  # tokens of prefix cache per prefill sim: the sessions' prompts do not all fit
 SPEEDUP = 20.0
 SESSIONS, RATE = 24, 1.0  # session starts per second
-SLICE = {"max_turns": 16, "duration_s": 60.0}
+SLICE = {"max_turns": 16, "duration_s": 35.0}
 GOAL = 0.9  # achieved >= 90% of the bound (docs/traffic.md)
 
 
-def test_real_sessions_hit_what_the_pool_could_hold_through_the_default_policy(
+def test_real_sessions_hit_what_the_pool_could_hold_through_smgs_default_policy(
     live_stack: MakeLiveStack, namespace: str, kubectl: Kubectl, crds: None
 ) -> None:
     pool = SessionPool.load(require(CLAUDE_SESSIONS), limit=SESSIONS)
     stack = live_stack(sim_args(CAPACITY, SPEEDUP))
-    fleet = replay_fleet(Policy("sglang-router"), PREFILLS, DECODES)  # the default policy
+    fleet = replay_fleet(Policy("smg"), PREFILLS, DECODES)  # its default policy
     with fleet_up(stack, kubectl, fleet, log=lambda s: print(f"[live] {s}")):
         url = wait_serving(kubectl, namespace, PREFILLS, DECODES)
         before = engine_tokens(kubectl, namespace)
@@ -73,7 +77,7 @@ def test_real_sessions_hit_what_the_pool_could_hold_through_the_default_policy(
     shown = ("requests", "errors", "achieved_hit_rate", "bound_hit_rate", "ratio", "ttft_p50_s",
              "ttft_p90_s", "requests_per_prefill")  # fmt: skip
     print({k: s[k] for k in shown})
-    assert s["requests"] >= 150 and s["errors"] == 0, s["error_kinds"]
+    assert s["requests"] >= 120 and s["errors"] == 0, s["error_kinds"]
     assert s["token_mismatches"] == 0  # the engines counted the prompts the bound counted
     assert engines == pytest.approx(s["achieved_hit_rate"], abs=1e-9)  # their own metrics agree
     assert s["bound_hit_rate"] < 0.97  # the cache is full: routing matters
