@@ -129,7 +129,9 @@ class Replay:
         """End now: nothing more is sent; requests in flight are abandoned."""
         self._stopped = True
         if self._loop is not None and self._task is not None:
-            self._loop.call_soon_threadsafe(self._task.cancel)
+            # a replay that ran out has closed its loop: nothing left to cancel
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._task.cancel)
         if self._thread is not None:
             self._thread.join(10.0)
 
