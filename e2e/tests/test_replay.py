@@ -10,8 +10,8 @@ the order sent, through one exact LRU of both prefills' capacity.
 
 Regression guarded: smg's default policy was cache_aware, which kept no session on the prefill
 holding its prefix as well (this slice: 0 errors but 88% of the bound); smg's default is now
-consistent_hashing on the session id, the same prefill from either router replica (98.7% and
-99.7% in two runs).
+consistent_hashing on the session id, the same prefill from either router replica (98.7-100% in
+three runs).
 sglang-router's keyed policy, manual, keeps a map per router replica: with 2 replicas a session
 alternates between prefills (76-79% of the bound on this slice at 45 s; 70% with 20K-token
 prefills), so it is measured by ``make bench-replay``, not held to the goal here
