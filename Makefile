@@ -90,7 +90,7 @@ sim-demo: setup ## Router + 1 prefill + 2 decode sims on loopback, coding-agent 
 
 ##@ Benchmarks
 
-bench: bench-race bench-guard bench-sim bench-operator bench-anomaly bench-planner bench-hitrate bench-lifecycle bench-canary ## All benchmarks (never part of make test)
+bench: bench-race bench-guard bench-sim bench-operator bench-anomaly bench-planner bench-hitrate bench-replay bench-lifecycle bench-canary ## All benchmarks (never part of make test)
 
 bench-sim: setup ## Sim: 256-stream throughput; PD reclaim race Immediate/Upstream/Strict side by side
 	$(PY) -m bench.sim_throughput --streams 256 --tokens 400 --runs 3
@@ -117,6 +117,18 @@ bench-planner: setup ## P:D planner vs 1:1, best fixed, mean-based, exhaustive, 
 
 bench-hitrate: setup ## Hit-rate model vs an exact LRU replay of real Claude Code sessions (TRACES=folder or tarball); draws docs/results/hitrate.png
 	$(PY) -m bench.hitrate --sessions $(TRACES) --out bench/results/hitrate.json --figure docs/results/hitrate.png
+
+TRACE ?= $(TRACES)
+RATE ?= 0.3
+POLICIES ?= sglang-router,smg
+REPLAY_ARGS ?=
+
+replay: setup bins ## Replay real Claude Code sessions (TRACE=, RATE= session starts/s): through your fleet (URL=, MODEL=, POOL_CAPACITY= tokens) or local fleets (POLICIES=)
+	$(PY) -m bench.replay --trace $(TRACE) --rate $(RATE) --out bench/results/replay-run.json \
+		$(if $(URL),--url $(URL) --model '$(MODEL)' --pool-capacity $(POOL_CAPACITY),--local --policies $(POLICIES)) $(REPLAY_ARGS)
+
+bench-replay: setup bins ## The routing table: real sessions through local fleets, every router policy at two cache sizes (~2 h)
+	$(PY) -m bench.replay --trace $(TRACE) --local --capacity 125000,62500 --out bench/results/replay.json
 
 bench-guard: setup ## Quality-gate overhead per verify step (batch 1/64/256); its false trips on copy-like output
 	$(PY) -m bench.guard_overhead

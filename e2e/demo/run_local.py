@@ -11,12 +11,14 @@ targets -> start Prometheus (Debian's, scraping those targets every 5 s; skipped
 when not installed) -> start `python -m cas_operator` as a process with ``CAS_PROMETHEUS_URL``
 (its anomaly loop reads PromQL) -> apply the samples -> start the load generator
 (:mod:`e2e.traffic.liveload`: coding-agent chat sessions through each resource's entry Service,
-its ClusterIP, with the pod network; else through a router pod) -> print the one ``curl`` that
+its ClusterIP, with the pod network; else through a router pod; with ``--trace PATH``, real
+Claude Code sessions instead, :mod:`e2e.traffic.replayload`) -> print the one ``curl`` that
 sends a chat request to the fleet ->
 every 2 s print the status table, pods per role, conditions, traffic (req/s, errors, TTFT p50/p90
-over 30 s) and the anomaly loop's status (rate, draining pods) -> on exit stop, in this
-order, the load, the operator, the runner's processes, Prometheus and, if this run started it,
-the cluster (else delete the demo namespace). Logs: ``run/make-run/``.
+over 30 s; with ``--trace``, the replay's achieved prefix hit rate beside its bound) and the
+anomaly loop's status (rate, draining pods) -> on exit stop, in this order, the load, the
+operator, the runner's processes, Prometheus and, if this run started it, the cluster (else
+delete the demo namespace). Logs: ``run/make-run/``.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from typing import Any
 
 import yaml
 
+from bench.replay.prompts import Scale
+from bench.replay.sources import open_source
 from e2e.cluster.stack import (
     ClusterHandle,
     default_run_dir,
@@ -48,6 +52,7 @@ from e2e.fleet.livestack import LiveStack, http_ok, probed_by_runner, router_url
 from e2e.paths import REPO_ROOT
 from e2e.runtime.podrunner import kube_pod_lister
 from e2e.traffic.liveload import LiveLoad, format_summary
+from e2e.traffic.replayload import TraceReplays, replay_line
 
 SAMPLES = ("minimal.yaml", "glm5-long-context.yaml")
 DEMO_NAMESPACE = "cas-demo"
@@ -55,8 +60,14 @@ LIVE_DIR = REPO_ROOT / "run" / "make-run"
 SCRAPE_INTERVAL_S = 5.0
 # The sims of the sample fleets: 20x faster than the modelled GPU, quiet logs (2 cores run
 # the control plane, the operator, Prometheus, ~20 sims and the routers together).
-SIM_ARGS = ["--sim-speedup", "20", "--log-level", "warning"]
+SPEEDUP = 20.0
+SIM_ARGS = ["--sim-speedup", str(SPEEDUP), "--log-level", "warning"]
 FAULT = {"repetition": 0.5}  # --fault-after: half of one decode's answers degenerate
+# --trace: real sessions' token counts / 16 (and the sims' caches with them: 2M tokens, the
+# sim's default for a GLM-5-class instance, / 16), think times x 0.05
+TRACE_SCALE = Scale(tokens=16, think=0.05)
+TRACE_CACHE = 2_000_000 // TRACE_SCALE.tokens
+TRACE_SESSIONS = 400  # session starts per fleet at most (Mooncake: requests)
 
 
 def say(msg: str) -> None:
@@ -72,6 +83,11 @@ def demo_manifests() -> list[dict[str, Any]]:
         manifest["spec"]["model"].pop("pvcName", None)
         out.append(probed_by_runner(manifest))
     return out
+
+
+def prefills(manifest: dict[str, Any]) -> int:
+    """The manifest's prefill instances (1 when unset: the samples' Fixed 1:1 unit)."""
+    return int((manifest["spec"].get("prefill") or {}).get("replicas") or 1)
 
 
 def served_model(manifest: dict[str, Any]) -> str:
@@ -155,6 +171,7 @@ class Session:
         self.started_cluster = started_cluster
         self.live: LiveStack | None = None
         self.load: LiveLoad | None = None
+        self.replays: TraceReplays | None = None
         self.finder: RouterFinder | None = None
         net = cluster.network
         self.services = net is not None and net.enabled
@@ -164,10 +181,10 @@ class Session:
             self.cluster.kubectl_path, self.cluster.kubeconfig, *args, stdin=stdin, check=check
         )
 
-    def start_live(self) -> None:
+    def start_live(self, sim_args: list[str]) -> None:
         """Pod runner (sims, real routers), Prometheus and the operator for the demo."""
         self.live = LiveStack(
-            self.cluster.kubeconfig, DEMO_NAMESPACE, LIVE_DIR, sim_args=SIM_ARGS,
+            self.cluster.kubeconfig, DEMO_NAMESPACE, LIVE_DIR, sim_args=sim_args,
             scrape_interval_s=SCRAPE_INTERVAL_S, metrics_port=8081,
             operator_log=self.cluster.run_dir / "logs" / "operator.log",
         )  # fmt: skip
@@ -178,6 +195,19 @@ class Session:
         finder = RouterFinder(self.cluster.kubeconfig, DEMO_NAMESPACE, services=self.services)
         self.finder = finder
         self.load = LiveLoad(resources, finder).start()
+
+    def start_replays(self, manifests: list[dict[str, Any]], trace: Path, rate: float) -> None:
+        """Real sessions from `trace` through each resource (instead of the synthetic load)."""
+        finder = RouterFinder(self.cluster.kubeconfig, DEMO_NAMESPACE, services=self.services)
+        self.finder = finder
+        names = [m["metadata"]["name"] for m in manifests]
+        self.replays = TraceReplays(
+            open_source(trace, rate, TRACE_SESSIONS, seed=1),
+            {m["metadata"]["name"]: served_model(m) for m in manifests},
+            {m["metadata"]["name"]: prefills(m) * TRACE_CACHE for m in manifests},
+            finder, TRACE_SCALE, ttft_slo_s=4.0 / SPEEDUP,
+        ).start()  # fmt: skip
+        say(f"replaying real sessions from {trace} through {', '.join(names)}")
 
     def announce_entry(self, manifests: list[dict[str, Any]], timeout_s: float = 240) -> None:
         """Once the first resource's entry point answers, print the curl to paste."""
@@ -199,6 +229,9 @@ class Session:
         if self.load is not None:
             say("stopping the load generator")
             self.load.stop()
+        if self.replays is not None:
+            say("stopping the replays")
+            self.replays.stop()
         if self.live is not None:
             self.live.close(log=say)
         if self.started_cluster:
@@ -237,6 +270,7 @@ def status_table(session: Session) -> str:
     summary = session.live.summary() if session.live else ""
     lines = [table.rstrip(), "", summary, ""]
     traffic = session.load.summaries() if session.load else {}
+    replays = session.replays.summaries() if session.replays else {}
     for item in data.get("items", []):
         name = item["metadata"]["name"]
         per_role: dict[str, list[str]] = {}
@@ -252,6 +286,8 @@ def status_table(session: Session) -> str:
         if name in traffic:
             window = session.load.window_s if session.load else 0.0
             lines.append(f"    traffic  {format_summary(traffic[name], window)}")
+        if name in replays:
+            lines.append(f"    replay   {replay_line(replays[name])}")
         lines.append(f"    anomaly  {anomaly_line(item.get('status') or {})}")
         for cond in item.get("status", {}).get("conditions", []):
             lines.append(
@@ -340,7 +376,19 @@ def main(argv: list[str] | None = None) -> int:
         "--fault-after", type=float, default=None, metavar="SECONDS",
         help="then make one decode sim repeat itself (watch the operator drain and replace it)",
     )  # fmt: skip
+    parser.add_argument(
+        "--trace", type=Path, default=None, metavar="PATH",
+        help="replay real sessions (Claude Code session files: a folder or tarball; or "
+        "Mooncake's .jsonl) through each fleet instead of the synthetic agents; the view shows "
+        "the prefix hit rate the engines achieve beside the bound (an exact LRU over the "
+        "fleet's prefill caches)",
+    )  # fmt: skip
+    parser.add_argument("--trace-rate", type=float, default=0.2,
+                        help="--trace: session starts (Mooncake: requests) per second per "
+                             "fleet")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.trace is not None and not args.trace.exists():
+        parser.error(f"--trace {args.trace}: no such file or folder")
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     cluster, started = open_cluster()
     session = Session(cluster, started)
@@ -350,7 +398,9 @@ def main(argv: list[str] | None = None) -> int:
             "wait", "--for=condition=Established", "--timeout=60s",
             "crd/codingagentservings.serving.cas.dev",
         )  # fmt: skip
-        session.start_live()
+        sim_args = SIM_ARGS if args.trace is None else [
+            *SIM_ARGS, "--sim-kv-capacity", str(TRACE_CACHE)]  # fmt: skip
+        session.start_live(sim_args)
         # a previous run's namespace may still be terminating: wait for it to go first
         session.kubectl("wait", "--for=delete", f"namespace/{DEMO_NAMESPACE}", "--timeout=120s",
                         check=False)  # fmt: skip
@@ -361,9 +411,12 @@ def main(argv: list[str] | None = None) -> int:
                 "apply", "-n", DEMO_NAMESPACE, "-f", "-", stdin=yaml.safe_dump(manifest)
             )
             say(f"applied {manifest['kind']} {manifest['metadata']['name']} in {DEMO_NAMESPACE}")
-        session.start_load(manifests)
         via = "entry Service ClusterIP" if session.services else "router pod"
-        say(f"load generator started (coding-agent sessions through each resource's {via})")
+        if args.trace is None:
+            session.start_load(manifests)
+            say(f"load generator started (coding-agent sessions through each resource's {via})")
+        else:
+            session.start_replays(manifests, args.trace, args.trace_rate)
         if not session.services:
             net = cluster.network
             say(f"no pod network ({net.reason if net else 'external cluster'}): the entry "

@@ -413,6 +413,8 @@ SCHEMA_REJECTIONS = [
         "valueFrom takes exactly one of",
     ),
     ({"security": {"keysSecret": "Not_A_Name"}}, "spec.security.keysSecret"),
+    # smg's policy on the router that has none (issue 40)
+    ({"router": {"policy": "consistent_hashing"}}, "needs router.implementation smg"),
     (
         {
             "security": {

@@ -66,6 +66,27 @@ def test_prefix_cache_evicts_leaves_first_and_respects_capacity() -> None:
     assert cache.match_and_insert(shared) == 50
 
 
+def test_prefix_cache_is_an_exact_lru_over_blocks() -> None:
+    """Regression (issue 40): a prefix used again while a longer prompt held it was evicted
+    next once that prompt's tail went, before blocks used longer ago (a node that became a
+    leaf was put first in line), so the sims' hit rates sat below the exact LRU the replay's
+    bound computes. Now every block of a prompt is used when the prompt is."""
+    cache = PrefixCache(block_size=10, capacity_tokens=30)
+    a, b, d, e, f = (_toks(10, 100 * k) for k in range(1, 6))
+    cache.match_and_insert(np.concatenate([a, b]))  # a, b
+    cache.match_and_insert(d)  # a, b, d: full
+    assert cache.match_and_insert(a) == 10  # a used again: now newer than d
+    cache.match_and_insert(e)  # b goes (least recently used)
+    cache.match_and_insert(f)  # d goes, not a
+    assert cache.cached_tokens == 30
+    assert cache.match_and_insert(a) == 10
+    assert cache.match_and_insert(d) == 0
+    # among one prompt's blocks the deepest goes first: what stays keeps its prefix
+    long = _toks(40, 5000)
+    cache.match_and_insert(long)
+    assert cache.match_and_insert(long) == 30
+
+
 def test_token_stream_is_deterministic_and_seeded_by_prompt() -> None:
     """Regression: replays equal, different prompts differ, styles keep alignment."""
     seed = request_seed(tokenize("hello"), None, 0)

@@ -143,6 +143,8 @@ RULES = [
     ({"hicache": {"enabled": True, "hostMemoryRatio": 0.5}}, "hicache.hostMemoryRatio"),
     ({"rollout": {"strategy": "Canary"}}, "rollout.steps"),
     ({"rollout": {"steps": [{"weight": 50}, {"weight": 10}]}}, "rollout.steps"),
+    # sglang-router 0.3.2 has no such policy: its pods would exit at start (issue 40)
+    ({"router": {"policy": "consistent_hashing"}}, "router.policy"),
 ]
 
 

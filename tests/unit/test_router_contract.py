@@ -99,3 +99,34 @@ def test_smg_without_a_limit_is_told_so() -> None:
     off = {**GLM5, "router": {"admission": {"mode": "Off"}}}
     assert parsed(*rendered(off, "smg")).max_concurrent_requests == 0
     assert parsed(*rendered(off, "sglang-router")).rate_limit_tokens_per_second is None
+
+
+POLICIES = {  # what each implementation's --policy takes, of the schema's values
+    "sglang-router": ("cache_aware", "round_robin", "power_of_two", "random", "manual"),
+    "smg": ("cache_aware", "round_robin", "power_of_two", "random", "manual",
+            "consistent_hashing"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_every_policy_reaches_the_router_and_keyed_ones_read_the_session_id(
+    implementation: str,
+) -> None:
+    """Regression (issue 40): the routers' policies that keep a coding-agent session on one
+    prefill by its session id (manual; smg's consistent_hashing) could not be chosen, and the
+    default, cache_aware, kept sessions on their prefill no better than random with
+    sglang-router 0.3.2 in PD mode (docs/traffic.md). Unset, the policy is the
+    implementation's best measured one; smg reads the session id from Claude Code's own
+    header too; decodes stay round robin under a keyed policy."""
+    for policy in POLICIES[implementation]:
+        spec = {**GLM5, "router": {"policy": policy}}
+        router = parsed(*rendered(spec, implementation))
+        assert str(router.policy) == policy, (policy, router.policy)
+        headers = getattr(router, "routing_key_headers", None)
+        keyed = policy in ("manual", "consistent_hashing")
+        if implementation == "smg" and keyed:
+            assert headers == ["x-smg-routing-key", "x-claude-code-session-id"], headers
+        # decodes hold no prefix: round robin, so a retry reaches another decode
+        assert str(router.decode_policy) == ("round_robin" if keyed else "None"), policy
+    default = parsed(*rendered(GLM5, implementation)).policy
+    assert default == {"sglang-router": "manual", "smg": "consistent_hashing"}[implementation]

@@ -1,14 +1,21 @@
-"""Radix-style prefix cache over fixed-size token blocks, with leaf-first LRU eviction.
+"""Radix-style prefix cache over fixed-size token blocks: an exact LRU, leaves first.
 
 Ownership: one per worker (the prefill side in PD mode, the only side in ``null`` mode). The
 worker calls :meth:`PrefixCache.match_and_insert` with each prompt's tokens; the returned number
 of cached tokens drives the prefill cost and ``sglang:cache_hit_rate``, so hit rates come from
-the traffic (shared multi-turn prefixes hit, new suffixes miss).
+the traffic (shared multi-turn prefixes hit, new suffixes miss). The replay's bound
+(``bench.replay.bound``) runs the same class over the whole pool's capacity.
 
 Structure: each full block is a node keyed by (parent key, block bytes); a prompt's blocks form
 a chain from the root, so two prompts share nodes exactly as long as their token prefixes are
-equal (the same tree as SGLang's radix cache at block granularity). Only leaves are evicted, least
-recently used first, so a cached node's whole prefix always stays cached.
+equal (the same tree as SGLang's radix cache at block granularity).
+
+Eviction is an exact LRU over blocks: every node of a prompt's chain is used when the prompt
+is, and the least recently used node goes first; among the nodes of one prompt, the deepest
+goes first. One ordered map holds every node, least recently used first; a prompt moves its
+chain to the end deepest first, so a node always comes before its parent (a parent is used
+whenever its child is, and later in the same prompt), and the first node is a leaf: evicting
+it never leaves a cached node without its prefix.
 """
 
 from __future__ import annotations
@@ -28,9 +35,7 @@ class PrefixCache:
             raise ValueError("need block_size > 0 and capacity_tokens >= block_size")
         self.block_size = block_size
         self.capacity_blocks = capacity_tokens // block_size
-        self._children: dict[int, int] = {}  # node key -> number of children
-        self._parent: dict[int, int] = {}
-        self._leaves: OrderedDict[int, None] = OrderedDict()
+        self._parent: OrderedDict[int, int] = OrderedDict()  # node -> parent, LRU first
         self.hit_tokens = 0
         self.total_tokens = 0
 
@@ -45,42 +50,21 @@ class PrefixCache:
         n_blocks = len(tokens) // bs
         raw = tokens[: n_blocks * bs].tobytes()
         width = bs * tokens.itemsize
-        parent, hit_blocks, matching = _ROOT, 0, True
+        parent, hit_blocks = _ROOT, 0
+        chain: list[int] = []
         for i in range(n_blocks):
             key = hash((parent, raw[i * width : (i + 1) * width]))
             if key in self._parent:
-                if matching:
-                    hit_blocks += 1
-                self._touch(key)
+                hit_blocks += 1  # only a cached node's children can be cached: still matching
             else:
-                matching = False
-                self._add(key, parent)
+                self._parent[key] = parent
+            chain.append(key)
             parent = key
-        self._evict()
+        for key in reversed(chain):  # most recently used, the root end last
+            self._parent.move_to_end(key)
+        while len(self._parent) > self.capacity_blocks:
+            self._parent.popitem(last=False)  # the least recently used node, always a leaf
         hit = hit_blocks * bs
         self.hit_tokens += hit
         self.total_tokens += len(tokens)
         return hit
-
-    def _touch(self, key: int) -> None:
-        if key in self._leaves:
-            self._leaves.move_to_end(key)
-
-    def _add(self, key: int, parent: int) -> None:
-        self._parent[key] = parent
-        self._children[key] = 0
-        self._leaves[key] = None
-        if parent != _ROOT:
-            self._children[parent] += 1
-            self._leaves.pop(parent, None)
-
-    def _evict(self) -> None:
-        while len(self._parent) > self.capacity_blocks and self._leaves:
-            key, _ = self._leaves.popitem(last=False)
-            parent = self._parent.pop(key)
-            del self._children[key]
-            if parent != _ROOT and parent in self._children:
-                self._children[parent] -= 1
-                if self._children[parent] == 0:
-                    self._leaves[parent] = None
-                    self._leaves.move_to_end(parent, last=False)

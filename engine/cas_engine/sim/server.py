@@ -81,7 +81,7 @@ def _error(status: int, message: str, etype: str = "sim_error") -> web.Response:
     )
 
 
-def _chat_prompt(messages: list[dict[str, Any]]) -> str:
+def chat_prompt(messages: list[dict[str, Any]]) -> str:
     """A trivial chat template: ``<|role|>`` then the text of each message."""
     parts = []
     for msg in messages:
@@ -202,7 +202,7 @@ class SimServer:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
-        prompt = _chat_prompt(body.get("messages") or [])
+        prompt = chat_prompt(body.get("messages") or [])
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
         greq = self._gen_request(body, prompt, max_tokens, body.get("seed"), "chatcmpl")
         run = self.worker.submit(greq)

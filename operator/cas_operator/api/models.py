@@ -112,10 +112,18 @@ class StorageBackend(StrEnum):
 
 
 class RouterPolicy(StrEnum):
+    """How a router picks the prefill (and decode) of each request."""
+
     CACHE_AWARE = "cache_aware"
     ROUND_ROBIN = "round_robin"
     POWER_OF_TWO = "power_of_two"
     RANDOM = "random"
+    MANUAL = "manual"  # a worker per session routing key, assigned at random, then kept
+    CONSISTENT_HASHING = "consistent_hashing"  # smg: a worker per session key by a hash ring
+
+
+# The policies that route by the session key the client sends (router.ROUTING_KEY_HEADERS).
+KEYED_POLICIES = (RouterPolicy.MANUAL, RouterPolicy.CONSISTENT_HASHING)
 
 
 class RouterImplementation(StrEnum):
@@ -498,7 +506,26 @@ class AdmissionSpec(Spec):
     )
 
 
+# What a fleet's routers run when `router.policy` is unset: the best one measured for each
+# implementation, replaying real Claude Code sessions through a fleet with 2 prefills and
+# 2 router replicas (docs/traffic.md, `make bench-replay`).
+DEFAULT_ROUTER_POLICY = {
+    RouterImplementation.SGLANG_ROUTER: RouterPolicy.MANUAL,
+    RouterImplementation.SMG: RouterPolicy.CONSISTENT_HASHING,
+}
+
+
 class RouterSpec(Spec):
+    model_config = _config(
+        cel(
+            "!has(self.policy) || self.policy != 'consistent_hashing' "
+            "|| self.implementation == 'smg'",
+            "router.policy consistent_hashing needs router.implementation smg "
+            "(sglang-router 0.3.2 has no such policy)",
+            ".policy",
+        )
+    )
+
     image: str | None = Field(default=None, description="Default: the engine image.")
     replicas: int = Field(
         default=2,
@@ -517,7 +544,15 @@ class RouterSpec(Spec):
         "name the served model (model.servedModelName, else model.name). The image must ship "
         "it (docs/architecture.md, The router).",
     )
-    policy: RouterPolicy = RouterPolicy.CACHE_AWARE
+    policy: RouterPolicy | None = Field(
+        default=None,
+        description="How the routers pick a prefill and a decode per request. Unset: the best "
+        "measured on real coding-agent sessions for the implementation: consistent_hashing "
+        "(smg) or manual (sglang-router), both keeping each session on one instance by the "
+        "session id the client sends in X-SMG-Routing-Key (smg also reads "
+        "X-Claude-Code-Session-Id); a request without one goes to a random instance "
+        "(docs/traffic.md). consistent_hashing needs smg.",
+    )
     retries: int = Field(
         default=2,
         ge=0,
@@ -533,6 +568,10 @@ class RouterSpec(Spec):
         default=None, description="Where router pods run (they need no GPU)."
     )
     tolerations: list[Toleration] | None = None
+
+    def effective_policy(self) -> RouterPolicy:
+        """`policy`, or the implementation's default (`DEFAULT_ROUTER_POLICY`)."""
+        return self.policy or DEFAULT_ROUTER_POLICY[self.implementation]
 
 
 class NetworkPeer(Spec):

@@ -26,6 +26,8 @@ from cas_operator.api.models import (
     PoolSpec,
     PrefillPoolSpec,
     RatioMode,
+    RouterImplementation,
+    RouterPolicy,
     SpeculativeAlgorithm,
     TransferBackend,
 )
@@ -318,6 +320,17 @@ def _qualified(key: str, pattern: str) -> bool:
     return len(key) <= MAX_QUALIFIED_NAME and short and re.fullmatch(pattern, key) is not None
 
 
+def _router_errors(spec: CodingAgentServingSpec) -> list[SpecError]:
+    """consistent_hashing is smg's only (the CRD's CEL rule on `router` too): sglang-router
+    0.3.2's `--policy` has no such choice, so its pods would exit at start."""
+    router = spec.router
+    if router.policy == RouterPolicy.CONSISTENT_HASHING and (
+        router.implementation != RouterImplementation.SMG
+    ):
+        return [SpecError("router.policy", "consistent_hashing needs router.implementation smg")]
+    return []
+
+
 def limit_errors(spec: CodingAgentServingSpec, limits: OperatorLimits) -> list[SpecError]:
     """Auto mode grows up to `ratio.gpuBudget`: that must fit the operator's cap."""
     cap, budget = limits.max_gpus_per_resource, spec.ratio.gpu_budget
@@ -342,4 +355,5 @@ def validate(spec: CodingAgentServingSpec, resolved: Resolved | None = None) -> 
         *_rollout_errors(spec),
         *_network_errors(spec),
         *_pod_metadata_errors(spec),
+        *_router_errors(spec),
     ]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from cas_operator.api import constants as c
-from cas_operator.api.models import RouterImplementation
+from cas_operator.api.models import KEYED_POLICIES, RouterImplementation, RouterPolicy
 from cas_operator.desired.admission import admission_for
 from cas_operator.desired.plan import Plan
 from cas_operator.desired.resources.meta import (
@@ -31,6 +31,10 @@ ROUTER_COMMANDS = {
     RouterImplementation.SGLANG_ROUTER: ["python3", "-m", "sglang_router.launch_router"],
     RouterImplementation.SMG: ["python3", "-m", "smg.launch_router"],
 }
+# The headers smg reads a session's routing key from (first present wins): its own, and the
+# session id Claude Code sends on every request (one UUID per session, since 2.1.86).
+# sglang-router 0.3.2 reads only X-SMG-Routing-Key and has no flag for more.
+ROUTING_KEY_HEADERS = ("x-smg-routing-key", "x-claude-code-session-id")
 # A deleted router pod keeps accepting this long before SIGTERM: the time for its endpoint to
 # leave the entry Service everywhere (kube-proxy syncs at most once a second by default).
 ROUTER_ENDPOINT_SETTLE_SECONDS = 5
@@ -66,8 +70,7 @@ def router_args(plan: Plan) -> list[str]:
         *discovery_selector(plan, c.ROLE_PREFILL),
         "--decode-selector",
         *discovery_selector(plan, c.ROLE_DECODE),
-        "--policy",
-        router.policy.value,
+        *policy_args(plan),
         "--prometheus-host",
         "0.0.0.0",
         "--prometheus-port",
@@ -81,6 +84,23 @@ def router_args(plan: Plan) -> list[str]:
         return [*args, "--disable-retries"]
     # the router's "max retries" counts attempts: 1 is no retry (its --disable-retries help)
     return [*args, "--retry-max-retries", str(router.retries + 1)]
+
+
+def policy_args(plan: Plan) -> list[str]:
+    """The routing policy (`RouterSpec.effective_policy`). A keyed policy keeps a session on
+    its prefill, where its prefix is cached; decodes hold no prefix, so they go round robin: a
+    retry (a quality-gate trip's 503) then reaches another decode, where a keyed decode policy
+    sent it back to the one that failed (one of two decodes failing every answer, 20 requests
+    of 4 sessions, 4 attempts each: 3 failed with either router keyed on both sides, none
+    with round robin decodes). On smg it reads the session key from `ROUTING_KEY_HEADERS`."""
+    router = plan.spec.router
+    policy = router.effective_policy()
+    args = ["--policy", policy.value]
+    if policy in KEYED_POLICIES:
+        args += ["--decode-policy", RouterPolicy.ROUND_ROBIN.value]
+        if router.implementation == RouterImplementation.SMG:
+            args += ["--routing-key-headers", *ROUTING_KEY_HEADERS]
+    return args
 
 
 def admission_args(plan: Plan) -> list[str]:
