@@ -812,3 +812,11 @@ __all__ = ["AlreadyRunning", "ClusterError", "ClusterHandle", "load_cluster", "s
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def gateway_host(namespace: str) -> str:
+    """The hostname a test's fleet is served under on the shared Gateway. Every test's
+    HTTPRoute attaches to the one Gateway of the local stack: without a hostname each matches
+    every request, and a test's load reached other tests' fleets (their faulty canaries,
+    their retiring routers) whenever two gateway tests ran at once."""
+    return f"{namespace}.e2e.test"

@@ -10,16 +10,19 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from e2e.cluster.stack import GATEWAY_NAME, GATEWAY_NAMESPACE
+from e2e.cluster.stack import GATEWAY_NAME, GATEWAY_NAMESPACE, gateway_host  # noqa: F401
 from e2e.fleet.fleetview import NAME, Kubectl, cas_status, condition, speculative_sample
 from e2e.traffic.recorded import RecordedLoad
 
 
-def canary_sample(*, gateway: bool, steps: list[dict[str, Any]], **analysis: Any) -> dict[str, Any]:
+def canary_sample(
+    *, gateway: bool, steps: list[dict[str, Any]], host: str | None = None, **analysis: Any
+) -> dict[str, Any]:
     """The minimal sample, 1 prefill : 2 decodes with speculative decoding (the quality gate
     judges every request), a Canary rollout of `steps`; with `gateway`, served through the
-    local stack's Gateway. TTFT/ITL ratios are loose here: at a 50% step the canary's one
-    decode carries what two stable decodes share (the stable pools keep their full size)."""
+    local stack's Gateway under `host` (`gateway_host`; clients send it as the Host header).
+    TTFT/ITL ratios are loose here: at a 50% step the canary's one decode carries what two
+    stable decodes share (the stable pools keep their full size)."""
     cas = speculative_sample(decodes=2, window_s=30)
     cas["spec"]["rollout"] = {
         "strategy": "Canary",
@@ -29,7 +32,7 @@ def canary_sample(*, gateway: bool, steps: list[dict[str, Any]], **analysis: Any
     }  # fmt: skip
     if gateway:
         ref = {"name": GATEWAY_NAME, "namespace": GATEWAY_NAMESPACE}
-        cas["spec"]["gateway"] = {"parentRefs": [ref]}
+        cas["spec"]["gateway"] = {"parentRefs": [ref], **({"hostnames": [host]} if host else {})}
     return cas
 
 
@@ -53,8 +56,8 @@ def serving_stably(kubectl: Kubectl, namespace: str) -> dict[str, Any] | None:
     return status if ready and stable else None
 
 
-def answers(url: str) -> bool:
-    load = RecordedLoad(url, workers=1, max_requests=1, tokens=8, timeout_s=10)
+def answers(url: str, host: str | None = None) -> bool:
+    load = RecordedLoad(url, workers=1, max_requests=1, tokens=8, timeout_s=10, host=host)
     return all(s.ok for s in load.start().stop()) and bool(load.served)
 
 

@@ -26,6 +26,7 @@ from e2e.cluster.stack import ClusterHandle
 from e2e.fleet.canaryview import (
     answers,
     canary_sample,
+    gateway_host,
     patch_engine,
     rollout,
     route_weight,
@@ -47,9 +48,17 @@ pytestmark = [
 ]
 
 
-def summary(served: list[Served]) -> str:
+def summary(served: list[Served], moments: list[tuple[float, str]] | None = None) -> str:
+    """Counts, the first errors, and when the failures started and ended against the rollout's
+    moments (seconds after the first request), which says which transition lost them."""
     failed = [s for s in served if not s.ok]
-    return f"{len(served)} sent, {len(failed)} failed: {[s.error for s in failed][:5]}"
+    text = f"{len(served)} sent, {len(failed)} failed: {[s.error for s in failed][:5]}"
+    if failed and served:
+        t0 = served[0].started
+        when = [(round(t - t0, 1), what) for t, what in moments or []]
+        text += (f"; failures from {failed[0].started - t0:.1f}s to {failed[-1].started - t0:.1f}s"
+                 f"; rollout: {when}")  # fmt: skip
+    return text
 
 
 def test_an_engine_change_steps_through_the_gateway_and_promotes(
@@ -59,17 +68,19 @@ def test_an_engine_change_steps_through_the_gateway_and_promotes(
     gateway = cluster.gateway_url
     assert gateway is not None, "the local stack runs no Gateway (pod network off?)"
     stack = live_stack(SIM_ARGS)
-    cas = canary_sample(gateway=True, steps=[{"weight": 50, "pauseSeconds": 10}])
+    host = gateway_host(namespace)
+    cas = canary_sample(gateway=True, steps=[{"weight": 50, "pauseSeconds": 10}], host=host)
     with resource_live(stack, kubectl, cas, log=lambda s: print(f"[live] {s}")):
         before = wait_for("the fleet Ready", lambda: serving_stably(kubectl, namespace), 120)
-        wait_for("the Gateway to reach the fleet", lambda: answers(gateway), 90)
+        wait_for("the Gateway to reach the fleet", lambda: answers(gateway, host), 90)
         book = PodBook(kubectl, namespace, NAME).start()
-        load = RecordedLoad(gateway, workers=4, tokens=160).start()
+        load = RecordedLoad(gateway, workers=4, tokens=160, host=host).start()
         pause(5, "traffic flows before the change")
         patch_engine(kubectl, namespace, {"env": [{"name": "CAS_DEMO_BUILD", "value": "2"}]})
         weights: list[int] = []
         phases: list[str] = []
         reasons: list[str] = []
+        moments: list[tuple[float, str]] = []
 
         def promoted() -> dict[str, Any] | None:
             weight, state = route_weight(kubectl, namespace), rollout(kubectl, namespace)
@@ -79,6 +90,7 @@ def test_an_engine_change_steps_through_the_gateway_and_promotes(
                 phases.append(state["phase"])
             if state.get("reason") and (not reasons or reasons[-1] != state["reason"]):
                 reasons.append(state["reason"])
+                moments.append((time.monotonic(), f"{state['phase']}: {state['reason']}"))
                 print(f"[rollout] {state['phase']}: {state['reason']}")
             new = cas_status(kubectl, namespace).get("revision")
             done = new != before["revision"] and state.get("stableRevision") == new
@@ -96,7 +108,7 @@ def test_an_engine_change_steps_through_the_gateway_and_promotes(
         book.stop()
     check = check_pairs(served, book)
     new = final["stableRevision"]
-    assert check.failed == [], summary(served)
+    assert check.failed == [], summary(served, moments)
     assert check.mixed == [] and check.unknown == [], (check.mixed[:5], check.unknown[:5])
     assert check.by_revision.get(before["revision"], 0) > 0 and check.by_revision.get(new, 0) > 0
     assert 50 in weights and weights[0] == 0, weights  # traffic moved by the route's weights
@@ -110,13 +122,14 @@ def test_a_corrupting_canary_is_aborted_within_one_window_and_then_gets_nothing(
     gateway = cluster.gateway_url
     assert gateway is not None
     stack = live_stack(SIM_ARGS)
-    cas = canary_sample(gateway=True, steps=[{"weight": 50, "pauseSeconds": 60}],
+    host = gateway_host(namespace)
+    cas = canary_sample(gateway=True, steps=[{"weight": 50, "pauseSeconds": 60}], host=host,
                         windowSeconds=60)  # fmt: skip
     with resource_live(stack, kubectl, cas, log=lambda s: print(f"[live] {s}")):
         before = wait_for("the fleet Ready", lambda: serving_stably(kubectl, namespace), 120)
-        wait_for("the Gateway to reach the fleet", lambda: answers(gateway), 90)
+        wait_for("the Gateway to reach the fleet", lambda: answers(gateway, host), 90)
         book = PodBook(kubectl, namespace, NAME).start()
-        load = RecordedLoad(gateway, workers=4, tokens=200).start()
+        load = RecordedLoad(gateway, workers=4, tokens=200, host=host).start()
         # the canary's engines corrupt half their requests' KV (the sim's decode fault)
         patch_engine(kubectl, namespace, {"args": ["--sim-fault", "decode_corruption=0.5"]})
 

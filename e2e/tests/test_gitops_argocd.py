@@ -54,7 +54,7 @@ from kubernetes.client.exceptions import ApiException
 from cas_engine.sim.fleet import router_available
 from e2e.cluster import argocd as argocd_stack
 from e2e.cluster.stack import ClusterHandle
-from e2e.fleet.canaryview import answers, canary_sample, rollout
+from e2e.fleet.canaryview import answers, canary_sample, gateway_host, rollout
 from e2e.fleet.fleetview import ENGINE_PORT, NAME, Kubectl, role_pods
 from e2e.fleet.gitops import (
     COMPARE_OPTIONS,
@@ -92,13 +92,13 @@ pytestmark = [
 ]
 
 
-def fleet() -> dict[str, Any]:
+def fleet(namespace: str) -> dict[str, Any]:
     """The fleet in git: the canary sample through the Gateway, one step at 50% held until
     promoted, in Auto mode (the operator owns the pools' replicas: none in git), instances of
     one GPU (the shared cluster's GPUs stay for other tests), its pods' readiness left to the
     pod runner."""
     cas = canary_sample(gateway=True, steps=[{"weight": 50, "pauseUntilPromoted": True}],
-                        windowSeconds=15, minRequests=10)  # fmt: skip
+                        host=gateway_host(namespace), windowSeconds=15, minRequests=10)  # fmt: skip
     cas["spec"]["ratio"] = {"mode": "Auto", "prefill": 1, "decode": 1, "min": 0.5, "max": 2.0,
                             "gpuBudget": 8}  # fmt: skip
     cas["spec"]["prefill"] = {"tensorParallel": 1}
@@ -271,7 +271,7 @@ def test_argo_cd_syncs_a_fleet_through_its_lifecycle(
         repo.init()
         read = app_reader(cluster.kubeconfig, namespace, APP)
         run = Run(kubectl, namespace, repo, argocd, read)
-        spec = fleet()
+        spec = fleet(namespace)
         first = repo.commit("a fleet", {FLEET_FILE: spec, NOTES_FILE: notes()})
         app = application(APP, namespace, argocd.repo_url(repo.name), FLEET_PATH,
                           server_side_diff=False)  # fmt: skip
@@ -303,7 +303,9 @@ def test_argo_cd_syncs_a_fleet_through_its_lifecycle(
                 assert TRACKING_LABEL not in (meta.get("labels") or {}), meta
 
             # answers of at least anomalyGuard.minGeneratedTokens (128): the gate judges them
-            load = RecordedLoad(gateway, workers=3, tokens=160).start()
+            load = RecordedLoad(
+                gateway, workers=3, tokens=160, host=gateway_host(namespace)
+            ).start()
             try:
                 steps_2_to_5(run, cluster, kubectl, namespace, spec, gateway)
             finally:
@@ -319,7 +321,8 @@ def steps_2_to_5(
     run: Run, cluster: ClusterHandle, kubectl: Kubectl, namespace: str, spec: dict[str, Any],
     gateway: str,
 ) -> None:  # fmt: skip
-    wait_for("the Gateway to reach the fleet", lambda: answers(gateway), 90)
+    host = gateway_host(namespace)
+    wait_for("the Gateway to reach the fleet", lambda: answers(gateway, host), 90)
     build2 = canary_promoted(run, cluster, kubectl, namespace, spec)
     bad_canary_reverted(run, kubectl, namespace, build2)
     # every sample under client-side diff, the Application's creation included
@@ -471,7 +474,7 @@ def auto_grows_the_prefill_pool(run: Run, kubectl: Kubectl, namespace: str, gate
             done = asyncio.Event()
             task = asyncio.create_task(steady_traffic(
                 gateway, done, stats, concurrency=8, max_tokens=20, max_requests=5_000,
-                prompt_body=LONG_PROMPT))  # fmt: skip
+                prompt_body=LONG_PROMPT, host=gateway_host(namespace)))  # fmt: skip
             await asyncio.to_thread(stop.wait)
             done.set()
             await task

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from e2e.cluster import manifests, podnet
-from e2e.cluster.stack import GATEWAY_NAME, GATEWAY_NAMESPACE, ClusterHandle
+from e2e.cluster.stack import GATEWAY_NAME, GATEWAY_NAMESPACE, ClusterHandle, gateway_host
 from e2e.runtime.podrunner import PodRunner, kube_pod_deleter, kube_pod_lister, kube_status_patcher
 from e2e.tests.conftest import in_ci
 from e2e.tests.test_cluster import apply, get_json, wait_until
@@ -109,9 +109,11 @@ def ready_endpoints(kubectl: Kubectl, namespace: str, svc: str) -> dict[str, boo
     return out
 
 
-def who(url: str, timeout: float = 3.0) -> str:
-    """The served model (= pod name) of the sim answering ``url``/v1/models."""
-    with urllib.request.urlopen(f"{url}/v1/models", timeout=timeout) as resp:
+def who(url: str, timeout: float = 3.0, host: str | None = None) -> str:
+    """The served model (= pod name) of the sim answering ``url``/v1/models (``host``: the
+    Host header, a route's hostname on the shared Gateway)."""
+    request = urllib.request.Request(f"{url}/v1/models", headers={"Host": host} if host else {})
+    with urllib.request.urlopen(request, timeout=timeout) as resp:
         return str(json.loads(resp.read())["data"][0]["id"])
 
 
@@ -211,6 +213,7 @@ def test_httproute_weights_split_requests_90_10_over_two_services(
     implementation (Traefik), 1,000 requests split 90/10 within +-3 points."""
     gateway = cluster.gateway_url
     assert gateway is not None, "the pod network is up but no Gateway was started"
+    host = gateway_host(namespace)  # the shared Gateway: other tests' routes stay apart
     for name in ("stable", "canary"):
         labels = {"app": name}
         apply(kubectl, namespace, sim_deployment(name, 1, labels), service(name, labels))
@@ -221,6 +224,7 @@ def test_httproute_weights_split_requests_90_10_over_two_services(
         "apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute",
         "metadata": {"name": "split"},
         "spec": {"parentRefs": [{"name": GATEWAY_NAME, "namespace": GATEWAY_NAMESPACE}],
+                 "hostnames": [host],
                  "rules": [{"backendRefs": [{"name": "stable", "port": 80, "weight": 90},
                                             {"name": "canary", "port": 80, "weight": 10}]}]},
     }  # fmt: skip
@@ -230,7 +234,7 @@ def test_httproute_weights_split_requests_90_10_over_two_services(
 
     def both_answer() -> bool:
         try:
-            seen = {pods.get(who(gateway, timeout=2.0)) for _ in range(30)}
+            seen = {pods.get(who(gateway, timeout=2.0, host=host)) for _ in range(30)}
         except OSError:
             return False
         return seen == {"stable", "canary"}
@@ -240,7 +244,7 @@ def test_httproute_weights_split_requests_90_10_over_two_services(
     conn = http.client.HTTPConnection(urllib.parse.urlsplit(gateway).netloc, timeout=5)
     try:
         for _ in range(1000):  # bounded; every address is inside the pod network
-            conn.request("GET", "/v1/models")
+            conn.request("GET", "/v1/models", headers={"Host": host})
             body = conn.getresponse().read()
             counts[pods.get(json.loads(body)["data"][0]["id"], "?")] += 1
     finally:

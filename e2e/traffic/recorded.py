@@ -59,6 +59,7 @@ class RecordedLoad:
     timeout_s: float = 120.0
     pause_s: float = 0.2  # each client's think time between requests
     fresh_connections: bool = False  # a new connection per request (no keep-alive)
+    host: str | None = None  # the Host header (a fleet's hostname on a shared Gateway)
     served: list[Served] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -83,7 +84,10 @@ class RecordedLoad:
     async def _run(self) -> None:
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         connector = aiohttp.TCPConnector(force_close=self.fresh_connections)
-        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        headers = {"Host": self.host} if self.host else None
+        async with aiohttp.ClientSession(
+            timeout=timeout, connector=connector, headers=headers
+        ) as session:
             await asyncio.gather(*(self._worker(session, w) for w in range(self.workers)))
 
     async def _worker(self, session: aiohttp.ClientSession, worker: int) -> None:

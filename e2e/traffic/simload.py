@@ -59,10 +59,13 @@ async def steady_traffic(
     max_tokens: int = 200,
     max_requests: int = 5000,
     prompt_body: str = "",
+    host: str | None = None,
 ) -> None:
     """Keep `concurrency` chat requests in flight until `stop` is set; each prompt starts
-    with a unique line, so `prompt_body` (long prompts) is never a cached prefix."""
-    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+    with a unique line, so `prompt_body` (long prompts) is never a cached prefix. `host`: the
+    Host header (a fleet's hostname on a shared Gateway)."""
+    headers = {"Host": host} if host else None
+    async with aiohttp.ClientSession(timeout=TIMEOUT, headers=headers) as session:
 
         async def worker(w: int) -> None:
             while not stop.is_set() and stats.sent < max_requests:

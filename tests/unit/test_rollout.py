@@ -14,9 +14,12 @@ from typing import Any
 
 import pytest
 
+from cas_operator.api.constants import LABEL_REVISION
 from cas_operator.api.models import AnalysisSpec, CanaryStep, RolloutSpec, parse_spec
 from cas_operator.desired.build import build_plan
 from cas_operator.desired.plan import InvalidSpec
+from cas_operator.desired.resources.meta import Owner
+from cas_operator.desired.resources.traffic import build_traffic
 from cas_operator.desired.traffic import (
     MODE_GATEWAY,
     MODE_SERVICE,
@@ -25,6 +28,7 @@ from cas_operator.desired.traffic import (
     split_for,
 )
 from cas_operator.observe.types import PodSignals
+from cas_operator.reconcile.core import gateway_caught_up
 from cas_operator.rollout.analysis import (
     MeasuredPod,
     RevisionMetrics,
@@ -32,7 +36,7 @@ from cas_operator.rollout.analysis import (
     analyse,
     rate_gate,
 )
-from cas_operator.rollout.decide import RolloutInputs, decide
+from cas_operator.rollout.decide import PROMOTION_SETTLE_SECONDS, RolloutInputs, decide
 from cas_operator.rollout.state import Action, Phase, RolloutState
 
 INF = math.inf
@@ -236,6 +240,34 @@ def test_promotion_grows_the_canary_then_all_traffic_then_makes_it_stable() -> N
     assert (done.stable, done.canary, done.phase) == ("r2", None, Phase.STABLE)
 
 
+def test_a_promotion_keeps_the_gateway_on_the_canary_service_while_stable_settles() -> None:
+    """Regression: the pass that promoted moved the HTTPRoute's weight to `<name>-stable` in
+    the same apply that changed its selector to the new revision and began retiring the old
+    one; until its EndpointSlice (then the Gateway) followed, requests met an empty backend
+    ("no available server", 49 of 981 in the canary e2e test). The weight stays on
+    `<name>-canary`, which already selects the new revision, and the old revision stays, for
+    PROMOTION_SETTLE_SECONDS; then both move, and the state says so in status."""
+    full = replace_state(weight=100, step_started=0.0, step=2, phase=Phase.PROMOTING)
+    done = stepped(full, 20.0, ready_step=2)
+    assert (done.stable, done.replaced, done.promoted_at) == ("r2", "r1", 20.0)
+    assert RolloutState.from_status({"rollout": done.to_status()}) == done
+    assert done.adopt("r2") == done  # the reconcile's adopt keeps it too
+    spec = {**CANARY, "gateway": {"parentRefs": [{"name": "gw"}]}}
+    split = split_for(plan_of(spec), done, frozenset({"r1"}))
+    assert split.settling and split.keep == {"r1", "r2"} and split.route_weight == 100
+    services = {m["metadata"]["name"]: m for m in build_traffic(OWNER, plan_of(spec), split)}
+    assert {s["spec"]["selector"][LABEL_REVISION] for n, s in services.items()
+            if s["kind"] == "Service"} == {"r2"}  # fmt: skip
+    (refs,) = [r["backendRefs"] for r in services["demo"]["spec"]["rules"]]
+    assert [r["weight"] for r in refs] == [0, 100]
+    still = stepped(done, 20.0 + PROMOTION_SETTLE_SECONDS - 1)
+    assert still.replaced == "r1"
+    settled = stepped(still, 20.0 + PROMOTION_SETTLE_SECONDS)
+    assert settled.replaced is None and settled.stable == "r2"
+    after = split_for(plan_of(spec), settled, frozenset({"r1"}))
+    assert not after.settling and after.keep == {"r2"} and after.route_weight == 0
+
+
 def test_skip_and_abort_actions() -> None:
     at = replace_state(weight=10, step_started=100.0)
     assert stepped(at, 101.0, action=Action.SKIP).step == 1
@@ -254,6 +286,9 @@ def test_the_status_round_trip_resumes_at_the_same_step() -> None:
     at = replace_state(weight=50, step_started=1_790_000_000.0, step=1, reason="x")
     assert RolloutState.from_status({"rollout": at.to_status()}) == at
     assert RolloutState.recorded({"servingRevision": "r0"}) == RolloutState(stable="r0")
+
+
+OWNER = Owner(name="demo", namespace="ns", uid="u1")
 
 
 def replace_state(**changes: Any) -> RolloutState:
@@ -480,3 +515,34 @@ def test_a_canary_step_of_a_fleet_without_speculative_decoding_passes_its_analys
                               "engine": {"speculative": nextn}})  # fmt: skip
     held = rollout_tick(FleetPods(), Window(), resource, speculative, None, Findings(), 1060.0)
     assert held.state is not None and held.state.phase == Phase.PAUSED, held.state
+
+
+class _Routes:
+    """A Kube seam holding one HTTPRoute (only `get` is used)."""
+
+    def __init__(self, route: dict[str, Any] | None) -> None:
+        self.route = route
+
+    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        assert (kind, name) == ("HTTPRoute", "demo")
+        return self.route
+
+
+def test_old_routers_wait_until_the_gateway_reports_the_routes_generation() -> None:
+    """Regression: a retiring revision's routers were deleted 15 s after the weights left
+    them, while Traefik (under the parallel suite) still sent them requests, which their
+    shutdown answered 502. They go once every parent reports the route's generation."""
+    plan = plan_of({**CANARY, "gateway": {"parentRefs": [{"name": "gw"}]}})
+
+    def route(*observed: int) -> dict[str, Any]:
+        parents = [{"conditions": [{"type": "Accepted", "observedGeneration": g}]}
+                   for g in observed]  # fmt: skip
+        return {"metadata": {"generation": 4}, "status": {"parents": parents}}
+
+    assert not gateway_caught_up(_Routes(route(3)), plan)  # type: ignore[arg-type]
+    assert not gateway_caught_up(_Routes(route(4, 3)), plan)  # type: ignore[arg-type]
+    assert not gateway_caught_up(_Routes(route()), plan)  # type: ignore[arg-type]
+    assert gateway_caught_up(_Routes(route(4)), plan)  # type: ignore[arg-type]
+    assert gateway_caught_up(_Routes(route(4, 5)), plan)  # type: ignore[arg-type]
+    assert gateway_caught_up(_Routes(None), plan)  # type: ignore[arg-type]
+    assert gateway_caught_up(_Routes(route(0)), plan_of(CANARY))  # type: ignore[arg-type]

@@ -64,6 +64,16 @@ class Split:
     keep: frozenset[str]
     waiting: str = ""  # why the split cannot take effect yet
     sized_step: int | None = None  # the canary step `current_sizes` are for
+    # just promoted: the Gateway's weight stays on `<name>-canary` (it already selects the
+    # new revision) while `<name>-stable`'s endpoints follow its new selector
+    settling: bool = False
+
+    @property
+    def route_weight(self) -> int:
+        """The canary Service's share of the Gateway's requests (the HTTPRoute's weight)."""
+        if self.settling:  # both Services select the promoted revision; `-stable` settling
+            return 100
+        return self.weight if self.canary is not None and not self.waiting else 0
 
     @property
     def serving(self) -> frozenset[str]:
@@ -132,9 +142,10 @@ def split_for(plan: Plan, state: RolloutState, others: frozenset[str]) -> Split:
     if state.canary is None or state.canary != current:
         aborted = state.phase == Phase.ABORTED and state.aborted == current and stable != current
         if not aborted:  # no canary: the spec's revision is (or becomes) the stable one
-            return Split(
-                current, current, None, 0, True, full, None, current, mode, "", frozenset({current})
-            )
+            replaced = state.replaced if state.replaced not in (None, current) else None
+            keep = frozenset({current} | ({replaced} if replaced else set()))
+            return Split(current, current, None, 0, True, full, None, current, mode, "", keep,
+                         settling=replaced is not None)  # fmt: skip
         return Split(
             current, stable, None, 0, False, full, full, stable, mode, "", frozenset({stable})
         )

@@ -418,7 +418,12 @@ def retire_stale(
         if step.delete and (router is not None or routers_left(kube, plan, revision)):
             step = RevisionRetire(False, f"its routers finish first ({step.progress})")
         if not step.delete:
-            if router is not None and now - since >= policy.min_wait_seconds:
+            waited = now - since
+            if (
+                router is not None
+                and waited >= policy.min_wait_seconds
+                and (waited >= GATEWAY_WAIT_MAX_SECONDS or gateway_caught_up(kube, plan))
+            ):
                 kube.delete("Deployment", plan.namespace, router.name, uid=router.uid)
                 out.events.append(
                     ("Normal", "RouterRetired", f"revision {revision}'s router draining")
@@ -436,6 +441,36 @@ def retire_stale(
         out.deleted += (revision,)
     delete_unused_keys(kube, plan, observed, out.deleted, owner_uid)
     return out
+
+
+# How long a retiring revision's routers wait for the Gateway to report the HTTPRoute's
+# current generation before they go anyway (a parent whose controller never reports).
+GATEWAY_WAIT_MAX_SECONDS = 120.0
+
+
+def gateway_caught_up(kube: Kube, plan: Plan) -> bool:
+    """Whether every Gateway the fleet's HTTPRoute is attached to reports having read its
+    current generation (`status.parents[].conditions[].observedGeneration`, Gateway API), so
+    that it no longer routes by older weights to a retiring revision's routers; True without
+    `spec.gateway`. Under the parallel suite Traefik sent requests to the old routers for
+    15 s after the weights left them, and their shutdown answered 502 (test_canary.py)."""
+    gateway = plan.spec.gateway
+    if gateway is None:
+        return True
+    route = kube.get("HTTPRoute", plan.namespace, gateway.http_route or plan.name)
+    if route is None:
+        return True  # nothing routes by it
+    generation = (route.get("metadata") or {}).get("generation")
+    parents = (route.get("status") or {}).get("parents") or []
+    if generation is None or not parents:
+        return False
+    return all(
+        any(
+            int(cond.get("observedGeneration", -1)) >= generation
+            for cond in parent.get("conditions") or []
+        )
+        for parent in parents
+    )
 
 
 def routers_left(kube: Kube, plan: Plan, revision: str) -> bool:
@@ -692,9 +727,11 @@ def routing_moves(split: Split, previous: Status) -> bool:
     canary runs (its weight moves between passes; a pass is cheap next to a request sent to the
     wrong revision), and whenever what they route to differs from what the last pass recorded
     (a promotion, an abort, the end of a canary)."""
-    if split.canary is not None:
+    if split.canary is not None or split.settling:
         return True
     before = previous.get("rollout") or {}
+    if before.get("replacedRevision"):  # the pass after a promotion settled
+        return True
     return (before.get("stableRevision"), before.get("canaryRevision")) != (split.stable, None) or (
         previous.get("servingRevision") != split.entry
     )
@@ -734,7 +771,7 @@ def set_route_weights(kube: Kube, plan: Plan, split: Split) -> list[Problem]:
     gateway = plan.spec.gateway
     if gateway is None or gateway.http_route is None:
         return []
-    weight = split.weight if split.canary is not None and not split.waiting else 0
+    weight = split.route_weight
     where = f"HTTPRoute {gateway.http_route}"
     try:
         route = kube.get("HTTPRoute", plan.namespace, gateway.http_route)

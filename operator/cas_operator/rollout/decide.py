@@ -29,6 +29,14 @@ from cas_operator.rollout.analysis import Analysis, Verdict
 from cas_operator.rollout.state import Action, Phase, RolloutState
 from cas_operator.types import Event
 
+# After a promotion the Gateway's `-stable` Service changes its selector to the new revision;
+# its EndpointSlice (then the Gateway's copy of it) follows only after a moment, and a weight
+# moved there at once, with the old routers retiring, met an empty backend: "no available
+# server" 503s (the canary e2e test measured 49 of 981 under the parallel suite). The weight
+# stays on the `-canary` Service, and the old revision stays, this long (the router's own
+# endpoint settle time, doubled).
+PROMOTION_SETTLE_SECONDS = 10.0
+
 
 @dataclass(frozen=True)
 class RolloutInputs:
@@ -58,6 +66,8 @@ def decide(
 ) -> RolloutDecision:
     """One tick (see the module docstring)."""
     begun = state.adopt(inputs.revision)
+    if begun.replaced is not None and now - (begun.promoted_at or now) >= PROMOTION_SETTLE_SECONDS:
+        begun = begun.settled()
     events: list[Event] = []
     if begun.canary is not None and begun.canary != state.canary:
         events.append(("Normal", "CanaryStarted", f"revision {begun.canary} starts as a canary"))
@@ -132,7 +142,7 @@ def _step(
         )
     if state.step >= len(steps):  # all traffic on the canary since the last tick
         event = ("Normal", "RolloutPromoted", f"revision {state.canary} is stable")
-        return RolloutDecision(state.promoted(), [event])
+        return RolloutDecision(state.promoted(now), [event])
     return _hold(state, steps[state.step], spec, analysis, now, label)
 
 

@@ -51,6 +51,11 @@ class RolloutState:
     reason: str = ""  # why it holds, or what the last transition was
     aborted: str | None = None
     analysis: Status | None = None  # the last analysis, as status shows it
+    # Just promoted: the revision it replaced, kept (and the Gateway's weight kept on the
+    # `-canary` Service, which already selects the new revision) while the `-stable` Service's
+    # endpoints move to the new revision (`PROMOTION_SETTLE_SECONDS`, `desired.traffic`)
+    replaced: str | None = None
+    promoted_at: float | None = None
 
     @property
     def active(self) -> bool:
@@ -62,6 +67,9 @@ class RolloutState:
         becomes stable; the stable one ends any canary (a revert); an aborted one stays
         aborted; any other new revision starts a canary at its first step with no traffic."""
         if self.stable is None or revision == self.stable:
+            if self.canary is None and revision == self.stable and self.replaced is not None:
+                return RolloutState(stable=revision, replaced=self.replaced,
+                                    promoted_at=self.promoted_at, reason=self.reason)  # fmt: skip
             return RolloutState(stable=revision)
         if revision == self.aborted and self.canary is None:
             return self
@@ -83,9 +91,18 @@ class RolloutState:
             analysis=self.analysis,
         )
 
-    def promoted(self) -> RolloutState:
+    def promoted(self, now: float) -> RolloutState:
         assert self.canary is not None
-        return RolloutState(stable=self.canary, reason=f"promoted {self.canary}")
+        return RolloutState(
+            stable=self.canary,
+            reason=f"promoted {self.canary}",
+            replaced=self.stable,
+            promoted_at=now,
+        )
+
+    def settled(self) -> RolloutState:
+        """The promotion's endpoints have settled: the replaced revision may retire."""
+        return replace(self, replaced=None, promoted_at=None)
 
     def at_step(self, step: int, phase: Phase, reason: str) -> RolloutState:
         """Work on `step` (its pools first; traffic moves when they are Ready)."""
@@ -103,6 +120,8 @@ class RolloutState:
             "reason": self.reason or None,
             "abortedRevision": self.aborted,
             "analysis": self.analysis,
+            "replacedRevision": self.replaced,
+            "promotedAt": rfc3339(self.promoted_at) if self.promoted_at else None,
         }
         return {k: v for k, v in out.items() if v is not None}
 
@@ -126,6 +145,8 @@ class RolloutState:
             reason=str(found.get("reason") or ""),
             aborted=found.get("abortedRevision"),
             analysis=found.get("analysis"),
+            replaced=found.get("replacedRevision"),
+            promoted_at=parse_time(found.get("promotedAt")),
         )
 
     @classmethod

@@ -79,7 +79,7 @@ def build_traffic(owner: Owner, plan: Plan, split: Split) -> list[Manifest]:
     if gateway is None:
         return []
     canary = split.canary if split.canary is not None and split.build_current else split.stable
-    weight = split.weight if split.canary is not None and not split.waiting else 0
+    weight = split.route_weight
     out = [
         build_track_service(owner, plan, "stable", split.stable),
         build_track_service(owner, plan, "canary", canary),
