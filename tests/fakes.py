@@ -69,9 +69,16 @@ class MemoryKube:
             self._uids += 1
             stored = f"obj-{self._uids}"
         meta = {**(before or {}).get("metadata", {}), **manifest["metadata"], "uid": stored}
-        obj = {**manifest, "metadata": {**meta, "generation": 1}}
+        generation = 1  # as the API server: bumped only by a change of the spec
+        if before is not None:
+            changed = before.get("spec") != manifest.get("spec")
+            generation = int(before["metadata"].get("generation", 1)) + changed
+        obj = {**manifest, "metadata": {**meta, "generation": generation}}
         replicas = manifest.get("spec", {}).get("replicas", 0)
-        obj["status"] = {"observedGeneration": 1, "readyReplicas": replicas if self.ready else 0}
+        obj["status"] = {"observedGeneration": generation,
+                         "readyReplicas": replicas if self.ready else 0}  # fmt: skip
+        if kind == "HTTPRoute":  # its status is the Gateway controller's, kept by an apply
+            obj["status"] = (before or {}).get("status", {})
         self.objects[(kind, name)] = obj
         self.applies.append((kind, name))
         return obj

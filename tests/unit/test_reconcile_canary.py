@@ -59,6 +59,14 @@ def weights(kube: MemoryKube) -> list[int]:
     return [ref["weight"] for ref in route["spec"]["rules"][0]["backendRefs"]]
 
 
+def gateway_reads_the_route(kube: MemoryKube) -> None:
+    """What the Gateway's controller does with the route: report that it read its current
+    generation."""
+    route = kube.objects[("HTTPRoute", "demo")]
+    read = {"type": "Accepted", "observedGeneration": route["metadata"]["generation"]}
+    route["status"] = {"parents": [{"conditions": [read]}]}
+
+
 def selector(kube: MemoryKube, service: str) -> dict[str, str]:
     return dict(kube.objects[("Service", service)]["spec"]["selector"])
 
@@ -149,6 +157,9 @@ def test_an_aborted_canary_is_retired_and_the_fleet_is_degraded() -> None:
     }
     assert outcome.status["decode"]["summary"] == "4/4"  # the stable pools serve
     later = run(kube, V2, generation=2, previous=outcome.status, measured=measured, now=NOW + 20)
+    assert kube.deleted == []  # the Gateway has not reported the weights that left them
+    gateway_reads_the_route(kube)
+    later = run(kube, V2, generation=2, previous=outcome.status, measured=measured, now=NOW + 20)
     assert kube.deleted == [("Deployment", f"demo-router-{r2}")]  # its router first
     later = run(kube, V2, generation=2, previous=outcome.status, measured=measured, now=NOW + 22)
     assert ("Deployment", f"demo-decode-{r2}") in kube.deleted
@@ -183,6 +194,9 @@ def test_promotion_moves_both_services_and_retires_the_old_revision() -> None:
     assert selector(kube, "demo-stable")[c.LABEL_REVISION] == r2
     assert selector(kube, "demo")[c.LABEL_REVISION] == r2 and weights(kube) == [100, 0]
     assert outcome.status["rollout"]["phase"] == "Stable"
+    run(kube, V2, generation=2, previous=outcome.status, measured=measured, now=NOW + 20)
+    assert kube.deleted == []  # the Gateway has not reported the weights that left them
+    gateway_reads_the_route(kube)
     run(kube, V2, generation=2, previous=outcome.status, measured=measured, now=NOW + 20)
     assert kube.deleted == [("Deployment", f"demo-router-{r1}")]  # its router first
     run(kube, V2, generation=2, previous=outcome.status, measured=measured, now=NOW + 22)
