@@ -181,6 +181,7 @@ def test_routers_shed_beyond_the_planned_rate_and_follow_replica_changes(
     # refusals come back before the first admitted answer is done (a 2-core machine running
     # the suite in parallel slows both alike: a fixed 50 ms bound failed at 82 ms, a quarter of
     # the median answer at 114 ms of 258 ms)
+    assert admitted, results  # the burst fits 2 x burst 4 requests
     first_done = min(r.seconds for r in admitted)
     assert shed_times[len(shed) // 2] < first_done, (shed_times, first_done, connect)
     assert refused == pytest.approx(len(shed) / 300.0, rel=0.1), (refused, len(shed))
