@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from e2e.cluster.stack import GATEWAY_NAME, GATEWAY_NAMESPACE, gateway_host  # noqa: F401
+from e2e.cluster.stack import GATEWAY_NAME, GATEWAY_NAMESPACE
 from e2e.fleet.fleetview import NAME, Kubectl, cas_status, condition, speculative_sample
 from e2e.traffic.recorded import RecordedLoad
 
@@ -20,9 +20,9 @@ def canary_sample(
 ) -> dict[str, Any]:
     """The minimal sample, 1 prefill : 2 decodes with speculative decoding (the quality gate
     judges every request), a Canary rollout of `steps`; with `gateway`, served through the
-    local stack's Gateway under `host` (`gateway_host`; clients send it as the Host header).
-    TTFT/ITL ratios are loose here: at a 50% step the canary's one decode carries what two
-    stable decodes share (the stable pools keep their full size)."""
+    local stack's Gateway under `host` (`e2e.cluster.stack.gateway_host`; clients send it as
+    the Host header). TTFT/ITL ratios are loose here: at a 50% step the canary's one decode
+    carries what two stable decodes share (the stable pools keep their full size)."""
     cas = speculative_sample(decodes=2, window_s=30)
     cas["spec"]["rollout"] = {
         "strategy": "Canary",

@@ -22,11 +22,10 @@ from typing import Any
 import pytest
 
 from cas_engine.sim.fleet import router_available
-from e2e.cluster.stack import ClusterHandle
+from e2e.cluster.stack import ClusterHandle, gateway_host
 from e2e.fleet.canaryview import (
     answers,
     canary_sample,
-    gateway_host,
     patch_engine,
     rollout,
     route_weight,

@@ -53,8 +53,8 @@ from kubernetes.client.exceptions import ApiException
 
 from cas_engine.sim.fleet import router_available
 from e2e.cluster import argocd as argocd_stack
-from e2e.cluster.stack import ClusterHandle
-from e2e.fleet.canaryview import answers, canary_sample, gateway_host, rollout
+from e2e.cluster.stack import ClusterHandle, gateway_host
+from e2e.fleet.canaryview import answers, canary_sample, rollout
 from e2e.fleet.fleetview import ENGINE_PORT, NAME, Kubectl, role_pods
 from e2e.fleet.gitops import (
     COMPARE_OPTIONS,
