@@ -8,7 +8,15 @@ SGLANG_REQS := engine/requirements-sglang-cpu.txt
 # pytest-xdist workers for make test: the e2e tests mostly wait on clocks (ticks, windows,
 # drains), so more workers than cores (conftest.py orders and groups the suite)
 TEST_WORKERS ?= 4
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile $(SGLANG_REQS) | sha1sum | cut -c1-12)
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile $(SGLANG_REQS) tools/venv.py | sha1sum | cut -c1-12)
+# a thin $(VENV) whose cached virtualenv was pruned (tools/venv.py keeps two) is rebuilt
+ifneq ($(wildcard $(VENV)/.cas-deps),)
+ifeq ($(wildcard $(strip $(shell cat $(VENV)/.cas-deps))/.complete),)
+$(shell rm -f $(VENV)/.installed-*)
+endif
+endif
+# mypy's cache, shared by clones (it checks each file's hash): a fresh clone types in seconds
+MYPY_CACHE ?= $(HOME)/.cache/cas-operator/mypy
 
 ##@ Quick start
 
@@ -30,15 +38,16 @@ setup: sysdeps $(STAMP) ## Debian packages, .venv and the project with all extra
 sysdeps: ## Install missing Debian packages the tests need (apt-get; root)
 	@tools/sysdeps.sh
 
-$(STAMP): pyproject.toml $(SGLANG_REQS)
-	@test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	@# One resolver run for the project and SGLang's CPU-importable closure (torch included, ~3 GB
-	@# cold; pip's cache is used), then SGLang itself without its CUDA-only dependencies: the
-	@# engine adapters are tested against the real 0.5.23 code (tests/engine/*_sglang_real.py).
-	$(PY) -m pip install -q -e '.[dev,operator,engine]' -r $(SGLANG_REQS)
-	$(PY) -m pip install -q --no-deps sglang==$(SGLANG_VERSION)
-	@rm -f $(VENV)/.installed-* && touch $@
+$(STAMP): pyproject.toml $(SGLANG_REQS) tools/venv.py
+	@# Third-party packages live in one virtualenv cached under ~/.cache/cas-operator/venvs, keyed
+	@# by the dependencies (built once by pip: one resolver run for the extras and SGLang's
+	@# CPU-importable closure, torch included, ~3 GB cold; then SGLang itself without its
+	@# CUDA-only dependencies: the engine adapters are tested against the real 0.5.23 code,
+	@# tests/engine/*_sglang_real.py). $(VENV) is a thin virtualenv over it with this checkout
+	@# installed editable (seconds). CAS_VENV_CACHE=0 builds a self-contained $(VENV) instead.
+	python3 tools/venv.py $(VENV) --extras dev,operator,engine --requirements $(SGLANG_REQS) \
+		--no-deps sglang==$(SGLANG_VERSION)
+	@touch $@
 
 crds: setup ## Generate crds/ from the typed models in cas_operator/api
 	$(PY) -m cas_operator.api.crdgen crds/ charts/cas-operator/crds/
@@ -52,7 +61,7 @@ lint: setup ## ruff and import-linter contracts
 	$(VENV)/bin/lint-imports
 
 typecheck: setup ## mypy (strict on cas_operator and cas_engine)
-	$(VENV)/bin/mypy
+	$(VENV)/bin/mypy --cache-dir $(MYPY_CACHE)
 
 unit: setup ## Unit and engine tests only (no cluster)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder tests/unit tests/engine
