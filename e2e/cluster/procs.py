@@ -159,6 +159,11 @@ def stop(rec: ProcRecord, *, grace_s: float = 10.0) -> str:
         if not is_running(rec):
             return f"stopped {rec.name} (pid {rec.pid})"
         time.sleep(0.1)
+    return _kill(rec, grace_s)
+
+
+def _kill(rec: ProcRecord, grace_s: float) -> str:
+    """SIGKILL a process that outlived its SIGTERM's ``grace_s``; wait up to 5 s for it to go."""
     os.kill(rec.pid, signal.SIGKILL)
     for _ in range(50):
         _reap(rec.pid)
@@ -166,6 +171,32 @@ def stop(rec: ProcRecord, *, grace_s: float = 10.0) -> str:
             break
         time.sleep(0.1)
     return f"killed {rec.name} (pid {rec.pid}) after {grace_s:.0f}s without exiting on SIGTERM"
+
+
+def stop_together(recs: list[ProcRecord], *, grace_s: float) -> list[str]:
+    """SIGTERM every recorded process at once, SIGKILL those still running ``grace_s`` later;
+    what happened to each, in order. A teardown of N processes then takes the slowest one's
+    time, not the sum (routers that sit out their grace were 5 s each, one after another)."""
+    said: dict[int, str] = {}
+    for i, rec in enumerate(recs):
+        _reap(rec.pid)
+        if not is_running(rec):
+            said[i] = f"{rec.name} (pid {rec.pid}) had already exited"
+        else:
+            os.kill(rec.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while len(said) < len(recs) and time.monotonic() < deadline:
+        for i, rec in enumerate(recs):
+            _reap(rec.pid)
+            if i not in said and not is_running(rec):
+                said[i] = f"stopped {rec.name} (pid {rec.pid})"
+        time.sleep(0.1)
+    for i, rec in enumerate(recs):
+        if i not in said:
+            _reap(rec.pid)
+            gone = not is_running(rec)
+            said[i] = f"stopped {rec.name} (pid {rec.pid})" if gone else _kill(rec, grace_s)
+    return [said[i] for i in range(len(recs))]
 
 
 def log_tail(rec: ProcRecord, lines: int = LOG_TAIL_LINES) -> str:

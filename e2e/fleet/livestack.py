@@ -223,15 +223,18 @@ class LiveStack:
                 f"prometheus: {prom}; logs: {self.run_dir}")  # fmt: skip
 
     def close(self, log: Callable[[str], None] = print) -> None:
-        """Stop the operator, the runner's processes and Prometheus (each at most once)."""
+        """Stop the operator, the runner's processes and Prometheus (each at most once). The
+        operator gets SIGTERM first; its graceful stop overlaps the runner's."""
         if self.operator is not None and self.operator.running():
             log("stopping the operator")
-            self.operator.stop()
+            self.operator.terminate()
         if self._thread is not None:
             log("stopping the sims and routers")
             self._stop.set()
             self._thread.join(60)
             self._thread = None
+        if self.operator is not None:
+            self.operator.wait_stopped()
         if self.prometheus is not None:
             log(self.prometheus.stop())
             self.prometheus = None

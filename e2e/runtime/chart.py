@@ -93,10 +93,12 @@ def remove_cluster_scoped(
     the session's all-namespaces release, which other tests share."""
     if release == "cas-operator":
         raise ValueError("the shared release cas-operator stays installed")
-    for obj in template(release, namespace, values):
-        if "namespace" not in obj["metadata"] and obj["kind"] != "CustomResourceDefinition":
-            kubectl("delete", obj["kind"], obj["metadata"]["name"], "--ignore-not-found",
-                    "--wait=false", check=False)  # fmt: skip
+    objects = template(release, namespace, values)
+    outside = [o for o in objects if "namespace" not in o["metadata"]]
+    names = [f"{o['kind']}/{o['metadata']['name']}" for o in outside
+             if o["kind"] != "CustomResourceDefinition"]  # fmt: skip
+    if names:  # one kubectl for all of them: a fleet test's teardown ran one per object
+        kubectl("delete", *names, "--ignore-not-found", "--wait=false", check=False)
 
 
 @contextlib.contextmanager

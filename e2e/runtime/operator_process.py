@@ -58,12 +58,23 @@ class OperatorProcess:
             self.proc.wait(timeout=10)
 
     def stop(self) -> None:
+        self.terminate()
+        self.wait_stopped()
+
+    def terminate(self) -> None:
+        """SIGTERM, without waiting: kopf's graceful stop then overlaps the caller's own
+        teardown (:meth:`wait_stopped` waits for it)."""
         if self.proc and self.running():
             self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.kill()
+
+    def wait_stopped(self, timeout_s: float = 15.0) -> None:
+        """Wait for a terminated operator to exit; SIGKILL it after ``timeout_s``."""
+        if self.proc is None:
+            return
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
 
     def log_tail(self, lines: int = 40) -> str:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

@@ -750,10 +750,10 @@ class PodRunner:
         if self._probe_pool is not None:
             self._probe_pool.shutdown(wait=False, cancel_futures=True)
             self._probe_pool, self._probing = None, {}
-        done = [self._stop(k, hook=False) for k in list(self.running)]
-        for engine, hook in list(self.draining.values()):
-            done += [procs.stop(hook, grace_s=1.0), procs.stop(engine, grace_s=5.0)]
-        return done
+        records = [run.record for run in self.running.values()]
+        records += [rec for engine, hook in self.draining.values() for rec in (hook, engine)]
+        self.running.clear()
+        return procs.stop_together(records, grace_s=5.0)
 
     def run(self, stop: threading.Event, interval_s: float = 1.0) -> None:
         """sync() every `interval_s` until `stop` is set; then stop every process."""
