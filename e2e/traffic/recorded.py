@@ -32,6 +32,17 @@ SLACK_S = 5.0  # a pod is taken to hold its IP this long before and after it was
 PROMPTS = ("refactor the parser", "add a test for the cache", "explain this stack trace")
 
 
+def closed_unanswered(exc: aiohttp.ClientError) -> bool:
+    """Whether the server closed the connection before it answered: a disconnect, or
+    aiohttp's "Can not write request body" (the connection closed as the request was sent).
+    Not a refused or timed-out connect, nor any other socket error."""
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return True
+    return isinstance(exc, aiohttp.ClientOSError) and str(exc.strerror or "").startswith(
+        "Can not write request body"
+    )
+
+
 @dataclass(frozen=True)
 class Served:
     """One request: when it started and ended (monotonic), its status and the PD pair."""
@@ -113,9 +124,14 @@ class RecordedLoad:
                 async with session.post(f"{self.url}/v1/chat/completions", json=body) as resp:
                     text = await resp.text()
                 break
-            except aiohttp.ServerDisconnectedError as exc:
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
                 # A router that retires closes its idle kept-alive connections; the client
-                # sends once more on a new one, as the OpenAI SDK does.
+                # sends once more on a new one, as the OpenAI SDK does. The close shows as a
+                # disconnect, or, when it lands as the client writes, as a request body that
+                # could not be written (never read, so nothing was served).
+                if not closed_unanswered(exc):
+                    error = f"{type(exc).__name__}: {exc}"
+                    return Served(started, time.monotonic(), 0, error=error, retried=retried)
                 if retried:
                     return Served(started, time.monotonic(), 0, error=f"disconnected: {exc}")
                 retried = True
