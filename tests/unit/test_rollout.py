@@ -29,6 +29,7 @@ from cas_operator.desired.traffic import (
 )
 from cas_operator.observe.types import PodSignals
 from cas_operator.reconcile.core import gateway_caught_up
+from cas_operator.rollout.act import analysis_window
 from cas_operator.rollout.analysis import (
     MeasuredPod,
     RevisionMetrics,
@@ -36,7 +37,12 @@ from cas_operator.rollout.analysis import (
     analyse,
     rate_gate,
 )
-from cas_operator.rollout.decide import PROMOTION_SETTLE_SECONDS, RolloutInputs, decide
+from cas_operator.rollout.decide import (
+    PROMOTION_SETTLE_SECONDS,
+    WINDOW_STEP_SECONDS,
+    RolloutInputs,
+    decide,
+)
 from cas_operator.rollout.state import Action, Phase, RolloutState
 
 INF = math.inf
@@ -183,6 +189,33 @@ def test_a_step_holds_then_ends_on_a_passing_analysis() -> None:
     assert stepped(at, 130.0, ready_step=0, analysis=passing()).step == 0  # holding
     done = stepped(at, 161.0, ready_step=0, analysis=passing())
     assert (done.step, done.weight, done.phase) == (1, 10, Phase.PROGRESSING)
+
+
+def test_no_analysis_window_reaches_back_before_the_weight_took_effect() -> None:
+    """Regression: the first analysis used a whole 15 s window 8 s after the weight moved, so
+    it counted the canary routers' own start: their readiness probes answer 503 until their
+    engines register, and a healthy canary was aborted on routerErrors 3/32, all of them probe
+    answers (the canary e2e test, once in a fresh-clone run)."""
+    cas = parse_spec({"model": {"name": "m"}, "rollout": {
+        "strategy": "Canary", "steps": [{"weight": 50, "pauseSeconds": 10}],
+        "analysis": {"windowSeconds": 60}}})  # fmt: skip
+    at = replace_state(weight=50, step_started=100.0)
+    assert analysis_window(at, cas, 108.0) is None  # 8 s of traffic: not one window yet
+    assert analysis_window(at, cas, 115.0) == WINDOW_STEP_SECONDS
+    assert analysis_window(at, cas, 149.0) == 45.0  # whole steps since the weight
+    assert analysis_window(at, cas, 400.0) == 60.0  # at most analysis.windowSeconds
+
+
+def test_a_step_shorter_than_one_window_holds_until_its_first_analysis() -> None:
+    """A pauseSeconds below the first window would end the step with no analysis (paused as
+    inconclusive): the step holds until the first analysis comes."""
+    short = RolloutSpec(strategy="Canary", steps=[CanaryStep(weight=50, pause_seconds=10)],
+                        analysis=AnalysisSpec(window_seconds=60))  # fmt: skip
+    at = replace_state(weight=50, step_started=100.0)
+    held = decide(at, short, RolloutInputs("r2", ready_step=0), 111.0).state
+    assert held.phase == Phase.PROGRESSING and held.step == 0, held.reason
+    done = decide(at, short, RolloutInputs("r2", ready_step=0, analysis=passing()), 115.0).state
+    assert done.step == 1, done.reason
 
 
 def test_an_inconclusive_analysis_pauses_and_a_later_pass_resumes() -> None:

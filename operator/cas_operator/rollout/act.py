@@ -24,11 +24,9 @@ from cas_operator.api import constants as c
 from cas_operator.api.models import CodingAgentServingSpec, RolloutStrategy
 from cas_operator.observe.types import MetricsSource, PodTarget
 from cas_operator.rollout.analysis import Analysis, MeasuredPod, RevisionMetrics, analyse
-from cas_operator.rollout.decide import RolloutInputs, decide
+from cas_operator.rollout.decide import WINDOW_STEP_SECONDS, RolloutInputs, decide
 from cas_operator.rollout.state import Action, RolloutState
 from cas_operator.types import Event, Manifest, Status
-
-WINDOW_STEP_SECONDS = 15  # analysis windows are whole multiples (scrapes come every 5-15 s)
 
 
 class ResourceApi(Protocol):
@@ -66,11 +64,16 @@ def parse_action(value: str | None) -> tuple[Action | None, str | None]:
 
 def analysis_window(state: RolloutState, spec: CodingAgentServingSpec, now: float) -> float | None:
     """Seconds of the window to analyse: since the weight took effect, in whole steps, at most
-    `analysis.windowSeconds`; None while the canary has no traffic."""
+    `analysis.windowSeconds`; None while the canary has no traffic, or has had it for less
+    than one step. A window reaching back before the weight took effect counted the canary's
+    start: its routers answer their readiness probes 503 until their engines register, and a
+    canary was aborted on those (routerErrors 3/32, all probe answers)."""
     if state.canary is None or state.weight <= 0 or state.step_started is None:
         return None
     since = max(0.0, now - state.step_started)
-    whole = max(WINDOW_STEP_SECONDS, math.floor(since / WINDOW_STEP_SECONDS) * WINDOW_STEP_SECONDS)
+    if since < WINDOW_STEP_SECONDS:
+        return None
+    whole = math.floor(since / WINDOW_STEP_SECONDS) * WINDOW_STEP_SECONDS
     return float(min(spec.rollout.analysis.window_seconds, whole))
 
 

@@ -14,8 +14,9 @@ One tick, in order:
 4. a fleet-wide anomaly (the stable revision's) pauses: no step moves while it lasts;
 5. the canary's pools are sized for the step's weight first; traffic moves to that weight
    only once both roles and the router are Ready at that size;
-6. a step holds for `pauseSeconds` (one analysis window when absent) or until promoted; it
-   ends only on a passing analysis (an inconclusive one pauses, never promotes);
+6. a step holds for `pauseSeconds` (one analysis window when absent; at least
+   `WINDOW_STEP_SECONDS`, when its first analysis comes) or until promoted; it ends only on a
+   passing analysis (an inconclusive one pauses, never promotes);
 7. past the last step the canary grows to full size, gets 100%, and the next tick makes it
    the stable revision (the old one then retires through the drain path).
 """
@@ -36,6 +37,9 @@ from cas_operator.types import Event
 # stays on the `-canary` Service, and the old revision stays, this long (the router's own
 # endpoint settle time, doubled).
 PROMOTION_SETTLE_SECONDS = 10.0
+# Analysis windows are whole multiples of this (scrapes come every 5-15 s), each after the
+# weight took effect; so a step holds at least this long, until its first analysis.
+WINDOW_STEP_SECONDS = 15
 
 
 @dataclass(frozen=True)
@@ -160,6 +164,7 @@ def _hold(
         why = f"{label} at {state.weight}%: paused until promoted"
         return RolloutDecision(replace(state, phase=Phase.PAUSED, reason=why))
     hold = step.pause_seconds if step.pause_seconds is not None else spec.analysis.window_seconds
+    hold = max(hold, WINDOW_STEP_SECONDS)  # the first analysis comes one step after the weight
     if held < hold:
         why = f"{label} at {state.weight}%: {held:.0f}s of {hold}s"
         return RolloutDecision(replace(state, phase=Phase.PROGRESSING, reason=why))
