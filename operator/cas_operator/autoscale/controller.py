@@ -534,7 +534,7 @@ def next_replicas(
         held / config.decode_gpus,
         None if planned is None else planned[1],
     )
-    p, d, why = _fit_budget(current, ps.replicas, ds.replicas, config)
+    p, d, why = _fit_budget(current, ps.replicas, ds.replicas, config, planned)
     ps, ds = replace(ps, replicas=p), replace(ds, replicas=d)
     # At the cap a pool that wants to grow is blocked until the other one shrinks: a lower
     # target on the other side that has held for ``rebalance_stable_s`` (instead of the longer
@@ -582,9 +582,21 @@ def _rebalance_down(current: int, want: int, lo: int, cfg: ControlConfig) -> Sid
 
 
 def _fit_budget(
-    current: CurrentReplicas, p: int, d: int, cfg: ControlConfig
+    current: CurrentReplicas,
+    p: int,
+    d: int,
+    cfg: ControlConfig,
+    planned: tuple[int, int] | None = None,
 ) -> tuple[int, int, str]:
-    """Hold growth that would exceed the budget, counting pods that have not gone yet."""
+    """Hold growth that would exceed the budget, counting pods that have not gone yet.
+
+    GPUs under the budget go first to growth toward the slow loop's plan (``planned``; decode
+    before prefill), then to growth beyond it (the fast loop's one-instance raise; prefill
+    before decode). Why: at the cap the plan frees an instance on one side for the other, and
+    the instance freed is briefly room under the budget; a fast-loop raise of the side just
+    shrunk (prefill's TTFT over the SLO, which on real sessions it is at every split) took it
+    back before the plan's side could grow, and a Mooncake-shaped surge held 27P:5D for a
+    whole run while its plans asked for 24-26 prefill (docs/planner.md, "Current figures")."""
     budget = cfg.bounds.gpu_budget
     if budget is None:
         return p, d, ""
@@ -592,20 +604,28 @@ def _fit_budget(
     # Pods that exist now (spec + terminating) keep their GPUs; growth adds new pods on top.
     pods_p = max(current.prefill_pods, current.prefill)
     pods_d = max(current.decode_pods, current.decode)
+    room = budget - pods_p * gp - pods_d * gd
+    want_p, want_d = max(p - current.prefill, 0), max(d - current.decode, 0)
+    plan_p, plan_d = planned if planned is not None else (p, d)
+    toward_p = min(want_p, max(plan_p - current.prefill, 0))
+    toward_d = min(want_d, max(plan_d - current.decode, 0))
+    grow_p = grow_d = 0
+    for side, want in (("d", toward_d), ("p", toward_p), ("p", want_p), ("d", want_d)):
+        gpus = gd if side == "d" else gp
+        have = grow_d if side == "d" else grow_p
+        add = max(0, min(want - have, room // gpus))
+        room -= add * gpus
+        if side == "d":
+            grow_d += add
+        else:
+            grow_p += add
     note = ""
-    grow_p = 0
-    if p > current.prefill:
-        room = budget - pods_p * gp - pods_d * gd
-        grow_p = max(0, min(p - current.prefill, room // gp))
-        if grow_p < p - current.prefill:
-            note = "; prefill growth waits for decode drain/budget"
-        p = current.prefill + grow_p
-    if d > current.decode:
-        room = budget - (pods_p + grow_p) * gp - pods_d * gd
-        grow = max(0, min(d - current.decode, room // gd))
-        if grow < d - current.decode:
-            note += "; decode growth waits for prefill drain/budget"
-        d = current.decode + grow
+    if grow_p < want_p:
+        note = "; prefill growth waits for decode drain/budget"
+    if grow_d < want_d:
+        note += "; decode growth waits for prefill drain/budget"
+    p = current.prefill + grow_p if want_p else p
+    d = current.decode + grow_d if want_d else d
     return p, d, note
 
 
