@@ -333,3 +333,20 @@ def test_the_rush_to_decode_cuts_through_a_prefill_cooldown_one_step_at_a_time()
     assert again.prefill == dec.prefill  # the next step waits plan_step_s
     calm = next_replicas(cur, _rec(13, 19), state, 930.0, SHIFT)
     assert calm.prefill == 25  # without the rush the cooldown holds
+
+
+def test_room_freed_at_the_cap_goes_to_the_plan_before_a_fast_loop_raise() -> None:
+    """Regression (issue 39, bench.planner_traces' Mooncake-shaped surge): at a 256-GPU cap the
+    plan asked for 26P:6D from 27P:5D; once a prefill pod had gone, the fast loop's raise of
+    prefill (its TTFT p90 over the SLO, as on real sessions at every split) asked for 27P:6D,
+    and the budget's room went to prefill first: back to 27P:5D, for the whole run. Growth
+    toward the slow loop's plan now takes the room before growth beyond it."""
+    cfg = _cfg(
+        Bounds(max_prefill=31, max_decode=31, gpu_budget=256), pod_start_s=600.0, cooldown_s=0.0
+    )
+    cur = CurrentReplicas(prefill=26, decode=5, prefill_pods=26, decode_pods=5)
+    dec = next_replicas(cur, _rec(27, 6), ControlState(), 1000.0, cfg, planned=(26, 6))
+    assert (dec.prefill, dec.decode) == (26, 6)
+    # without a plan to favour, as before: the room goes to prefill first
+    dec = next_replicas(cur, _rec(27, 6), ControlState(), 1000.0, cfg)
+    assert (dec.prefill, dec.decode) == (27, 5)

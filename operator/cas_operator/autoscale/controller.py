@@ -592,7 +592,7 @@ def _fit_budget(
 
     GPUs under the budget go first to growth toward the slow loop's plan (``planned``; decode
     before prefill), then to growth beyond it (the fast loop's one-instance raise; prefill
-    before decode). Why: at the cap the plan frees an instance on one side for the other, and
+    before decode; without a plan, all growth is beyond it). Why: at the cap the plan frees an instance on one side for the other, and
     the instance freed is briefly room under the budget; a fast-loop raise of the side just
     shrunk (prefill's TTFT over the SLO, which on real sessions it is at every split) took it
     back before the plan's side could grow, and a Mooncake-shaped surge held 27P:5D for a
@@ -606,7 +606,7 @@ def _fit_budget(
     pods_d = max(current.decode_pods, current.decode)
     room = budget - pods_p * gp - pods_d * gd
     want_p, want_d = max(p - current.prefill, 0), max(d - current.decode, 0)
-    plan_p, plan_d = planned if planned is not None else (p, d)
+    plan_p, plan_d = planned if planned is not None else (current.prefill, current.decode)
     toward_p = min(want_p, max(plan_p - current.prefill, 0))
     toward_d = min(want_d, max(plan_d - current.decode, 0))
     grow_p = grow_d = 0
