@@ -592,11 +592,12 @@ def _fit_budget(
 
     GPUs under the budget go first to growth toward the slow loop's plan (``planned``; decode
     before prefill), then to growth beyond it (the fast loop's one-instance raise; prefill
-    before decode; without a plan, all growth is beyond it). Why: at the cap the plan frees an instance on one side for the other, and
-    the instance freed is briefly room under the budget; a fast-loop raise of the side just
-    shrunk (prefill's TTFT over the SLO, which on real sessions it is at every split) took it
-    back before the plan's side could grow, and a Mooncake-shaped surge held 27P:5D for a
-    whole run while its plans asked for 24-26 prefill (docs/planner.md, "Current figures")."""
+    before decode; without a plan, all growth is beyond it). Why: at the cap the plan frees an
+    instance on one side for the other, and the instance freed is briefly room under the
+    budget; a fast-loop raise of the side just shrunk (prefill's TTFT over the SLO, which on
+    real sessions it is at every split) took it back before the plan's side could grow, and a
+    Mooncake-shaped surge held 27P:5D for a whole run while its plans asked for 24-26 prefill
+    (bench.planner_traces, issue 39)."""
     budget = cfg.bounds.gpu_budget
     if budget is None:
         return p, d, ""

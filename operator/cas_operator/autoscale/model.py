@@ -45,7 +45,9 @@ Model (per request class, see docs/planner.md for the derivation):
 5. Decode: per-instance active requests ``c`` from Little's law with the step time that itself
    depends on ``c`` and total context (closed-form fixed point). Constraints: ITL = step/accept
    under the SLO, and the 95th percentile of the summed context of ``c`` requests (per-request
-   sd from the p95 context) under the KV capacity - not the mean.
+   sd from the p95 context) under the KV capacity - not the mean. For comparing splits of a
+   GPU cap, the probability that an instance's resident KV exceeds its capacity, with the
+   count of requests on it Poisson (compound Poisson sum, ``kv_overflow``).
 
 """
 
@@ -206,6 +208,7 @@ class PlanEvaluation:
     decode_active_per_instance: float
     decode_kv_need_fraction: float
     ttft_attainment: float
+    decode_kv_overflow: float  # P(one decode instance's resident KV exceeds its capacity)
     ttft_ok: bool
     itl_ok: bool
     kv_ok: bool
@@ -221,6 +224,16 @@ class PlanEvaluation:
         if not (self.itl_ok and self.kv_ok and self.link_util < 1.0):
             return 0.0
         return rate * self.ttft_attainment
+
+    def cliff_goodput(self, rate: float) -> float:
+        """Requests/s meeting both SLOs counting the decode KV cliff as a probability: the
+        share meeting the TTFT target times the share of time decode KV holds its load
+        (``1 - decode_kv_overflow``); zero when ITL, prefill or the link cannot keep up. For
+        comparing splits of a GPU cap (`search._goodput_plan`), where the hard KV bound of
+        ``expected_goodput`` puts decode on the cliff's edge."""
+        if not (self.itl_ok and self.prefill_util < 1.0 and self.link_util < 1.0):
+            return 0.0
+        return rate * self.ttft_attainment * (1.0 - self.decode_kv_overflow)
 
 
 @dataclass(frozen=True)
@@ -579,6 +592,24 @@ def _kv_need(wl: WorkloadInputs, active: float) -> float:
     return active * mean + Z95 * math.sqrt(max(active, 0.0)) * sd
 
 
+def kv_overflow(wl: WorkloadInputs, active: float, capacity_tokens: float) -> float:
+    """P(the resident KV of one decode instance exceeds ``capacity_tokens``) with ``active``
+    requests on it on average: the count is Poisson (arrivals and departures independent of
+    each other, M/G/inf), each request's context drawn from the measured mix, so the sum is a
+    compound Poisson of mean ``active * m`` and variance ``active * E[X^2] = active * (m^2 +
+    sd^2)`` (normal approximation). The count's own variance dominates at the few to tens of
+    requests an instance of long-context agents holds: ``_kv_need``'s fixed count misses it."""
+    if not math.isfinite(active):
+        return 1.0
+    if active <= 0.0:
+        return 0.0
+    w = wl.resolved()
+    mean = w.avg_input_tokens + w.avg_output_tokens
+    sd = max((w.p95_input_tokens or mean) - w.avg_input_tokens, 0.0) / Z95
+    spread = math.sqrt(active * (mean * mean + sd * sd))
+    return 1.0 - NormalDist().cdf((capacity_tokens - active * mean) / spread)
+
+
 @dataclass(frozen=True)
 class ModelLimits:
     """Utilisation caps that keep the plan off the knee of each queue."""
@@ -680,6 +711,7 @@ def evaluate(
         decode_active_per_instance=active,
         decode_kv_need_fraction=kv_frac,
         ttft_attainment=attain,
+        decode_kv_overflow=kv_overflow(w, active, decode.kv_capacity_tokens / limits.kv_scale),
         ttft_ok=ttft <= slo.ttft_s and util <= limits.max_prefill_util,
         itl_ok=itl_ms <= slo.itl_ms and active <= decode.max_running,
         kv_ok=kv_frac <= 1.0,

@@ -1,9 +1,10 @@
 """The P:D plan search over the queueing model (pure): `recommend` and `scale_down_ok`.
 
 Choice: the fewest GPUs meeting both SLOs, or - when that exceeds the budget - the most
-SLO-meeting requests within it, decode first: the smallest decode pool that holds at the full
-rate and every other GPU on prefill (a short decode pool is a cliff under closed-loop agent
-traffic, a short prefill pool a longer TTFT tail); when the budget cannot hold both, the highest
+SLO-meeting requests within it, decode first: near the smallest decode pool that holds at the
+full rate, the split of the cap with the most requests meeting both SLOs when the decode KV
+cliff is a probability (a short decode pool is a cliff under closed-loop agent traffic, a short
+prefill pool a longer TTFT tail; `_cliff_split`); when the budget cannot hold both, the highest
 sustainable rate's plan with the leftover spent decode first.
 """
 
@@ -96,23 +97,22 @@ def _min_gpu_plan(ctx: _Ctx, wl: WorkloadInputs) -> PlanEvaluation | None:
 def _goodput_plan(ctx: _Ctx, wl: WorkloadInputs, budget: int) -> tuple[PlanEvaluation, float]:
     """Plan with the most SLO-meeting requests within ``budget`` GPUs: (plan, goodput rate).
 
-    Decode first: the smallest decode pool whose KV and ITL hold at the full offered rate, and
-    every other GPU to prefill, when prefill then keeps up (utilisation under 1); its goodput is
-    the offered rate times the predicted TTFT attainment. Under closed-loop agent traffic a
-    short decode pool is a cliff (requests wait for KV admission and the wait counts toward
-    TTFT), a short prefill pool only stretches the TTFT tail, so at the cap decode is sized for
-    the load and prefill takes the rest. When the budget cannot hold both, the highest rate
+    Decode first: near the smallest decode pool whose KV and ITL hold at the full offered rate,
+    every other GPU to prefill, the split with the most requests within the SLOs when decode
+    KV overflow is a probability (`_cliff_split`), when prefill then keeps up (utilisation
+    under 1); its goodput is the offered rate times the predicted TTFT attainment times the
+    share of time decode KV holds. Under closed-loop agent traffic a short decode pool is a
+    cliff (requests wait for KV admission and the wait counts toward TTFT), a short prefill
+    pool only stretches the TTFT tail. When the budget cannot hold both, the highest rate
     whose fewest-GPU plan fits, with the leftover spent decode first (``_spend_leftover``).
     """
     b, gp, gd = ctx.bounds, ctx.prefill.gpus, ctx.decode.gpus
     top_d = min(b.max_decode, (budget - b.min_prefill * gp) // gd)
     n_d = _first_true(b.min_decode, top_d, lambda n: _decode_ok(ctx.eval(wl, b.min_prefill, n)))
     if n_d is not None:
-        n_p = min(b.max_prefill, (budget - n_d * gd) // gp)
-        n_d = min(b.max_decode, (budget - n_p * gp) // gd)
-        full = ctx.eval(wl, n_p, n_d)
+        full = _cliff_split(ctx, wl, budget, n_d)
         if full.prefill_util < 1.0 and full.link_util < 1.0:
-            return full, full.expected_goodput(wl.request_rate)
+            return full, full.cliff_goodput(wl.request_rate)
 
     def plan_at(rate: float) -> PlanEvaluation | None:
         ev = _min_gpu_plan(ctx, replace(wl, request_rate=rate))
@@ -130,6 +130,35 @@ def _goodput_plan(ctx: _Ctx, wl: WorkloadInputs, budget: int) -> tuple[PlanEvalu
     if best is None:
         return _best_split(ctx, wl, budget)
     return _spend_leftover(ctx, wl, best, budget, lo), lo
+
+
+CLIFF_REACH = 2  # decode sizes tried either side of the smallest that holds the load
+
+
+def _cliff_split(ctx: _Ctx, wl: WorkloadInputs, budget: int, n_d: int) -> PlanEvaluation:
+    """The split of the cap near ``n_d`` (the smallest decode pool whose KV and ITL hold the
+    offered rate), every other GPU on prefill, with the most requests meeting both SLOs when
+    the decode KV cliff is a probability (`PlanEvaluation.cliff_goodput`): decode takes an
+    instance more while the overflow it avoids costs more requests than the TTFT attainment a
+    prefill instance buys, one less while a prefill instance buys more.
+
+    Why: the hard bound (the 95th percentile of a fixed count of requests under 70% of the
+    KV) is a yes/no answer at one rate: decode sat one instance from the cliff where prefill
+    had TTFT attainment to spare, and one instance more than the goodput needed where prefill
+    was short (real sessions, bench.planner_traces' high load: 25P:7D planned, 26P:6D served
+    more; 27P:5D collapsed to half)."""
+    b, gp, gd = ctx.bounds, ctx.prefill.gpus, ctx.decode.gpus
+    # n_d first, then larger, then smaller: a tie (every split serving none) keeps n_d
+    sizes = [n_d + k for k in range(CLIFF_REACH + 1)] + [n_d - k for k in range(1, CLIFF_REACH + 1)]
+    splits = []
+    for size in sizes:
+        n_p = min(b.max_prefill, (budget - size * gd) // gp)
+        nd = min(b.max_decode, (budget - n_p * gp) // gd)
+        if n_p >= b.min_prefill and nd >= b.min_decode:
+            splits.append(ctx.eval(wl, n_p, nd))
+    if not splits:  # (n_d fits at the minimum prefill: the caller found it there)
+        return ctx.eval(wl, b.min_prefill, n_d)
+    return max(splits, key=lambda ev: ev.cliff_goodput(wl.request_rate))
 
 
 def _best_split(ctx: _Ctx, wl: WorkloadInputs, budget: int) -> tuple[PlanEvaluation, float]:
