@@ -22,6 +22,9 @@ from e2e.cluster import podnet
 from e2e.tests.conftest import in_ci
 
 TEST_PODS, TEST_SERVICES = "100.98.0.0/16", "100.99.0.0/16"
+# The tests that claim those ranges run on one worker, one after another: two at once on two
+# xdist workers refused each other ("another process ... owns a pod network on 100.98.0.0/16").
+TEST_RANGES = pytest.mark.xdist_group("podnet-test-ranges")
 
 
 def test_route_check_refuses_ranges_routed_to_real_interfaces() -> None:
@@ -106,6 +109,7 @@ def _without_ipv6(link: str) -> None:
         knob.write_text("1\n")
 
 
+@TEST_RANGES
 def test_setup_refuses_a_routed_range_and_teardown_removes_exactly_what_it_made(
     tmp_path: Path,
 ) -> None:
@@ -254,6 +258,7 @@ def test_a_cluster_that_listens_on_the_host_ip_has_no_leftovers() -> None:
     assert podnet.tcp_listeners(sample) == [("100.96.0.1", 6455)]
 
 
+@TEST_RANGES
 def test_a_second_claim_on_the_same_ranges_is_refused_until_released() -> None:
     podnet.claim_ranges(TEST_PODS)
     try:
@@ -278,6 +283,7 @@ time.sleep(300)
 """
 
 
+@TEST_RANGES
 def test_a_killed_run_is_reclaimed_by_the_next_start_and_a_live_one_refuses_it(
     tmp_path: Path,
 ) -> None:

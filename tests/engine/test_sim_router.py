@@ -266,6 +266,7 @@ async def _stats(url: str) -> dict[str, Any]:
         return stats
 
 
+@pytest.mark.usefixtures("scheduler_priority")
 async def test_stalled_prefill_corrupts_immediate_reclaim_but_not_strict(tmp_path: Path) -> None:
     """Regression (GLM-5 bug 1): with a prefill whose KV writes stall past the decode's budget,
     the decode with ``Immediate`` reclaim reuses slots under in-flight writes (garbled output,
