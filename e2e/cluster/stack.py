@@ -38,6 +38,7 @@ from pathlib import Path
 
 import yaml
 
+from cas_engine.sim.fleet import free_port
 from e2e.cluster import bins as binmod
 from e2e.cluster import manifests, pki, podnet, procs
 from e2e.cluster.api import Api, ApiError, condition
@@ -181,17 +182,13 @@ class ClusterHandle:
 
 
 def free_ports(names: tuple[str, ...]) -> dict[str, int]:
-    """Distinct free TCP ports on 127.0.0.1, one per name (the OS picks them)."""
-    socks, ports = [], {}
-    try:
-        for name in names:
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-            ports[name] = s.getsockname()[1]
-    finally:
-        for s in socks:
-            s.close()
+    """Distinct free TCP ports on 127.0.0.1, one per name, outside the kernel's ephemeral
+    range (`cas_engine.sim.fleet.free_port` says why)."""
+    ports: dict[str, int] = {}
+    while len(ports) < len(names):
+        port = free_port()
+        if port not in ports.values():
+            ports[names[len(ports)]] = port
     return ports
 
 

@@ -12,10 +12,12 @@ import asyncio
 import json
 import logging
 import random
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,7 +26,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from cas_engine.guard import GuardConfig, GuardMonitor
 from cas_engine.sim.config import build_parser, parse_args
 from cas_engine.sim.faults import parse_faults
-from cas_engine.sim.fleet import free_port
+from cas_engine.sim.fleet import ephemeral_low, free_port
 from cas_engine.sim.prefix_cache import PrefixCache
 from cas_engine.sim.server import SimServer
 from cas_engine.sim.textgen import TokenStream, request_seed, tokenize
@@ -456,3 +458,23 @@ def test_the_gate_judges_every_sim_repetition_before_its_last_token() -> None:
         unjudged += sorted(finished)
         running -= finished
     assert unjudged == [], f"{len(unjudged)} of {n} repetitions answered in full"
+
+
+def test_free_port_is_below_the_kernels_ephemeral_range_and_bindable() -> None:
+    """Regression: free_port let the OS pick (bind to 0), from the range the kernel also hands
+    to outgoing connections; between its release and the router's own bind, one of the suite's
+    connections took the port, the router exited 'Address already in use' and
+    test_the_real_router_registers_a_pod_only_once_it_is_ready timed out."""
+    low = ephemeral_low()
+    ports = {free_port() for _ in range(20)}
+    assert all(low - 8000 <= p < low for p in ports), (low, sorted(ports))
+    assert len(ports) > 1  # picked at random, not one port for every caller
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", port))
+
+
+def test_ephemeral_low_reads_the_range_file_and_defaults(tmp_path: Path) -> None:
+    (tmp_path / "range").write_text("40000\t60999\n")
+    assert ephemeral_low(tmp_path / "range") == 40000
+    assert ephemeral_low(tmp_path / "missing") == 32768

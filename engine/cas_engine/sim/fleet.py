@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -32,8 +33,36 @@ from pathlib import Path
 ROUTER_MODULE = "sglang_router.launch_router"
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+BELOW_EPHEMERAL = 8000  # how many ports under the kernel's ephemeral range free_port picks from
+
+
+def ephemeral_low(range_file: Path = EPHEMERAL_RANGE) -> int:
+    """The lowest port the kernel hands to outgoing connections (Linux's default: 32768)."""
+    try:
+        return int(range_file.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago on ``host``."""
+    """A port that was free a moment ago on ``host``, for a process about to bind it.
+
+    Picked at random just under the kernel's ephemeral range: a port the OS picks (bind to 0)
+    comes from that range, and in the moment between its release here and the process's own
+    bind an outgoing connection of the busy suite could take it (a fresh-clone run once had a
+    router exit with "Address already in use" and its test time out). No outgoing connection
+    is given a port below the range. The OS's pick where nothing below it is free."""
+    low = ephemeral_low()
+    pick = random.SystemRandom()
+    for _ in range(64 if low > BELOW_EPHEMERAL + 1024 else 0):
+        port = pick.randrange(low - BELOW_EPHEMERAL, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
