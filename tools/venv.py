@@ -149,8 +149,8 @@ def main() -> None:
     reqs = requirements(ROOT / "pyproject.toml", extras)
     if os.environ.get("CAS_VENV_CACHE", "1") == "0":
         shutil.rmtree(args.venv, ignore_errors=True)
-        build_full(args.venv, [f"-e{ROOT}[{','.join(extras)}]", *reqs], args.requirements,
-                   args.no_deps)  # fmt: skip
+        project = f"{ROOT}[{','.join(extras)}]" if extras else str(ROOT)
+        build_full(args.venv, ["-e", project, *reqs], args.requirements, args.no_deps)
         return
     cache = Path(os.environ.get("CAS_VENV_DIR", Path.home() / ".cache" / "cas-operator" / "venvs"))
     key = cache_key(reqs, args.requirements, args.no_deps)
