@@ -149,17 +149,7 @@ def exit_code(rec: ProcRecord, wait_s: float = 2.0) -> int | None:
 
 def stop(rec: ProcRecord, *, grace_s: float = 10.0) -> str:
     """SIGTERM the recorded process (SIGKILL after ``grace_s``); return what happened."""
-    _reap(rec.pid)
-    if not is_running(rec):
-        return f"{rec.name} (pid {rec.pid}) had already exited"
-    os.kill(rec.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        _reap(rec.pid)
-        if not is_running(rec):
-            return f"stopped {rec.name} (pid {rec.pid})"
-        time.sleep(0.1)
-    return _kill(rec, grace_s)
+    return stop_together([rec], grace_s=grace_s)[0]
 
 
 def _kill(rec: ProcRecord, grace_s: float) -> str:
