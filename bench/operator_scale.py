@@ -27,6 +27,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from e2e.cluster.manifests import NodeShape  # noqa: E402
 from e2e.cluster.stack import ClusterHandle, run_kubectl, start_cluster  # noqa: E402
+from e2e.fleet.fleetview import apply_crds  # noqa: E402
 from e2e.runtime.operator_process import OperatorProcess  # noqa: E402
 
 RESULTS = REPO_ROOT / "bench" / "results" / "operator_scale.json"
@@ -370,10 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     shape = NodeShape(count=8, gpus=128, pods=250)
     cluster = start_cluster(REPO_ROOT / "run" / "bench-operator", shape=shape, log=print)
     try:
-        kubectl = [cluster.kubectl_path, cluster.kubeconfig]
-        run_kubectl(*kubectl, "apply", "--server-side", "-f", str(REPO_ROOT / "crds"))
-        crd = "crd/codingagentservings.serving.cas.dev"
-        run_kubectl(*kubectl, "wait", "--timeout=60s", "--for=condition=Established", crd)
+        apply_crds(cluster.kubectl)
         rows = []
         for n in sizes:
             rows.append(Round(cluster, n, args.timeout).run())

@@ -47,7 +47,7 @@ from e2e.cluster.stack import (
     run_kubectl,
     start_cluster,
 )
-from e2e.fleet.fleetview import requests_served
+from e2e.fleet.fleetview import apply_crds, requests_served
 from e2e.fleet.livestack import LiveStack, http_ok, probed_by_runner, router_url
 from e2e.paths import REPO_ROOT
 from e2e.runtime.podrunner import kube_pod_lister
@@ -393,11 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     cluster, started = open_cluster()
     session = Session(cluster, started)
     try:
-        session.kubectl("apply", "--server-side", "-f", str(REPO_ROOT / "crds"))
-        session.kubectl(
-            "wait", "--for=condition=Established", "--timeout=60s",
-            "crd/codingagentservings.serving.cas.dev",
-        )  # fmt: skip
+        apply_crds(session.kubectl)
         sim_args = SIM_ARGS if args.trace is None else [
             *SIM_ARGS, "--sim-kv-capacity", str(TRACE_CACHE)]  # fmt: skip
         session.start_live(sim_args)

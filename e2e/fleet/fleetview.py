@@ -18,6 +18,7 @@ import yaml
 
 from cas_operator.api import constants as c
 from e2e.paths import REPO_ROOT as ROOT
+from e2e.waits import wait_for
 
 NAME = "minimal"  # the sample's resource name
 ENGINE_PORT = 30000
@@ -37,11 +38,26 @@ def speculative_sample(decodes: int, window_s: int, **guard: Any) -> dict[str, A
     return cas
 
 
+CRD = "customresourcedefinitions.apiextensions.k8s.io/codingagentservings.serving.cas.dev"
+
+
 def apply_crds(kubectl: Kubectl) -> None:
-    """Our CRDs, server-side, and wait until they are established."""
+    """Our CRDs, server-side, and wait until they are established.
+
+    Not ``kubectl wait --for=condition=Established``: on a CRD the API server has only just
+    created, ``.status.conditions`` is still absent, and kubectl then fails at once ("accessor
+    error: <nil> is of the type <nil>") instead of waiting; a fresh-clone CI run lost its
+    whole first e2e group to that. The condition is polled instead."""
     kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
-    kubectl("wait", "--for=condition=Established", "--timeout=60s",
-            "crd/codingagentservings.serving.cas.dev")  # fmt: skip
+    wait_for("our CRD Established", lambda: crd_established(kubectl), 60, interval=0.1)
+
+
+def crd_established(kubectl: Kubectl) -> bool:
+    """Whether the API server serves our CRD (its Established condition is True); False while
+    the CRD has no conditions yet."""
+    crd: dict[str, Any] = json.loads(kubectl("get", CRD, "-o", "json"))
+    conditions = (crd.get("status") or {}).get("conditions") or []
+    return any(x.get("type") == "Established" and x.get("status") == "True" for x in conditions)
 
 
 def role_pods(

@@ -319,3 +319,24 @@ def test_audit_refusals_tell_rbac_from_admission_and_passing_ones(tmp_path: Path
     assert len(found.rbac) == 1 and "cannot patch" in found.rbac[0]
     assert len(found.passing) == 2
     assert len(found.other) == 1 and "ValidatingAdmissionPolicy" in found.other[0]
+
+
+def test_crds_are_waited_for_even_before_the_api_server_gave_them_conditions() -> None:
+    """Regression (fresh-clone CI run 17): `kubectl wait --for=condition=Established` on the CRD
+    the API server had only just created failed at once (".status.conditions accessor error:
+    <nil>"), which errored the whole clusterwide group. `apply_crds` polls the condition: a CRD
+    without conditions yet is "not yet", not an error."""
+    from e2e.fleet.fleetview import CRD, apply_crds
+
+    answers = [{}, {"status": {}}, {"status": {"conditions": [{"type": "NamesAccepted",
+               "status": "True"}]}}, {"status": {"conditions": [{"type": "Established",
+               "status": "True"}]}}]  # fmt: skip
+    calls: list[tuple[str, ...]] = []
+
+    def kubectl(*args: str, **_: object) -> str:
+        calls.append(args)
+        assert args[0] in ("apply", "get"), f"apply_crds ran kubectl {args[0]}"
+        return json.dumps(answers.pop(0)) if args[0] == "get" else ""
+
+    apply_crds(kubectl)
+    assert answers == [] and calls[-1] == ("get", CRD, "-o", "json")
