@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -79,18 +80,74 @@ def test_launcher_hands_over_to_sglang_with_patches_installed(tmp_path: Path) ->
     assert proc.returncode not in (0, 3), out[-4000:]  # stopped by SGLang (no model), not by us
 
 
-def test_help_lists_sglang_flags_after_ours() -> None:
-    """Regression: ``--help`` must show SGLang's own flags, not "unavailable here" (psutil...)."""
+# A first-import hook, as sitecustomize (Python imports it at start-up, before `-m` runs): it
+# writes what PROMETHEUS_MULTIPROC_DIR was when prometheus_client was first imported.
+IMPORT_PROBE = """\
+import os, sys
+
+class _FirstPrometheusImport:
+    def find_spec(self, name, path=None, target=None):
+        if name == "prometheus_client" and self in sys.meta_path:
+            sys.meta_path.remove(self)
+            with open(os.environ["CAS_TEST_IMPORT_PROBE"], "w") as out:
+                out.write(os.environ.get("PROMETHEUS_MULTIPROC_DIR", "<unset>"))
+        return None
+
+sys.meta_path.insert(0, _FirstPrometheusImport())
+"""
+
+
+@dataclass(frozen=True)
+class HelpRun:
+    """One ``python -m cas_engine.launch_server --help`` (each run imports SGLang and torch,
+    ~15 s of CPU, so this module's help tests share it)."""
+
+    returncode: int
+    stdout: str
+    output: str  # stdout, then stderr
+    prometheus_dir_at_import: str  # PROMETHEUS_MULTIPROC_DIR when prometheus_client came in
+
+
+@pytest.fixture(scope="module")
+def help_run(tmp_path_factory: pytest.TempPathFactory) -> HelpRun:
+    probe_dir = tmp_path_factory.mktemp("import-probe")
+    (probe_dir / "sitecustomize.py").write_text(IMPORT_PROBE)
+    seen = probe_dir / "seen"
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    path = os.pathsep.join(p for p in (str(probe_dir), env.get("PYTHONPATH", "")) if p)
+    env.update(PYTHONPATH=path, CAS_TEST_IMPORT_PROBE=str(seen))
     proc = subprocess.run(
         [sys.executable, "-m", "cas_engine.launch_server", "--help"],
         capture_output=True,
         text=True,
         timeout=240,
         cwd=REPO,
+        env=env,
     )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
+    at_import = seen.read_text() if seen.exists() else "<never imported>"
+    return HelpRun(proc.returncode, proc.stdout, proc.stdout + proc.stderr, at_import)
+
+
+def test_module_entry_point_prints_help(help_run: HelpRun) -> None:
+    """Regression: `python -m cas_engine.launch_server --help` must work as a command."""
+    assert help_run.returncode == 0, help_run.output[-4000:]
+    assert "--cas-guard-max-accept-rate" in help_run.stdout
+
+
+def test_help_lists_sglang_flags_after_ours(help_run: HelpRun) -> None:
+    """Regression: ``--help`` must show SGLang's own flags, not "unavailable here" (psutil...)."""
+    out = help_run.output
+    assert help_run.returncode == 0, out[-4000:]
     assert "unavailable here" not in out, out[-4000:]
     assert out.index("--cas-kv-reclaim") < out.index("--model-path"), out[-4000:]
     for flag in ("--enable-hierarchical-cache", "--disaggregation-mode", "--speculative-algorithm"):
         assert flag in out, out[-4000:]
+
+
+def test_prometheus_multiproc_dir_is_set_before_prometheus_client_is_imported(
+    help_run: HelpRun,
+) -> None:
+    """Regression: importing prometheus_client before SGLang's multiprocess directory is set
+    silently drops SGLang's main-process metrics from /metrics."""
+    assert "cas-engine-prometheus-" in help_run.prometheus_dir_at_import, (
+        help_run.prometheus_dir_at_import, help_run.output[-2000:])  # fmt: skip
