@@ -22,7 +22,10 @@ it check that names are *in* the set, so a missed read would fail them, a spare 
 from __future__ import annotations
 
 import ast
+import hashlib
 import importlib.util
+import json
+import os
 import re
 import warnings
 from collections.abc import Iterable
@@ -146,11 +149,38 @@ def _named_read(node: ast.AST, constants: dict[str, str]) -> str | None:
     return text if text and ENV_NAME.match(text) else None
 
 
-def reads_under(files: Iterable[Path]) -> EnvReads:
+def reads_under(files: Iterable[Path], cache_dir: Path | None = None) -> EnvReads:
+    """Every variable the files read. With `cache_dir`, the answer is kept there under a hash
+    of this scanner's source and of every file's path and bytes (SGLang's 2,000 files take
+    ~12 s of CPU to parse; hashing them ~0.2 s): any change to either scans again."""
+    paths = sorted(files)
+    cached = cache_dir / f"{_digest(paths)}.json" if cache_dir is not None else None
+    if cached is not None and cached.exists():
+        data = json.loads(cached.read_text())
+        return EnvReads(set(data["names"]), set(data["prefixes"]))
     out = EnvReads()
-    for path in files:
+    for path in paths:
         out |= reads_in(path)
+    if cached is not None:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"names": sorted(out.names), "prefixes": sorted(out.prefixes)}))
+        tmp.replace(cached)
     return out
+
+
+def _digest(paths: list[Path]) -> str:
+    digest = hashlib.sha256(Path(__file__).read_bytes())
+    for path in paths:
+        digest.update(str(path).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def cache_dir() -> Path:
+    """Where scans of installed packages are kept between runs, beside the project's other
+    caches (the virtualenvs, the binaries)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "cas-operator" / "env-reads"
 
 
 def package_dir(name: str) -> Path | None:

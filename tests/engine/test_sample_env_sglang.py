@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from cas_engine.sglang.version import PINNED_SGLANG_VERSION
-from tests.env_reads import EnvReads, package_dir, reads_under
+from tests.env_reads import EnvReads, cache_dir, package_dir, reads_under
 from tests.paths import ROOT, SAMPLES
 
 SGLANG = package_dir("sglang")
@@ -39,7 +39,7 @@ def sglang_reads() -> EnvReads:
     (`sglang.launch_server`), not its benchmarks, tests or diffusion runtime."""
     assert SGLANG is not None
     assert importlib.metadata.version("sglang") == PINNED_SGLANG_VERSION
-    return reads_under([*SGLANG.glob("*.py"), *(SGLANG / "srt").rglob("*.py")])
+    return reads_under([*SGLANG.glob("*.py"), *(SGLANG / "srt").rglob("*.py")], cache_dir())
 
 
 def engine_layer_reads() -> EnvReads:
