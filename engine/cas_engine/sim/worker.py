@@ -58,6 +58,11 @@ REPEAT_ACCEPT_PROB = 0.998
 # 12 of 20,000 repetitions at or under its accept-rate line to the end. Tests that assert no
 # client sees a repetition ask for answers this long.
 REPEAT_JUDGED_BY_TOKENS = 400
+# An idle loop sleeps until work wakes it (a request queued, /metrics refreshes the gauges
+# itself); this is only its safety net. Each wake-up costs ~1 ms of CPU on a busy 2-core
+# machine: at 0.5 s, two loops cost an idle sim ~1.5% of a core, and a test fleet runs dozens.
+IDLE_WAKE_S = 5.0
+TIMER_POLL_S = 0.5  # the Upstream reclaim timer's tick (DecodeKv.poll), which needs no request
 # A verbatim copy: the draft model predicts nearly every token. An assumed figure, chosen above
 # the gate's 0.96 accept-rate limit: the case where the rate alone would abort a healthy copy.
 COPY_ACCEPT_PROB = 0.985
@@ -337,7 +342,7 @@ class SimWorker:
                 self._prefill_wake.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(
-                        self._prefill_wake.wait(), 0.05 if self.faults.hang else 0.5
+                        self._prefill_wake.wait(), 0.05 if self.faults.hang else IDLE_WAKE_S
                     )
                 continue
             batch: list[asyncio.Future[None]] = []
@@ -447,7 +452,7 @@ class SimWorker:
             if not self._running:
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), 0.5)
+                    await asyncio.wait_for(self._wake.wait(), self._idle_wake_s())
                 next_at = loop.time()
                 continue
             t0 = loop.time()
@@ -460,6 +465,13 @@ class SimWorker:
             self._step()
             self._busy_model_s += dt
             self._busy_real_s += loop.time() - t0
+
+    def _idle_wake_s(self) -> float:
+        """How long the idle decode loop may sleep: the Upstream reclaim mode releases
+        quarantined slots on a timer, which only this loop's `DecodeKv.poll` ticks."""
+        kv = self.decode_kv
+        upstream = kv is not None and kv.ledger.mode is ReclaimMode.UPSTREAM
+        return TIMER_POLL_S if upstream else IDLE_WAKE_S
 
     def _check_kv(self, run: Run) -> None:
         """Collapse the request's statistics once its KV slot stops holding its content."""
