@@ -8,11 +8,17 @@ webhook configurations, and reads readiness conditions. Tests and users keep usi
 
 from __future__ import annotations
 
+import base64
 import json
+import os
 import ssl
+import tempfile
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 FIELD_MANAGER = "cas-e2e"
 
@@ -55,6 +61,29 @@ class Api:
             raise ApiError(0, str(exc)) from None
         return dict(json.loads(raw)) if raw else {}
 
+    @classmethod
+    def from_kubeconfig(cls, path: Path) -> Api | None:
+        """An :class:`Api` for the current context of a kubeconfig that embeds its CA and
+        client certificate (what the local stack writes); None for any other kind (a token, an
+        exec plugin, files), which the caller reads through kubectl instead."""
+        config = yaml.safe_load(path.read_text()) or {}
+        current = config.get("current-context")
+        context = _named(config.get("contexts"), current).get("context") or {}
+        cluster = _named(config.get("clusters"), context.get("cluster")).get("cluster") or {}
+        user = _named(config.get("users"), context.get("user")).get("user") or {}
+        needed = (cluster.get("server"), cluster.get("certificate-authority-data"),
+                  user.get("client-certificate-data"), user.get("client-key-data"))  # fmt: skip
+        if not all(needed):
+            return None
+        server, ca, cert, key = (str(x) for x in needed)
+        ctx = ssl.create_default_context(cadata=base64.b64decode(ca).decode())
+        with tempfile.TemporaryDirectory() as tmp:  # load_cert_chain reads files only
+            pem = Path(tmp) / "client.pem"
+            pem.touch(mode=0o600)
+            pem.write_bytes(base64.b64decode(cert) + b"\n" + base64.b64decode(key))
+            ctx.load_cert_chain(os.fspath(pem))
+        return cls(server, ctx)
+
     def get(self, path: str) -> dict[str, Any] | None:
         """The object at ``path``, or None when it does not exist (404)."""
         try:
@@ -82,6 +111,12 @@ class Api:
             if exc.status != 409:
                 raise
         return self.apply(f"{collection}/{obj['metadata']['name']}", obj)
+
+
+def _named(items: Any, name: Any) -> dict[str, Any]:
+    """The entry called ``name`` in a kubeconfig list (clusters, users, contexts), or {}."""
+    found = next((x for x in items or [] if isinstance(x, dict) and x.get("name") == name), {})
+    return dict(found)
 
 
 def condition(obj: dict[str, Any] | None, kind: str) -> str | None:

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -213,6 +214,43 @@ def run_kubectl(
     if check and proc.returncode != 0:
         raise ClusterError(f"kubectl {' '.join(args)} failed: {proc.stderr.strip()}")
     return proc.stdout
+
+
+@dataclass
+class ClusterKubectl:
+    """``kubectl(*args, stdin=None, check=True, timeout=60) -> stdout`` against one cluster,
+    and :meth:`rest_get`, a read straight from its API server.
+
+    Tests poll a lot (a fleet's pods, its status), and each kubectl process costs ~55 ms of
+    CPU (start, kubeconfig, discovery cache) on a 2-core machine where the suite is CPU-bound;
+    a GET over one kept TLS context costs a few. Writes and everything a user would type stay
+    kubectl."""
+
+    kubectl_path: Path | None
+    kubeconfig: Path
+    _api: Api | None = field(default=None, init=False, repr=False)
+    _api_tried: bool = field(default=False, init=False, repr=False)
+
+    def __call__(
+        self, *args: str, stdin: str | None = None, check: bool = True, timeout: float = 60
+    ) -> str:
+        return run_kubectl(
+            self.kubectl_path, self.kubeconfig, *args, stdin=stdin, check=check, timeout=timeout
+        )
+
+    def rest_get(self, path: str) -> dict[str, Any] | None:
+        """The JSON at API path ``path`` (``/api/v1/namespaces/x/pods?labelSelector=...``), or
+        None when it does not exist; ``kubectl get --raw`` where the kubeconfig is not one the
+        harness can read (:meth:`Api.from_kubeconfig`)."""
+        if not self._api_tried:
+            self._api, self._api_tried = Api.from_kubeconfig(self.kubeconfig), True
+        if self._api is None:
+            out = self("get", "--raw", path, check=False)
+            return dict(json.loads(out)) if out.strip() else None
+        try:
+            return self._api.get(path)
+        except ApiError as exc:
+            raise ClusterError(f"GET {path}: {exc}") from None
 
 
 def wait_for(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import json
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from typing import Any
@@ -60,13 +61,24 @@ def crd_established(kubectl: Kubectl) -> bool:
     return any(x.get("type") == "Established" and x.get("status") == "True" for x in conditions)
 
 
+def rest_get(kubectl: Kubectl, path: str) -> dict[str, Any] | None:
+    """The JSON at API path `path`, or None where nothing is there. Straight from the API
+    server where the kubectl callable can (the e2e fixture, `ClusterKubectl.rest_get`: no
+    kubectl process per poll), else `kubectl get --raw` (a bench's plain function)."""
+    direct: Callable[[str], dict[str, Any] | None] | None = getattr(kubectl, "rest_get", None)
+    if direct is not None:
+        return direct(path)
+    out = kubectl("get", "--raw", path, check=False)
+    return dict(json.loads(out)) if out.strip() else None
+
+
 def role_pods(
     kubectl: Kubectl, namespace: str, role: str, name: str = NAME
 ) -> list[dict[str, Any]]:
     """Live (not being deleted) pods of the resource with `role`."""
-    out = kubectl("get", "pods", "-n", namespace, "-l", f"cas.dev/name={name},cas.dev/role={role}",
-                  "-o", "json")  # fmt: skip
-    items: list[dict[str, Any]] = json.loads(out)["items"]
+    selector = urllib.parse.quote(f"cas.dev/name={name},cas.dev/role={role}")
+    found = rest_get(kubectl, f"/api/v1/namespaces/{namespace}/pods?labelSelector={selector}")
+    items: list[dict[str, Any]] = (found or {}).get("items") or []
     return [p for p in items if not p["metadata"].get("deletionTimestamp")]
 
 
@@ -81,9 +93,12 @@ def serving_decodes(kubectl: Kubectl, namespace: str, name: str = NAME) -> dict[
 
 
 def cas_status(kubectl: Kubectl, namespace: str, name: str = NAME) -> dict[str, Any]:
-    status: dict[str, Any] = json.loads(
-        kubectl("get", "cas", name, "-n", namespace, "-o", "json")
-    ).get("status", {})
+    """The resource's status ({} before the operator wrote one); raises if it does not exist."""
+    path = f"/apis/{c.GROUP}/{c.VERSION}/namespaces/{namespace}/{c.PLURAL}/{name}"
+    found = rest_get(kubectl, path)
+    if found is None:
+        raise LookupError(f"{c.PLURAL}/{name} not found in namespace {namespace}")
+    status: dict[str, Any] = found.get("status") or {}
     return status
 
 

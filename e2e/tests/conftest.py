@@ -39,6 +39,7 @@ from filelock import FileLock
 
 from e2e.cluster.bins import BUILD_SCRIPT, resolve
 from e2e.cluster.stack import ClusterError, ClusterHandle, load_cluster, start_cluster
+from e2e.fleet.fleetview import rest_get
 from e2e.fleet.livestack import LiveStack, MakeLiveStack
 from e2e.paths import REPO_ROOT
 
@@ -161,21 +162,9 @@ def kubeconfig(cluster: ClusterHandle) -> Path:
 @pytest.fixture(scope="session")
 def kubectl(cluster: ClusterHandle) -> Kubectl:
     """``kubectl(*args, stdin=None, check=True, timeout=60) -> stdout`` against the cluster."""
-    from e2e.cluster.stack import run_kubectl
+    from e2e.cluster.stack import ClusterKubectl
 
-    def _kubectl(
-        *args: str, stdin: str | None = None, check: bool = True, timeout: float = 60
-    ) -> str:
-        return run_kubectl(
-            cluster.kubectl_path,
-            cluster.kubeconfig,
-            *args,
-            stdin=stdin,
-            check=check,
-            timeout=timeout,
-        )
-
-    return _kubectl
+    return ClusterKubectl(cluster.kubectl_path, cluster.kubeconfig)
 
 
 @pytest.fixture
@@ -288,11 +277,13 @@ def _reap_pods(kubectl: Kubectl, namespace: str, seconds: float = 90.0) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:
-            if not kubectl("get", "namespace", namespace, "-o", "name", "--ignore-not-found",
-                           check=False).strip():  # fmt: skip
+            if rest_get(kubectl, f"/api/v1/namespaces/{namespace}") is None:
                 return
-            kubectl("delete", "pods", "--all", "-n", namespace, "--force", "--grace-period=0",
-                    "--wait=false", "--ignore-not-found", check=False)  # fmt: skip
-        except OSError:
+            pods = rest_get(kubectl, f"/api/v1/namespaces/{namespace}/pods") or {}
+            if pods.get("items"):
+                kubectl("delete", "pods", "--all", "-n", namespace, "--force",
+                        "--grace-period=0", "--wait=false", "--ignore-not-found",
+                        check=False)  # fmt: skip
+        except (OSError, ClusterError):
             pass  # the next round tries again
         time.sleep(2.0)

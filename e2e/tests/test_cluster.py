@@ -254,3 +254,20 @@ def test_probed_pods_are_ready_only_while_their_process_answers(
         wait_until("the probed pod not Ready after its process died", lambda: not synced_ready())
     finally:
         runner.stop_all()
+
+
+def test_the_fixtures_direct_reads_answer_as_kubectl_does(kubectl: Kubectl, namespace: str) -> None:
+    """The `kubectl` fixture's `rest_get` (the tests' polls read the API server without a
+    kubectl process) must see what kubectl sees: the same pods, None for what is not there.
+    Regression guarded: a direct read that silently returned nothing would make every
+    "wait until no pod" poll pass at once."""
+    from e2e.fleet.fleetview import rest_get
+
+    kubectl("create", "-n", namespace, "configmap", "direct-read", "--from-literal=a=b")
+    via_kubectl = json.loads(kubectl("get", "configmap", "direct-read", "-n", namespace,
+                                     "-o", "json"))  # fmt: skip
+    direct = rest_get(kubectl, f"/api/v1/namespaces/{namespace}/configmaps/direct-read")
+    assert getattr(kubectl, "rest_get", None) is not None, "the fixture reads through kubectl"
+    assert direct is not None and direct["metadata"]["uid"] == via_kubectl["metadata"]["uid"]
+    assert direct["data"] == {"a": "b"}
+    assert rest_get(kubectl, f"/api/v1/namespaces/{namespace}/configmaps/absent") is None

@@ -340,3 +340,19 @@ def test_crds_are_waited_for_even_before_the_api_server_gave_them_conditions() -
 
     apply_crds(kubectl)
     assert answers == [] and calls[-1] == ("get", CRD, "-o", "json")
+
+
+def test_only_a_kubeconfig_with_embedded_certificates_is_read_directly(tmp_path: Path) -> None:
+    """`Api.from_kubeconfig` reads the local stack's kubeconfig (CA and client certificate
+    embedded) and declines any other kind (a token here), whose reads then go through kubectl;
+    guards against a direct client built without the user's credentials."""
+    from e2e.cluster.api import Api
+
+    token = {"apiVersion": "v1", "kind": "Config", "current-context": "c",
+             "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}],
+             "clusters": [{"name": "k", "cluster": {"server": "https://127.0.0.1:1",
+                                                    "certificate-authority-data": "eA=="}}],
+             "users": [{"name": "u", "user": {"token": "t"}}]}  # fmt: skip
+    path = tmp_path / "kubeconfig"
+    path.write_text(yaml.safe_dump(token))
+    assert Api.from_kubeconfig(path) is None
