@@ -1,9 +1,12 @@
-"""A minimal Kubernetes REST client for the harness's start-up steps (standard library only).
+"""A minimal Kubernetes REST client for the harness (standard library and yaml only).
 
 Why not kubectl: every kubectl call is a process start plus discovery (seconds on a busy
-2-core machine), and ``up`` polls a lot. Data flow: the cluster module builds an :class:`Api`
-from the apiserver URL and the admin TLS context; it creates nodes, server-side applies CRDs and
-webhook configurations, and reads readiness conditions. Tests and users keep using kubectl.
+2-core machine), and ``up`` and the tests poll a lot. Data flow: the cluster module builds an
+:class:`Api` from the apiserver URL and the admin TLS context; it creates nodes, server-side
+applies CRDs and webhook configurations, and reads readiness conditions. The tests' ``kubectl``
+fixture (``e2e.cluster.stack.ClusterKubectl``) builds one from the kubeconfig
+(:meth:`Api.from_kubeconfig`) for its polls' reads; tests write, and users do everything,
+through kubectl.
 """
 
 from __future__ import annotations
