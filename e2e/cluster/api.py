@@ -18,6 +18,7 @@ import ssl
 import tempfile
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +115,13 @@ class Api:
             if exc.status != 409:
                 raise
         return self.apply(f"{collection}/{obj['metadata']['name']}", obj)
+
+
+def raw_get(kubectl: Callable[..., str], path: str) -> dict[str, Any] | None:
+    """``kubectl get --raw path`` as JSON, None when nothing is there: the read for a cluster
+    whose kubeconfig :meth:`Api.from_kubeconfig` declines."""
+    out = kubectl("get", "--raw", path, check=False)
+    return dict(json.loads(out)) if out.strip() else None
 
 
 def _named(items: Any, name: Any) -> dict[str, Any]:

@@ -42,7 +42,7 @@ import yaml
 from cas_engine.sim.fleet import free_port
 from e2e.cluster import bins as binmod
 from e2e.cluster import manifests, pki, podnet, procs
-from e2e.cluster.api import Api, ApiError, condition
+from e2e.cluster.api import Api, ApiError, condition, raw_get
 from e2e.paths import REPO_ROOT, write_json
 
 SERVICE_CIDR = podnet.SERVICE_CIDR  # blackholed on the host (see e2e.cluster.podnet)
@@ -251,8 +251,7 @@ class ClusterKubectl:
         if not self._api_tried:
             self._api, self._api_tried = Api.from_kubeconfig(self.kubeconfig), True
         if self._api is None:
-            out = self("get", "--raw", path, check=False)
-            return dict(json.loads(out)) if out.strip() else None
+            return raw_get(self, path)
         try:
             return self._api.get(path)
         except ApiError as exc:

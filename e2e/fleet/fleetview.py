@@ -18,6 +18,8 @@ from typing import Any
 import yaml
 
 from cas_operator.api import constants as c
+from e2e.cluster.api import condition as condition_status
+from e2e.cluster.api import raw_get
 from e2e.paths import REPO_ROOT as ROOT
 from e2e.waits import wait_for
 
@@ -56,9 +58,8 @@ def apply_crds(kubectl: Kubectl) -> None:
 def crd_established(kubectl: Kubectl) -> bool:
     """Whether the API server serves our CRD (its Established condition is True); False while
     the CRD has no conditions yet."""
-    crd: dict[str, Any] = json.loads(kubectl("get", CRD, "-o", "json"))
-    conditions = (crd.get("status") or {}).get("conditions") or []
-    return any(x.get("type") == "Established" and x.get("status") == "True" for x in conditions)
+    crd = json.loads(kubectl("get", CRD, "-o", "json"))
+    return condition_status(crd, "Established") == "True"
 
 
 def rest_get(kubectl: Kubectl, path: str) -> dict[str, Any] | None:
@@ -66,20 +67,23 @@ def rest_get(kubectl: Kubectl, path: str) -> dict[str, Any] | None:
     server where the kubectl callable can (the e2e fixture, `ClusterKubectl.rest_get`: no
     kubectl process per poll), else `kubectl get --raw` (a bench's plain function)."""
     direct: Callable[[str], dict[str, Any] | None] | None = getattr(kubectl, "rest_get", None)
-    if direct is not None:
-        return direct(path)
-    out = kubectl("get", "--raw", path, check=False)
-    return dict(json.loads(out)) if out.strip() else None
+    return direct(path) if direct is not None else raw_get(kubectl, path)
+
+
+def labelled_pods(kubectl: Kubectl, namespace: str, selector: str) -> list[dict[str, Any]]:
+    """Every pod of `namespace` matching the label `selector` (`a=b,c=d`), as the API sends."""
+    query = urllib.parse.quote(selector)
+    found = rest_get(kubectl, f"/api/v1/namespaces/{namespace}/pods?labelSelector={query}")
+    items: list[dict[str, Any]] = (found or {}).get("items") or []
+    return items
 
 
 def role_pods(
     kubectl: Kubectl, namespace: str, role: str, name: str = NAME
 ) -> list[dict[str, Any]]:
     """Live (not being deleted) pods of the resource with `role`."""
-    selector = urllib.parse.quote(f"cas.dev/name={name},cas.dev/role={role}")
-    found = rest_get(kubectl, f"/api/v1/namespaces/{namespace}/pods?labelSelector={selector}")
-    items: list[dict[str, Any]] = (found or {}).get("items") or []
-    return [p for p in items if not p["metadata"].get("deletionTimestamp")]
+    pods = labelled_pods(kubectl, namespace, f"cas.dev/name={name},cas.dev/role={role}")
+    return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
 
 
 def serving_decodes(kubectl: Kubectl, namespace: str, name: str = NAME) -> dict[str, str]:

@@ -20,7 +20,6 @@ import asyncio
 import json
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +27,7 @@ from typing import Any
 import aiohttp
 
 from cas_operator.api import constants as c
-from e2e.fleet.fleetview import rest_get
+from e2e.fleet.fleetview import labelled_pods
 
 SLACK_S = 5.0  # a pod is taken to hold its IP this long before and after it was seen
 PROMPTS = ("refactor the parser", "add a test for the cache", "explain this stack trace")
@@ -183,15 +182,11 @@ class PodBook:
                 continue
 
     def poll(self) -> None:
-        selector = urllib.parse.quote(
-            f"{c.LABEL_NAME}={self.name},{c.LABEL_APP_NAME}={c.APP_ENGINE}"
-        )
-        found = rest_get(
-            self.kubectl, f"/api/v1/namespaces/{self.namespace}/pods?labelSelector={selector}"
-        )
+        selector = f"{c.LABEL_NAME}={self.name},{c.LABEL_APP_NAME}={c.APP_ENGINE}"
+        pods = labelled_pods(self.kubectl, self.namespace, selector)
         now = time.monotonic()
         with self._lock:
-            for pod in (found or {}).get("items") or []:
+            for pod in pods:
                 ip = (pod.get("status") or {}).get("podIP")
                 revision = pod["metadata"]["labels"].get(c.LABEL_REVISION)
                 if not ip or not revision:
