@@ -1,8 +1,9 @@
 """The P:D planner on real Claude Code sessions (``make bench-planner``; issue 39, part 3).
 
 Usage: python -m bench.planner_traces [--sessions PATH] [--mooncake PATH] [--quick]
-[--only NAME] [--out bench/results/planner-traces.json] (PATH: a folder of Claude Code
-session files or their tarball; default ../shared/traces/claude-code-sessions.tar.gz).
+[--only NAME] [--router NAME] [--out bench/results/planner-traces.json] (PATH: a folder of
+Claude Code session files or their tarball; default
+../shared/traces/claude-code-sessions.tar.gz).
 
 Data flow: the sessions (`bench.fleetsim.sessions.load_sessions`: real requests with their
 input and output tokens, think times and prompt block ids) -> per scenario an overlay of
@@ -11,7 +12,8 @@ like Mooncake's hour of real arrivals), sessions placed in a seeded order
 (`bench.traces.placement_order`), those started before the run joining in steady state ->
 `bench.fleetsim` replays them in closed loop (each next request its think time after the
 answer) on a 256-GPU fleet, its prefill instances caching real blocks per instance as the
-product's cache-aware router routes them, and exporting the prompt reuse times their engines
+fleet's router (``--router``, `ROUTERS`; default smg's consistent hashing on the session id)
+routes them, and exporting the prompt reuse times their engines
 would (`Metrics.reuse`) -> the methods below on the same traffic -> goodput per method, the
 planner's predicted hit rate against the simulator's, and LayerSplit against replicated CP
 and CP 1 by context length.
@@ -51,7 +53,14 @@ from typing import Any
 import numpy as np
 
 from bench.fleetsim import FleetConfig
-from bench.fleetsim.engine import SimResult, Simulator
+from bench.fleetsim.engine import (
+    CacheAwareRouting,
+    ConsistentHashRouting,
+    ManualRouting,
+    Routing,
+    SimResult,
+    Simulator,
+)
 from bench.fleetsim.policies import MeanBasedPolicy, RatioPlannerPolicy, SwitchPolicy
 from bench.fleetsim.sessions import (
     Placement,
@@ -87,6 +96,16 @@ MOONCAKE_FILE = "mooncake-conversation.jsonl"  # read from beside the sessions b
 CONTEXT_EDGES = (0, 40_000, 80_000, 120_000, 200_000, math.inf)  # prompt tokens
 PUBLISHED_LAYERSPLIT = {40_000: 0.10, 120_000: 1.32}  # production report: +10% .. +132%
 LAYOUTS = {"cp1": (1, False), "cp4": (4, False), "cp4-layersplit": (4, True)}
+# The routers a fleet can sit behind (``--router``): how it picks a prefill instance, and
+# whether its admission bounds the requests in flight (smg) or is sglang-router 0.3.2's
+# bucket (`bench.planner.with_admission`). The default is what docs/traffic.md recommends for
+# real coding-agent traffic: smg with its default keyed policy.
+ROUTERS: dict[str, tuple[Routing, bool]] = {
+    "smg/consistent_hashing": (ConsistentHashRouting(), True),
+    "sglang-router/manual": (ManualRouting(), False),
+    "sglang-router/cache_aware": (CacheAwareRouting(), False),
+}
+DEFAULT_ROUTER = "smg/consistent_hashing"
 
 
 @dataclass(frozen=True)
@@ -111,6 +130,7 @@ class TraceScenario:
     duration_s: float = 3600.0
     warmup_s: float = 900.0
     moves: bool = False  # the load moves for good: an online bound is computed
+    router: str = DEFAULT_ROUTER  # a key of `ROUTERS`: every method's fleet sits behind it
 
     @property
     def middle_s(self) -> float:
@@ -124,22 +144,23 @@ class TraceScenario:
         return p, d
 
 
-def scenarios(quick: bool) -> list[TraceScenario]:
-    """Three stationary load levels, a ramp and a Mooncake-shaped surge of session starts."""
+def scenarios(quick: bool, router: str = DEFAULT_ROUTER) -> list[TraceScenario]:
+    """Three stationary load levels, a ramp and a Mooncake-shaped surge of session starts,
+    every fleet behind ``router``."""
+    if router not in ROUTERS:
+        raise ValueError(f"unknown router {router!r}: one of {', '.join(ROUTERS)}")
     dur, warm = (2400.0, 600.0) if quick else (3600.0, 900.0)
+
+    def scenario(
+        name: str, live: float, starts: str = "poisson", factor: float = 1.0
+    ) -> TraceScenario:
+        moves = starts != "poisson"
+        return TraceScenario(name, live, starts, factor, 256, dur, warm, moves, router)
+
     levels = {"low": 1000.0, "mid": 1600.0, "high": 2200.0}
-    out = [TraceScenario(f"real-{k}", v, duration_s=dur, warmup_s=warm) for k, v in levels.items()]
-    out.append(
-        TraceScenario(
-            "real-ramp", levels["low"], "ramp", 6.0, duration_s=dur, warmup_s=warm, moves=True
-        )
-    )
-    out.append(
-        TraceScenario(
-            "real-mooncake", levels["mid"], "mooncake", 3.0, duration_s=dur, warmup_s=warm,
-            moves=True,
-        )
-    )  # fmt: skip
+    out = [scenario(f"real-{k}", v) for k, v in levels.items()]
+    out.append(scenario("real-ramp", levels["low"], "ramp", 6.0))
+    out.append(scenario("real-mooncake", levels["mid"], "mooncake", 3.0))
     return out
 
 
@@ -246,7 +267,7 @@ def run(
         planner = RatioPlannerPolicy(
             p, d, SLO, bounds(sc), operator_inputs=workload_fields(sc, paths)
         )
-        policy, admission = with_admission(planner, wl)
+        policy, admission = with_admission(planner, wl, in_flight_bound=ROUTERS[sc.router][1])
     elif method == "mean-based":
         policy = MeanBasedPolicy(p, d, SLO, bounds(sc))
         wl = declared(sc, paths)
@@ -267,6 +288,7 @@ def run(
         warmup_s=sc.warmup_s,
         seed=seed,
         admission=admission,
+        routing=ROUTERS[sc.router][0],
     )
     traffic = SessionTraffic(sessions_of(paths), placements(sc, paths, seed))
     t0 = time.perf_counter()
@@ -423,13 +445,15 @@ def run_bench(
     paths: Paths,
     only: tuple[str, ...] = (),
     partial: str | None = None,
+    router: str = DEFAULT_ROUTER,
 ) -> dict[str, Any]:
-    """Every scenario (or those in ``only``) and the LayerSplit comparison; the result so far
-    is written to ``partial`` after each scenario."""
-    scs = scenarios(quick)
+    """Every scenario (or those in ``only``) and the LayerSplit comparison, behind ``router``;
+    the result so far is written to ``partial`` after each scenario."""
+    scs = scenarios(quick, router)
     stride = 4 if quick else 2
     out: dict[str, Any] = {
         "slo": {"ttft_p90_s": SLO.ttft_s, "itl_ms": SLO.itl_ms},
+        "router": router,
         "seed": seed,
         "sessions": Path(paths.sessions).name,
         "scenarios": {},
@@ -612,12 +636,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=max(1, min(2, os.cpu_count() or 1)))
     ap.add_argument("--limit", type=int, help="replay only the first N sessions")
     ap.add_argument("--only", action="append", default=[], help="this scenario only (repeat)")
+    ap.add_argument(
+        "--router", default=DEFAULT_ROUTER, choices=sorted(ROUTERS), help="the fleet's router"
+    )
     ap.add_argument("--out", default="bench/results/planner-traces.json")
     args = ap.parse_args(argv)
     mooncake = args.mooncake or str(Path(args.sessions).parent / MOONCAKE_FILE)
     paths = Paths(args.sessions, mooncake, args.limit)
     t0 = time.perf_counter()
-    result = run_bench(args.quick, args.seed, args.workers, paths, tuple(args.only), args.out)
+    result = run_bench(
+        args.quick, args.seed, args.workers, paths, tuple(args.only), args.out, args.router
+    )
     print(table(result))
     result["criteria"] = criteria(result)
     print("\n".join(result["criteria"]))

@@ -42,6 +42,7 @@ Pure computation (no I/O, no clock). Outputs per-request records and a per-tick 
 from __future__ import annotations
 
 import bisect
+import hashlib
 import math
 from collections import deque
 from collections.abc import Callable
@@ -80,6 +81,46 @@ class CacheAwareRouting:
     cache_threshold: float = 0.3
     balance_abs_threshold: int = 64
     balance_rel_threshold: float = 1.5
+
+
+@dataclass(frozen=True)
+class ConsistentHashRouting:
+    """How the product's default router for real coding-agent traffic picks a prefill
+    instance (`router.implementation: smg`, `router.policy` unset: smg 1.13's
+    `consistent_hashing` on the session id the client sends): the session key is hashed onto a
+    ring holding ``virtual_nodes`` points per worker (smg's WorkerRegistry: 150, blake3) and
+    the request goes to the first ready instance clockwise, whatever the instances cache or
+    hold. A new instance takes the keys of its arcs only (about 1/N of the sessions; their
+    next turn re-prefills once); a removed one's keys move to its successors. Blake2b stands
+    in for blake3 (any stable, uniform hash places the same way on average)."""
+
+    virtual_nodes: int = 150
+
+    def points(self, instance: int) -> list[tuple[int, int]]:
+        """The ring points of ``instance`` (a pod keeps its index, as its name, while it
+        lives): (position, instance)."""
+        return [
+            (_ring_hash(f"prefill-{instance}#{v}"), instance) for v in range(self.virtual_nodes)
+        ]
+
+
+def _ring_hash(key: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+
+
+@dataclass(frozen=True)
+class ManualRouting:
+    """How sglang-router 0.3.2 picks a prefill instance with `router.policy` unset (its
+    `manual` policy on the session id the client sends): each of the ``replicas`` router pods
+    keeps its own map from session key to instance, filled with a random ready instance the
+    first time that pod sees the key or when its instance is gone; each request reaches one
+    pod at random (kube-proxy spreads connections over the entry Service), so with two pods
+    a session's requests alternate between up to two instances (docs/traffic.md)."""
+
+    replicas: int = 2
+
+
+Routing = CacheAwareRouting | ConsistentHashRouting | ManualRouting
 
 
 @dataclass(frozen=True)
@@ -129,7 +170,7 @@ class FleetConfig:
     prepopulate: bool = True  # start with steady-state sessions (cold caches)
     seed: int = 0
     admission: Admission | None = None
-    routing: CacheAwareRouting = CacheAwareRouting()  # real sessions only (`SessionTraffic`)
+    routing: Routing = CacheAwareRouting()  # real sessions only (`SessionTraffic`)
 
 
 @dataclass(frozen=True)
@@ -448,9 +489,14 @@ class Simulator:
     ) -> None:
         if sum(x is not None for x in (workload, trace, sessions)) != 1:
             raise ValueError("give exactly one of workload, trace or sessions")
+        if sessions is None and not isinstance(cfg.routing, CacheAwareRouting):
+            raise ValueError("keyed routing needs real sessions (their session key)")
         self.cfg, self.wl, self.trace, self.policy = cfg, workload, trace, policy
         self.traffic = sessions
         self.caches = [InstanceCache(GHOST_BLOCKS) for _ in range(cfg.max_prefill)]
+        self._rings: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+        self._manual: dict[int, dict[str, int]] = {}  # per router pod: session key -> instance
+        self.route_rng = np.random.default_rng(cfg.seed + 7919)  # routing draws only
         self.rng = np.random.default_rng(cfg.seed)
         self.P = _Pool(cfg.n_prefill, cfg.max_prefill)
         self.D = _Pool(cfg.n_decode, cfg.max_decode)
@@ -664,6 +710,7 @@ class Simulator:
         instance holding the fewest cached tokens, one arrival after the other; all to the
         least loaded while the in-prefill loads are imbalanced."""
         rt, S, P = self.cfg.routing, self.S, self.P
+        assert isinstance(rt, CacheAwareRouting)  # (`__init__`)
         ready = np.flatnonzero(ready_p)
         loads = np.array([self._in_prefill(i, now) for i in ready.tolist()], dtype=float)
         if loads.max() - loads.min() > rt.balance_abs_threshold and loads.max() > (
@@ -780,8 +827,8 @@ class Simulator:
         ready: np.ndarray,
         routed: np.ndarray,
     ) -> tuple[int, float, float]:
-        """The instance the product's router picks (`CacheAwareRouting`) and the request's
-        cached tokens there (GPU tier, any tier); the instance's cache and its engine's reuse
+        """The instance the router picks (``FleetConfig.routing``) and the request's cached
+        tokens there (GPU tier, any tier); the instance's cache and its engine's reuse
         measurement take the request."""
         rt, prof, caches = self.cfg.routing, self.cfg.prefill, self.caches
         gpu_blocks = int(prof.kv_capacity_tokens // BLOCK_SIZE)
@@ -795,15 +842,15 @@ class Simulator:
                 m = sum(ov.within(any_blocks) for ov in ovs)
                 if m > best_blocks:
                     best, best_blocks = i, m
-        loads = np.array([self._in_prefill(i, now) + routed[i] for i in ready.tolist()])
-        lo, hi = float(loads.min()), float(loads.max())
-        if hi - lo > rt.balance_abs_threshold and hi > rt.balance_rel_threshold * lo:
-            choice = int(ready[int(np.argmin(loads))])
-        elif best >= 0 and best_blocks * BLOCK_SIZE > rt.cache_threshold * inp:
-            choice = best
+        if isinstance(rt, ConsistentHashRouting):
+            choice = self._ring_owner(rt, scope, ready)
+        elif isinstance(rt, ManualRouting):
+            choice = self._manual_owner(rt, scope, ready)
         else:
-            trees = np.array([min(caches[i].total, any_blocks) for i in ready.tolist()])
-            choice = int(ready[np.lexsort((loads, trees))[0]])
+            cover = best_blocks * BLOCK_SIZE > rt.cache_threshold * inp
+            choice = self._cache_aware_choice(
+                rt, best if cover else -1, any_blocks, now, ready, routed
+            )
         ovs = found.get(choice, [])
         gpu = sum(ov.within(gpu_blocks) for ov in ovs) * BLOCK_SIZE
         hit = sum(ov.within(any_blocks) for ov in ovs) * BLOCK_SIZE
@@ -811,6 +858,49 @@ class Simulator:
         caches[choice].reference(scope, trie, leaf, blocks, now, ovs)
         cap = max(inp - 1.0, 0.0)  # the last token is always computed
         return choice, min(gpu, cap), min(hit, cap)
+
+    def _cache_aware_choice(
+        self,
+        rt: CacheAwareRouting,
+        best: int,
+        any_blocks: int,
+        now: float,
+        ready: np.ndarray,
+        routed: np.ndarray,
+    ) -> int:
+        """`CacheAwareRouting`'s pick: the least loaded while the loads are imbalanced, else
+        the instance holding the longest prefix over the threshold (``best``, -1: none), else
+        the one caching the least (its tree capped at ``any_blocks``)."""
+        caches = self.caches
+        loads = np.array([self._in_prefill(i, now) + routed[i] for i in ready.tolist()])
+        lo, hi = float(loads.min()), float(loads.max())
+        if hi - lo > rt.balance_abs_threshold and hi > rt.balance_rel_threshold * lo:
+            return int(ready[int(np.argmin(loads))])
+        if best >= 0:
+            return best
+        trees = np.array([min(caches[i].total, any_blocks) for i in ready.tolist()])
+        return int(ready[np.lexsort((loads, trees))[0]])
+
+    def _ring_owner(self, rt: ConsistentHashRouting, key: str, ready: np.ndarray) -> int:
+        """The first ready instance clockwise of ``key`` on the hash ring
+        (`ConsistentHashRouting`); the ring of a set of ready instances is built once."""
+        members = tuple(ready.tolist())
+        ring = self._rings.get(members)
+        if ring is None:
+            ring = sorted(pt for i in members for pt in rt.points(i))
+            self._rings = {members: ring}  # the latest set only: the ready set changes rarely
+        k = bisect.bisect_left(ring, (_ring_hash(key), -1))
+        return ring[k % len(ring)][1]
+
+    def _manual_owner(self, rt: ManualRouting, key: str, ready: np.ndarray) -> int:
+        """`ManualRouting`'s pick: the instance the router pod taking this request keeps for
+        ``key``, a random ready one when it has none or that one is not ready."""
+        pod = int(self.route_rng.integers(rt.replicas))
+        owners = self._manual.setdefault(pod, {})
+        i = owners.get(key)
+        if i is None or self.P.state[i] != READY:
+            i = owners[key] = int(ready[int(self.route_rng.integers(ready.size))])
+        return i
 
     def _in_prefill(self, i: int, now: float) -> int:
         """Requests on prefill instance ``i`` whose KV has not been sent yet."""

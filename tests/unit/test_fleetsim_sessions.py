@@ -3,8 +3,10 @@
 
 Guards: real requests replayed in closed loop (a request's successor leaves its think time
 after the answer ends on the simulated fleet, a subagent after the parent request that spawned
-it); the product's cache-aware routing (a returning turn goes back to the instance holding its
-prefix, a new session to the least-filled instance); the prefill engines' reuse measurement,
+it); sglang-router's cache-aware routing (a returning turn goes back to the instance holding its
+prefix, a new session to the least-filled instance); the keyed policies (smg's consistent
+hashing: one instance per session, about 1/N of the sessions moved by a scale step;
+sglang-router's manual: a map per router pod); the prefill engines' reuse measurement,
 which must be what `cas_engine.prefixreuse` exports for the same routed requests; and the
 planner's operator-fed loop reading it."""
 
@@ -16,8 +18,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from bench.fleetsim import FleetConfig
-from bench.fleetsim.engine import Simulator
+from bench.fleetsim import FleetConfig, SessionMix, SessionWorkload
+from bench.fleetsim.engine import ConsistentHashRouting, ManualRouting, Simulator
 from bench.fleetsim.policies import RatioPlannerPolicy
 from bench.fleetsim.sessions import Placement, SessionTraffic, SimSession
 from bench.traces import parse_claude_session
@@ -127,6 +129,79 @@ def test_returning_turns_go_home_and_new_sessions_to_the_least_filled_instance()
     firsts = [inst for (_, inst, scope, _, _) in sim.log[:3]]
     assert sorted(firsts) == [0, 1, 2]  # three new sessions spread over the empty instances
     assert res.goodput(3.0, 50.0)["hit_rate"] > 0.5
+
+
+def _homes(log: list[tuple[float, int, str, int, int]]) -> dict[str, set[int]]:
+    """The instances each session's requests landed on."""
+    homes: dict[str, set[int]] = {}
+    for _, inst, scope, _, _ in log:
+        homes.setdefault(scope, set()).add(inst)
+    return homes
+
+
+def test_consistent_hashing_keeps_each_session_on_one_instance() -> None:
+    """smg's `consistent_hashing` (the default router for real coding-agent traffic): every
+    request of a session, subagents included, lands on the instance its key hashes to,
+    whatever that instance caches or holds; the sessions spread over the instances."""
+    sessions = _sessions(12)
+    traffic = SessionTraffic(sessions, [Placement(2.0 * i, i) for i in range(12)])
+    cfg = _cfg(4, 2, 900.0, prepopulate=False, routing=ConsistentHashRouting())
+    sim = _Logged(cfg, sessions=traffic)
+    res = sim.run()
+    homes = _homes(sim.log)
+    assert len(homes) == 12 and all(len(h) == 1 for h in homes.values()), homes
+    ring = {k: sim._ring_owner(cfg.routing, k, np.arange(4)) for k in homes}  # type: ignore[arg-type]
+    assert {k: h.pop() for k, h in homes.items()} == ring
+    assert len(set(ring.values())) >= 3  # not all on one instance
+    assert res.goodput(3.0, 50.0)["hit_rate"] > 0.5
+
+
+def _owners(sim: Simulator, rt: ConsistentHashRouting, ready: list[int]) -> np.ndarray:
+    return np.array([sim._ring_owner(rt, f"k{j}@{j}", np.array(ready)) for j in range(3000)])
+
+
+def test_a_scale_step_moves_only_the_sessions_of_the_added_or_removed_instance() -> None:
+    """The ring's point of keyed routing: adding a ninth instance moves about 1/9 of the
+    sessions, all of them to it (each re-prefills once), where cache-aware routing sends it
+    every new session until its cache fills; removing one moves only its own sessions. 150
+    points per instance keep the shares within a few points of even."""
+    rt = ConsistentHashRouting()
+    sessions = _sessions(1)
+    cfg = _cfg(9, 1, 10.0, prepopulate=False, routing=rt)
+    sim = Simulator(cfg, sessions=SessionTraffic(sessions, [Placement(0.0, 0)]))
+    eight = _owners(sim, rt, list(range(8)))
+    shares = np.bincount(eight, minlength=8) / eight.size
+    assert shares.min() > 0.08 and shares.max() < 0.17, shares
+    nine = _owners(sim, rt, list(range(9)))
+    moved = nine != eight
+    assert set(nine[moved].tolist()) == {8}
+    assert 0.07 < moved.mean() < 0.16
+    without_3 = _owners(sim, rt, [0, 1, 2, 4, 5, 6, 7])
+    assert np.array_equal(without_3 != eight, eight == 3)
+
+
+def test_manual_routing_keeps_a_map_per_router_pod() -> None:
+    """sglang-router 0.3.2's `manual` (its default under this operator): each router pod maps a
+    session to a random instance of its own, so behind two pods a session's requests land on up
+    to two instances (its prefix cached twice), behind one on exactly one."""
+    sessions = _sessions(10)
+    for pods, most in ((1, 1), (2, 2)):
+        traffic = SessionTraffic(sessions, [Placement(2.0 * i, i) for i in range(10)])
+        cfg = _cfg(6, 2, 900.0, prepopulate=False, routing=ManualRouting(pods))
+        sim = _Logged(cfg, sessions=traffic)
+        sim.run()
+        spread = [len(h) for h in _homes(sim.log).values()]
+        assert max(spread) == most, spread
+    assert spread.count(2) >= 5  # behind two pods most sessions were split
+
+
+def test_keyed_routing_needs_real_sessions() -> None:
+    """Synthetic sessions carry no session key: a keyed router is refused, not ignored."""
+    with pytest.raises(ValueError, match="keyed routing"):
+        Simulator(
+            _cfg(2, 1, 60.0, routing=ConsistentHashRouting()),
+            workload=SessionWorkload(SessionMix(session_rate=0.1)),
+        )
 
 
 def _tokens(scope: str, ids: list[int], total: int) -> list[int]:
