@@ -276,6 +276,24 @@ def test_at_the_cap_a_held_target_inside_the_deadband_still_rebalances() -> None
     assert all(dec.prefill == 27 for _, dec, _ in hist)
 
 
+def test_a_first_lower_target_after_a_quiet_spell_waits_out_the_rebalance_hold() -> None:
+    """Regression (real sessions behind consistent hashing, bench.planner_traces): a plan
+    equal to the running split started the lower target's hold clock, so after a quiet spell
+    at 27P:5D the first noisy plan for 26P:6D was taken at once as a rebalance, and the next
+    window's plan moved it back. The hold now starts at the first lower target: a plan that
+    keeps asking for the move rebalances after `rebalance_stable_s`, one that flips back to
+    the running split in between never does."""
+    bounds = Bounds(min_prefill=1, max_prefill=31, min_decode=1, max_decode=31, gpu_budget=256)
+    cfg = _cfg(bounds=bounds, pod_start_s=600.0, down_stable_s=900.0)
+    quiet = [(27, 5)] * 4
+    hist = _run(World(27, 5, drain_s=60.0), [*quiet, *[(26, 6)] * 3], cfg, ticks_per=10)
+    moved = next(t for t, dec, _ in hist if dec.prefill < 27)
+    assert moved - 4 * 10 * TICK >= cfg.rebalance_stable_s
+    flipping = [*quiet, (26, 6), (27, 5)] * 3  # the move asked for 240 s at a time
+    hist = _run(World(27, 5, drain_s=60.0), flipping, cfg, ticks_per=8)
+    assert all((dec.prefill, dec.decode) == (27, 5) for _, dec, _ in hist)
+
+
 # ------------------------------------------ cooldown by direction (issue 18, the output shift)
 
 SHIFT = _cfg(Bounds(max_prefill=31, max_decode=31, gpu_budget=256), pod_start_s=600.0)
