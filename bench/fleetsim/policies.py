@@ -18,9 +18,11 @@ and returns target (prefill, decode) replicas. State lives in the policy object.
   With ``operator_inputs`` (the bench's ``ours-operator``) the slow loop plans from what the
   operator has instead: the resource's declared workload with the request shape the fleet
   measured, held within its band (``desired.recommend.planner_workload``,
-  ``autoscale.signals.kept_shape``), the measured rate with the operator's headroom and no
-  forecast (``desired.recommend.planned_rate``), held while the routers refuse or the fleet
-  is behind (``autoscale.signals.planning_load``), and the model's hit rate rescaled by the
+  ``autoscale.signals.kept_shape``), the measured rate with the operator's headroom
+  (``desired.recommend.planned_rate``), held while the routers refuse or the fleet is behind
+  (``autoscale.signals.planning_load``), raised while it rises to where it will be one pod
+  start later (``autoscale.signals.forecast``, on the arrival rates of the last ticks, as the
+  operator keeps them), and the model's hit rate rescaled by the
   measured one once the prefill pool has settled after its last change or a prefill pod's start
   (``autoscale.signals.settled_hit_rate``), and on real sessions the prefill engines' prompt
   reuse times (``Metrics.reuse``, quantised as the operator quantises them), from which the
@@ -60,7 +62,9 @@ from cas_operator.autoscale.model import (
 from cas_operator.autoscale.reuse import quantized_profile
 from cas_operator.autoscale.search import recommend
 from cas_operator.autoscale.signals import (
+    RateHistory,
     Shape,
+    forecast,
     kept_shape,
     planning_load,
     settled_hit_rate,
@@ -133,6 +137,7 @@ class RatioPlannerPolicy:
     operator_inputs: WorkloadSpec | None = None  # plan from what the operator has (module doc)
     kept: Shape | None = None  # the request shape held within its band (`operator_inputs`)
     unthrottled_rate: float | None = None  # `signals.planning_load`'s (`operator_inputs`)
+    rates: RateHistory = field(default_factory=RateHistory)  # every tick's (`operator_inputs`)
 
     def _workload(self, m: Metrics, rate: float) -> WorkloadInputs:
         if self.operator_inputs is not None:
@@ -251,7 +256,8 @@ class RatioPlannerPolicy:
         )
         load = planning_load(seen, self.unthrottled_rate, self.slo.ttft_s)
         self.unthrottled_rate = load.unthrottled_rate
-        rate = planned_rate(None, load.observed)
+        ahead = forecast(load.observed, self.rates, METRIC_WINDOW_S, self.prefill.pod_start_s)
+        rate = planned_rate(None, ahead)
         assert rate is not None  # `_slow` plans only from a window with arrivals
         hit = settled_hit_rate(load.observed, self._prefill_changed_at(), now, METRIC_WINDOW_S)
         calibrate = load.observed.decode_kv_usage is not None
@@ -271,6 +277,8 @@ class RatioPlannerPolicy:
         return max(s.last_prefill_change, grown_ready, FLEET_READY_S)
 
     def __call__(self, now: float, m: Metrics, fleet: FleetView) -> tuple[int, int]:
+        if self.operator_inputs is not None:  # the operator keeps every tick's arrival rate
+            self.rates = self.rates.add(now, m.arrival_rate)
         observed = ObservedSignals(
             ttft_p90_s=m.ttft_p90_s,
             prefill_queue_depth=m.prefill_backlog_s - self.slo.ttft_s,

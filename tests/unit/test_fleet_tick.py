@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+import pytest
+
 from cas_operator.anomaly.drain import ANNOTATION_DRAINING_SINCE
 from cas_operator.api import constants as c
 from cas_operator.autoscale.loop import Autoscaler
@@ -445,6 +447,32 @@ def test_auto_plans_for_the_last_unthrottled_rate_while_the_routers_refuse() -> 
     restarted, _ = guard(store, source)
     restarted.tick([resource("a", status={"autoscaler": entry}) | {"spec": AUTO}], now=T0 + 60)
     assert sections(restarted, "a")["autoscaler"]["observed"]["demandRate"] == 0.4
+
+
+def test_a_rising_arrival_rate_is_planned_one_pod_start_ahead() -> None:
+    """Regression (issue 39, real sessions' ramp): the planner sized for the last window's rate
+    while every move waited a pod start, so the fleet lagged a rising load all along. The loop
+    keeps each tick's arrival rate; while they rise, the plan's load carries where the rate
+    will be one pod start from now (`status.autoscaler.observed.forecastRate`); a flat load
+    carries none."""
+    store, source = pd_fleet()
+    g, _ = guard(store, source)
+    res = resource("a")
+    res["spec"] = AUTO
+    for i in range(12):  # arrivals rising from 0.40 to 0.62 req/s over 5.5 minutes
+        for name in ("a-d0", "a-d1"):
+            source.by_name[name] = replace(HEALTHY, requests=60.0 + 3.0 * i, token_usage=0.4)
+        g.tick([res], now=T0 + 30.0 * i)
+    observed = sections(g, "a")["autoscaler"]["observed"]
+    assert observed["arrivalRate"] == 0.62
+    # 0.02 req/s more every 30 s, over the default pod start (no pod measured one): 600 s
+    assert observed["forecastRate"] == pytest.approx(0.62 + 0.02 / 30.0 * 600.0, rel=0.05)
+    planned = g.measured["uid-a"].observed
+    assert planned is not None and planned.forecast_rate == observed["forecastRate"]
+    flat, _ = guard(*pd_fleet())
+    for i in range(12):
+        flat.tick([res], now=T0 + 30.0 * i)
+    assert "forecastRate" not in sections(flat, "a")["autoscaler"]["observed"]
 
 
 def test_auto_plans_without_the_hit_rate_of_a_prefill_pool_it_changed_minutes_ago() -> None:

@@ -13,8 +13,9 @@ band (`signals.kept_shape`), so the limits move only when the shape really chang
 routers refuse or the fleet is behind, the planner sizes for the last unthrottled arrival
 rate, not the admitted one (`signals.planning_load`), and for a hit rate measured only once the
 prefill pool settled after its last change (Auto's, or a prefill pod that became Ready:
-`prefill_changed_at`, `signals.settled_hit_rate`).
-Ownership: `Autoscaler.pressure`, `.auto`, `.shapes` and `.unthrottled` (per uid, memory
+`prefill_changed_at`, `signals.settled_hit_rate`), and while the arrival rate rises, for where
+it will be one pod start from now (`signals.forecast`, from the rates of the last ticks).
+Ownership: `Autoscaler.pressure`, `.auto`, `.shapes`, `.unthrottled` and `.rates` (per uid, memory
 only; `status.autoscaler` and `status.admission.requestShape` are the durable copies a
 restarted operator resumes from). No I/O here.
 """
@@ -74,6 +75,7 @@ class Autoscaler:
     auto: dict[str, AutoState] = field(default_factory=dict)
     shapes: dict[str, signals.Shape] = field(default_factory=dict)  # kept request shapes
     unthrottled: dict[str, float] = field(default_factory=dict)  # last unthrottled arrivals
+    rates: dict[str, signals.RateHistory] = field(default_factory=dict)  # recent arrival rates
 
     def step(
         self,
@@ -107,13 +109,16 @@ class Autoscaler:
             self.auto.pop(uid, None)
             return AutoscaleResult(scale, None, signals.shape_only(observed), None)
         planning = self._planning_load(uid, observed, spec, status)
-        shown = replace(observed, demand_rate=planning.demand_rate)
+        engine_pods = pods()
+        planning = self._forecast(uid, planning, window, pod_start_seconds(engine_pods), now)
+        shown = replace(
+            observed, demand_rate=planning.demand_rate, forecast_rate=planning.forecast_rate
+        )
         entry: Status = {"observed": observed_status(shown)}
         if uid in self.unthrottled:
             entry[UNTHROTTLED_KEY] = self.unthrottled[uid]
         before = AutoState.from_status(status.get(STATUS_KEY))
         auto = (self.auto.get(uid) or before) if spec.ratio.mode == RatioMode.AUTO else None
-        engine_pods = pods()
         held = signals.hit_held_until(planning, prefill_changed_at(auto, engine_pods), now, window)
         if held is not None:
             planning = replace(planning, hit_rate=None)
@@ -154,6 +159,16 @@ class Autoscaler:
             self.unthrottled[uid] = load.unthrottled_rate
         return load.observed
 
+    def _forecast(
+        self, uid: str, planning: ObservedSignals, window: float, horizon: float, now: float
+    ) -> ObservedSignals:
+        """The planning load with where a rising arrival rate will be one pod start from now
+        (`signals.forecast`), from this process's rates of the last ticks (a restarted operator
+        starts a new history: no forecast for its first ticks)."""
+        history = self.rates.get(uid, signals.RateHistory()).add(now, planning.arrival_rate)
+        self.rates[uid] = history
+        return signals.forecast(planning, history, window, horizon)
+
     def _auto_step(
         self,
         uid: str,
@@ -189,7 +204,7 @@ class Autoscaler:
 
     def forget(self, live: set[str]) -> None:
         """Drop the state of resources that are gone."""
-        for states in (self.pressure, self.auto, self.shapes, self.unthrottled):
+        for states in (self.pressure, self.auto, self.shapes, self.unthrottled, self.rates):
             for uid in set(states) - live:
                 del states[uid]
 
@@ -281,5 +296,6 @@ def observed_status(o: ObservedSignals) -> Status:
         "abortsPerSecond": o.aborts_per_s,
         "refusedPerSecond": o.refused_rate,
         "demandRate": o.demand_rate,
+        "forecastRate": o.forecast_rate,
     }
     return {k: v for k, v in fields.items() if v is not None}

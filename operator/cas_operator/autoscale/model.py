@@ -188,6 +188,7 @@ class ObservedSignals:
     refused_rate: float | None = None  # the routers' 429s per second (admission), retries too
     demand_rate: float | None = None  # the rate to plan for while arrivals are throttled
     reuse: ReuseProfile | None = None  # prefill pods' prompt reuse times (cas_prefix_*), summed
+    forecast_rate: float | None = None  # where a rising rate will be one pod start from now
 
 
 # ---------------------------------------------------------------- outputs

@@ -155,13 +155,16 @@ def recommendation_for(
 def planned_rate(declared: float | None, observed: ObservedSignals | None) -> float | None:
     """The rate the planner sizes for: the larger of the declared `workload.requestRate` and
     the measured rate (while the routers refuse or the fleet is behind, the demand held by
-    `signals.planning_load`) with `PLAN_HEADROOM` to spare; the declared one until traffic
-    is measured (None when neither is there)."""
+    `signals.planning_load`; while it rises, where it will be one pod start from now,
+    `signals.forecast`) with `PLAN_HEADROOM` to spare; the declared one until traffic is
+    measured (None when neither is there)."""
     measured = None
     if observed is not None:
         measured = observed.demand_rate or observed.arrival_rate
     if not measured:
         return declared
+    assert observed is not None
+    measured = max(measured, observed.forecast_rate or 0.0)
     return max(declared or 0.0, measured * PLAN_HEADROOM)
 
 
