@@ -622,10 +622,12 @@ class ModelLimits:
     kv_scale: float = 1.0  # observed / modelled decode KV use (set by ``recommend``)
     session_imbalance: bool = True  # per-instance load varies with the sessions homed there
     # Misses (first turns, evicted prefixes) go to the least-backlogged instance and wait in
-    # one pooled queue. The product's cache-aware router (sglang-router, smg) does not: it
-    # sends a returning turn home and a new session to the instance with the smallest tree,
-    # blind to load unless the instances' request counts differ by more than 64 (never, for
-    # prefill queues of a few requests), so by default misses queue where they land.
+    # one pooled queue. The product's routers do not: the keyed policies (smg's
+    # consistent_hashing, sglang-router's manual) send every request of a session to the
+    # instance its id maps to, and cache_aware sends a returning turn home and a new session to
+    # the instance with the smallest tree, blind to load unless the instances' request counts
+    # differ by more than 64 (never, for prefill queues of a few requests), so by default
+    # misses queue where they land.
     balanced_misses: bool = False
 
 
