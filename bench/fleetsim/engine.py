@@ -6,12 +6,15 @@ with numpy, and event times inside a step are kept exact where they are determin
 - Arrivals: sessions whose next turn falls in the step (closed loop), new sessions (Poisson),
   trace requests (open loop), or real sessions' requests (`sessions.SessionTraffic`, closed
   loop: each request its think time after the previous answer).
-- Routing as the product's cache-aware router routes (`CacheAwareRouting`): a returning turn
-  whose prefix an instance holds goes there; a new session (or one whose prefix no instance
-  holds) to the instance caching the least, blind to load unless the instances' loads differ
-  by over 64 requests. Caches: per session on its home instance (synthetic sessions), or per
-  (session, block) on every instance for real sessions (`prefixcache`, exact LRU). Tiers: GPU
-  and host (HiCache, loaded at the profile's load rate).
+- Routing as the product's routers route (``FleetConfig.routing``): sglang-router's
+  `cache_aware` (`CacheAwareRouting`: a returning turn whose prefix an instance holds goes
+  there; a new session, or one whose prefix no instance holds, to the instance caching the
+  least, blind to load unless the instances' loads differ by over 64 requests); for real
+  sessions also the keyed policies, smg's `consistent_hashing` (`ConsistentHashRouting`) and
+  sglang-router's `manual` (`ManualRouting`). Caches: per session on its home instance
+  (synthetic sessions), or per (session, block) on every instance for real sessions
+  (`prefixcache`, exact LRU). Tiers: GPU and host (HiCache, loaded at the profile's load
+  rate).
 - Prefill: each instance admits requests FIFO while their whole contexts fit in its KV capacity
   (LayerSplit raises it); an admitted request loads its host-tier prefix (GPU free for others),
   then computes on the instance's one GPU queue (chunked prefill over cached context is in the
@@ -170,7 +173,7 @@ class FleetConfig:
     prepopulate: bool = True  # start with steady-state sessions (cold caches)
     seed: int = 0
     admission: Admission | None = None
-    routing: Routing = CacheAwareRouting()  # real sessions only (`SessionTraffic`)
+    routing: Routing = CacheAwareRouting()  # keyed policies: real sessions only
 
 
 @dataclass(frozen=True)
