@@ -459,18 +459,18 @@ def test_a_rising_arrival_rate_is_planned_one_pod_start_ahead() -> None:
     g, _ = guard(store, source)
     res = resource("a")
     res["spec"] = AUTO
-    for i in range(12):  # arrivals rising from 0.40 to 0.62 req/s over 5.5 minutes
+    for i in range(24):  # arrivals rising from 0.40 to 0.86 req/s over 11.5 minutes
         for name in ("a-d0", "a-d1"):
             source.by_name[name] = replace(HEALTHY, requests=60.0 + 3.0 * i, token_usage=0.4)
         g.tick([res], now=T0 + 30.0 * i)
     observed = sections(g, "a")["autoscaler"]["observed"]
-    assert observed["arrivalRate"] == 0.62
+    assert observed["arrivalRate"] == 0.86
     # 0.02 req/s more every 30 s, over the default pod start (no pod measured one): 600 s
-    assert observed["forecastRate"] == pytest.approx(0.62 + 0.02 / 30.0 * 600.0, rel=0.05)
+    assert observed["forecastRate"] == pytest.approx(0.86 + 0.02 / 30.0 * 600.0, rel=0.05)
     planned = g.measured["uid-a"].observed
     assert planned is not None and planned.forecast_rate == observed["forecastRate"]
     flat, _ = guard(*pd_fleet())
-    for i in range(12):
+    for i in range(24):
         flat.tick([res], now=T0 + 30.0 * i)
     assert "forecastRate" not in sections(flat, "a")["autoscaler"]["observed"]
 

@@ -26,15 +26,19 @@ WINDOW = 300.0  # the operator's default metrics window (anomalyGuard.windowSeco
 TICK = 5.0  # the fleet tick
 
 
-def _measured(seed: int, rate_at, window: float = WINDOW, tick: float = TICK) -> RateHistory:
-    """The arrival rates the operator reads tick after tick: Poisson arrivals at ``rate_at(t)``
-    per second, each tick's rate over the window ending then (consecutive windows overlap)."""
+def _measured(
+    seed: int, rate_at, window: float = WINDOW, tick: float = TICK, since: float = 0.0
+) -> RateHistory:
+    """The arrival rates the operator reads tick after tick from ``since`` to 10,000 s:
+    Poisson arrivals at ``rate_at(t)`` per second, each tick's rate over the window ending then
+    (consecutive windows overlap)."""
     rng = np.random.default_rng(seed)
     t_end = 10_000.0
-    secs = np.arange(t_end - TREND_HISTORY_S - window, t_end)
+    secs = np.arange(t_end - 2 * TREND_HISTORY_S - window, t_end)
     counts = rng.poisson([rate_at(float(t)) for t in secs])
     history = RateHistory()
-    for now in np.arange(t_end - TREND_HISTORY_S + tick, t_end + 1e-9, tick):
+    first = max(since, t_end - 2 * TREND_HISTORY_S)
+    for now in np.arange(first + tick, t_end + 1e-9, tick):
         inside = (secs >= now - window) & (secs < now)
         history = history.add(float(now), float(counts[inside].sum()) / window)
     return history
@@ -42,11 +46,30 @@ def _measured(seed: int, rate_at, window: float = WINDOW, tick: float = TICK) ->
 
 def test_a_flat_noisy_rate_reads_as_no_trend() -> None:
     """At a steady 10 req/s, the windows' noise (overlapping windows, so far fewer independent
-    readings than ticks) rarely reads as a rise: at most 3 of 100 runs (1 when written).
-    Counting every tick as an independent reading, 39 of 100 did."""
-    flat = [_measured(seed, lambda t: 10.0) for seed in range(100)]
-    assert sum(rising_slope(h, WINDOW) > 0 for h in flat) <= 3
-    assert sum(rising_slope(h, TICK) > 0 for h in flat) > 20  # what the window count guards
+    readings than ticks) rarely reads as a rise: at most 3% of runs (2%, 8 of 400, when
+    written). Counting every tick as an independent reading, 37% did."""
+    flat = [_measured(seed, lambda t: 10.0) for seed in range(400)]
+    assert sum(rising_slope(h, WINDOW) > 0 for h in flat) <= 12
+    assert sum(rising_slope(h, TICK) > 0 for h in flat) > 100  # what the window count guards
+
+
+def test_traffic_that_begins_does_not_read_as_a_ramp() -> None:
+    """Regression: a new fleet's first window reaches back before its traffic, so the measured
+    rate climbs for one window however flat the load; read as a ramp, it would double the
+    first plans. The history leaves that window out: traffic switched on at a flat 10 req/s
+    gives no forecast at any tick of its first 15 minutes (without the rule, most ticks of its
+    second window gave one)."""
+    rng = np.random.default_rng(3)
+    counts = rng.poisson(10.0, 2000)  # arrivals per second from t = 0, the traffic's start
+    history, blind, rising, naive = RateHistory(), RateHistory(), 0, 0
+    for now in np.arange(TICK, 900.0 + 1e-9, TICK):
+        rate = float(counts[max(0, int(now - WINDOW)) : int(now)].sum()) / WINDOW
+        history = history.add(float(now), rate)
+        blind = RateHistory(history.samples, -1e9)  # (as if arrivals had begun long before)
+        rising += rising_slope(history, WINDOW) > 0
+        naive += rising_slope(blind, WINDOW) > 0 and now <= 2 * WINDOW
+    assert rising == 0
+    assert naive > 20
 
 
 def test_a_rising_rate_is_planned_where_it_will_be_one_pod_start_later() -> None:
@@ -72,9 +95,11 @@ def test_a_falling_or_short_history_adds_nothing_and_a_rise_is_capped() -> None:
     falling = _measured(2, lambda t: 12.0 - 0.004 * (t - (10_000.0 - TREND_HISTORY_S)))
     seen = ObservedSignals(arrival_rate=8.0)
     assert forecast(seen, falling, WINDOW, 600.0).forecast_rate is None
-    short = RateHistory(tuple((float(t), 1.0 + t) for t in range(TREND_MIN_SAMPLES - 1)))
+    long_ago = -1e9  # arrivals began long before these histories
+    short = RateHistory(tuple((float(t), 1.0 + t) for t in range(TREND_MIN_SAMPLES - 1)), long_ago)
     assert rising_slope(short, WINDOW) == 0.0
-    steep = RateHistory(tuple((float(t), 1.0 + 0.1 * t) for t in range(0, 600, 5)))
+    steep = RateHistory(tuple((float(t), 1.0 + 0.1 * t) for t in range(0, 600, 5)), long_ago)
+    assert rising_slope(RateHistory(steep.samples), WINDOW) == 0.0  # no arrivals seen yet
     capped = forecast(ObservedSignals(arrival_rate=60.0), steep, WINDOW, 600.0)
     assert capped.forecast_rate == 120.0
 

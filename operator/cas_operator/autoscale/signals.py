@@ -224,17 +224,20 @@ TREND_MAX_RISE = 1.0  # the forecast adds at most this share of the rate
 @dataclass(frozen=True)
 class RateHistory:
     """The arrival rates measured at recent ticks, oldest first: (time, req/s), the last
-    `TREND_HISTORY_S` seconds of them."""
+    `TREND_HISTORY_S` seconds of them, and when this history first saw arrivals."""
 
     samples: tuple[tuple[float, float], ...] = ()
+    first_arrivals: float | None = None
 
     def add(self, now: float, rate: float | None) -> RateHistory:
         """This history with ``rate`` measured at ``now`` (none without a rate), samples
         older than `TREND_HISTORY_S` dropped."""
         kept = tuple(s for s in self.samples if now - TREND_HISTORY_S <= s[0] < now)
+        first = self.first_arrivals
         if rate is not None and rate > 0.0:
             kept += ((now, rate),)
-        return RateHistory(kept)
+            first = now if first is None else first
+        return RateHistory(kept, first)
 
 
 def rising_slope(history: RateHistory, window_s: float) -> float:
@@ -243,8 +246,14 @@ def rising_slope(history: RateHistory, window_s: float) -> float:
     A least-squares line through the history; its slope counts when it is over
     `TREND_SIGNIFICANCE` standard errors. Consecutive ticks measure overlapping windows, so
     the error counts one independent sample per metrics window (``window_s``), not one per
-    tick: a flat, noisy load does not read as a trend."""
-    pts = history.samples
+    tick: a flat, noisy load does not read as a trend. The rates of the first window after
+    arrivals began are left out: a window that reaches back before the traffic (a new fleet)
+    reads a rate that climbs until it is full, whatever the load does (and after an operator
+    restart, its first window is only a delay)."""
+    if history.first_arrivals is None:
+        return 0.0
+    start = history.first_arrivals + window_s
+    pts = tuple(p for p in history.samples if p[0] >= start)
     if len(pts) < TREND_MIN_SAMPLES:
         return 0.0
     n = len(pts)
