@@ -1,8 +1,8 @@
 """The P:D planner on real Claude Code sessions (``make bench-planner``; issue 39, part 3).
 
 Usage: python -m bench.planner_traces [--sessions PATH] [--mooncake PATH] [--quick]
-[--only NAME] [--router NAME] [--out bench/results/planner-traces.json] (PATH: a folder of
-Claude Code session files or their tarball; default
+[--only NAME] [--router NAME] [--window SECONDS] [--out bench/results/planner-traces.json]
+(PATH: a folder of Claude Code session files or their tarball; default
 ../shared/traces/claude-code-sessions.tar.gz).
 
 Data flow: the sessions (`bench.fleetsim.sessions.load_sessions`: real requests with their
@@ -131,6 +131,7 @@ class TraceScenario:
     warmup_s: float = 900.0
     moves: bool = False  # the load moves for good: an online bound is computed
     router: str = DEFAULT_ROUTER  # a key of `ROUTERS`: every method's fleet sits behind it
+    window_s: float = FleetConfig.metric_window_s  # the metrics window the policies read
 
     @property
     def middle_s(self) -> float:
@@ -144,9 +145,11 @@ class TraceScenario:
         return p, d
 
 
-def scenarios(quick: bool, router: str = DEFAULT_ROUTER) -> list[TraceScenario]:
+def scenarios(
+    quick: bool, router: str = DEFAULT_ROUTER, window_s: float = FleetConfig.metric_window_s
+) -> list[TraceScenario]:
     """Three stationary load levels, a ramp and a Mooncake-shaped surge of session starts,
-    every fleet behind ``router``."""
+    every fleet behind ``router``, its policies reading metrics over ``window_s``."""
     if router not in ROUTERS:
         raise ValueError(f"unknown router {router!r}: one of {', '.join(ROUTERS)}")
     dur, warm = (2400.0, 600.0) if quick else (3600.0, 900.0)
@@ -155,7 +158,7 @@ def scenarios(quick: bool, router: str = DEFAULT_ROUTER) -> list[TraceScenario]:
         name: str, live: float, starts: str = "poisson", factor: float = 1.0
     ) -> TraceScenario:
         moves = starts != "poisson"
-        return TraceScenario(name, live, starts, factor, 256, dur, warm, moves, router)
+        return TraceScenario(name, live, starts, factor, 256, dur, warm, moves, router, window_s)
 
     levels = {"low": 1000.0, "mid": 1600.0, "high": 2200.0}
     out = [scenario(f"real-{k}", v) for k, v in levels.items()]
@@ -265,7 +268,12 @@ def run(
         rec = recommend(wl, SLO, p, d, bounds(sc))
         n_p, n_d = rec.n_prefill, rec.n_decode
         planner = RatioPlannerPolicy(
-            p, d, SLO, bounds(sc), operator_inputs=workload_fields(sc, paths)
+            p,
+            d,
+            SLO,
+            bounds(sc),
+            operator_inputs=workload_fields(sc, paths),
+            metric_window_s=sc.window_s,
         )
         policy, admission = with_admission(planner, wl, in_flight_bound=ROUTERS[sc.router][1])
     elif method == "mean-based":
@@ -289,6 +297,7 @@ def run(
         seed=seed,
         admission=admission,
         routing=ROUTERS[sc.router][0],
+        metric_window_s=sc.window_s,
     )
     traffic = SessionTraffic(sessions_of(paths), placements(sc, paths, seed))
     t0 = time.perf_counter()
@@ -446,14 +455,17 @@ def run_bench(
     only: tuple[str, ...] = (),
     partial: str | None = None,
     router: str = DEFAULT_ROUTER,
+    window_s: float = FleetConfig.metric_window_s,
 ) -> dict[str, Any]:
-    """Every scenario (or those in ``only``) and the LayerSplit comparison, behind ``router``;
-    the result so far is written to ``partial`` after each scenario."""
-    scs = scenarios(quick, router)
+    """Every scenario (or those in ``only``) and the LayerSplit comparison, behind ``router``,
+    the policies reading metrics over ``window_s``; the result so far is written to
+    ``partial`` after each scenario."""
+    scs = scenarios(quick, router, window_s)
     stride = 4 if quick else 2
     out: dict[str, Any] = {
         "slo": {"ttft_p90_s": SLO.ttft_s, "itl_ms": SLO.itl_ms},
         "router": router,
+        "metric_window_s": window_s,
         "seed": seed,
         "sessions": Path(paths.sessions).name,
         "scenarios": {},
@@ -639,13 +651,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--router", default=DEFAULT_ROUTER, choices=sorted(ROUTERS), help="the fleet's router"
     )
+    ap.add_argument(
+        "--window",
+        type=float,
+        default=FleetConfig.metric_window_s,
+        help="the metrics window the policies read, seconds (the operator's default: 300)",
+    )
     ap.add_argument("--out", default="bench/results/planner-traces.json")
     args = ap.parse_args(argv)
     mooncake = args.mooncake or str(Path(args.sessions).parent / MOONCAKE_FILE)
     paths = Paths(args.sessions, mooncake, args.limit)
     t0 = time.perf_counter()
     result = run_bench(
-        args.quick, args.seed, args.workers, paths, tuple(args.only), args.out, args.router
+        args.quick,
+        args.seed,
+        args.workers,
+        paths,
+        tuple(args.only),
+        args.out,
+        args.router,
+        args.window,
     )
     print(table(result))
     result["criteria"] = criteria(result)

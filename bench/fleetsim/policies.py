@@ -73,7 +73,7 @@ from cas_operator.desired.recommend import planned_rate, planner_workload
 
 from .engine import FleetConfig, FleetView, Metrics
 
-METRIC_WINDOW_S = FleetConfig.metric_window_s  # the window the simulator's metrics cover
+METRIC_WINDOW_S = FleetConfig.metric_window_s  # the window the simulator's metrics cover by default
 FLEET_READY_S = 0.0  # the simulated fleet's first pods are Ready, caches cold, at its start
 
 
@@ -138,6 +138,7 @@ class RatioPlannerPolicy:
     kept: Shape | None = None  # the request shape held within its band (`operator_inputs`)
     unthrottled_rate: float | None = None  # `signals.planning_load`'s (`operator_inputs`)
     rates: RateHistory = field(default_factory=RateHistory)  # every tick's (`operator_inputs`)
+    metric_window_s: float = METRIC_WINDOW_S  # the fleet's (`FleetConfig.metric_window_s`)
 
     def _workload(self, m: Metrics, rate: float) -> WorkloadInputs:
         if self.operator_inputs is not None:
@@ -256,10 +257,11 @@ class RatioPlannerPolicy:
         )
         load = planning_load(seen, self.unthrottled_rate, self.slo.ttft_s)
         self.unthrottled_rate = load.unthrottled_rate
-        ahead = forecast(load.observed, self.rates, METRIC_WINDOW_S, self.prefill.pod_start_s)
+        window = self.metric_window_s
+        ahead = forecast(load.observed, self.rates, window, self.prefill.pod_start_s)
         rate = planned_rate(None, ahead)
         assert rate is not None  # `_slow` plans only from a window with arrivals
-        hit = settled_hit_rate(load.observed, self._prefill_changed_at(), now, METRIC_WINDOW_S)
+        hit = settled_hit_rate(load.observed, self._prefill_changed_at(), now, window)
         calibrate = load.observed.decode_kv_usage is not None
         kv = self._observed(m, fleet) if calibrate else None
         observed = kv or ObservedSignals(arrival_rate=m.arrival_rate)
