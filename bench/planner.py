@@ -57,7 +57,17 @@ from typing import Any
 
 from bench.fleetsim import FleetConfig, Modifier, SessionMix, SessionWorkload
 from bench.fleetsim.calibration import simulated_prompts
-from bench.fleetsim.engine import ADMISSION_BURST_S, FleetView, Limit, Metrics, SimResult, Simulator
+from bench.fleetsim.engine import (
+    ADMISSION_BURST_S,
+    CacheAwareRouting,
+    ConsistentHashRouting,
+    FleetView,
+    Limit,
+    Metrics,
+    Routing,
+    SimResult,
+    Simulator,
+)
 from bench.fleetsim.policies import MeanBasedPolicy, RatioPlannerPolicy, SwitchPolicy
 from cas_operator.api.models import WorkloadSpec
 from cas_operator.autoscale import profiles as pf
@@ -98,6 +108,7 @@ class Scenario:
     warmup_s: float = 900.0
     breaks_mean_model: str = ""
     shift_s: float | None = None  # when the load shifts for good (its modifiers start there)
+    routing: str = "cache_aware"  # a key of `ROUTINGS`: how every method's fleet routes
 
     def profiles(self) -> tuple[InstanceProfile, InstanceProfile]:
         p = pf.prefill_profile(SPEC)
@@ -118,8 +129,23 @@ class Scenario:
         return p, d
 
 
-def scenarios(quick: bool) -> list[Scenario]:
-    """The issue's scenarios on a 256-GPU budget (32 instances of 8 GPUs)."""
+# How a fleet picks a prefill instance (``--router``): sglang-router's `cache_aware`, or smg's
+# `consistent_hashing` on the session's id (bench.planner_traces adds `manual` for real
+# sessions). The admission of each method is its own (`ours`: sglang-router's, `ours-smg`:
+# smg's), so the router changes only the routing.
+ROUTINGS: dict[str, Routing] = {
+    "cache_aware": CacheAwareRouting(),
+    "consistent_hashing": ConsistentHashRouting(),
+}
+
+
+def scenarios(quick: bool, routing: str = "cache_aware") -> list[Scenario]:
+    """The issue's scenarios on a 256-GPU budget (32 instances of 8 GPUs), every fleet routed
+    by ``routing``."""
+    return [replace(sc, routing=routing) for sc in _scenarios(quick)]
+
+
+def _scenarios(quick: bool) -> list[Scenario]:
     dur = 2400.0 if quick else 3600.0
     base = SessionMix(session_rate=STEADY_SESSION_RATE)
     out = [
@@ -307,6 +333,7 @@ def _run(
         warmup_s=sc.warmup_s,
         seed=seed,
         admission=admission,
+        routing=ROUTINGS[sc.routing],
     )
     wl = SessionWorkload(sc.mix, sc.modifiers, seed=seed)
     t0 = time.perf_counter()
@@ -559,10 +586,17 @@ def _online_bound(
     }
 
 
-def run_bench(quick: bool, seed: int, workers: int, only: tuple[str, ...] = ()) -> dict[str, Any]:
-    scs = scenarios(quick)
+def run_bench(
+    quick: bool,
+    seed: int,
+    workers: int,
+    only: tuple[str, ...] = (),
+    routing: str = "cache_aware",
+) -> dict[str, Any]:
+    scs = scenarios(quick, routing)
     out: dict[str, Any] = {
         "slo": {"ttft_p90_s": SLO.ttft_s, "itl_ms": SLO.itl_ms},
+        "routing": routing,
         "seed": seed,
         "scenarios": {},
     }
@@ -767,9 +801,12 @@ def main() -> None:
     ap.add_argument(
         "--only", action="append", default=[], help="run only this scenario (repeatable)"
     )
+    ap.add_argument(
+        "--router", default="cache_aware", choices=sorted(ROUTINGS), help="how fleets route"
+    )
     args = ap.parse_args()
     t0 = time.perf_counter()
-    result = run_bench(args.quick, args.seed, args.workers, tuple(args.only))
+    result = run_bench(args.quick, args.seed, args.workers, tuple(args.only), args.router)
     print(table(result))
     result["criteria"] = criteria(result)
     print("\n".join(result["criteria"]))

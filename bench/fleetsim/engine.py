@@ -414,9 +414,12 @@ class _Sessions:
         self.last = np.zeros(cap)
         self.turns = np.zeros(cap, dtype=np.int64)
         self.first = np.zeros(cap, dtype=bool)
+        self.key = np.zeros(cap, dtype=np.int64)  # the session's id (a slot is reused)
+        self.keys = 0  # ids handed out
 
     def alloc(self, k: int) -> np.ndarray:
-        """Slots for ``k`` new sessions: reuse dead, uncached slots, else grow."""
+        """Slots for ``k`` new sessions, each with a new id: reuse dead, uncached slots, else
+        grow."""
         free = np.flatnonzero(~self.live[: self.n] & (self.home[: self.n] < 0))[:k]
         extra = k - free.size
         if extra > 0:
@@ -424,10 +427,13 @@ class _Sessions:
                 self._grow(max(2 * self.live.size, self.n + extra))
             free = np.concatenate([free, np.arange(self.n, self.n + extra)])
             self.n += extra
+        self.key[free] = np.arange(self.keys, self.keys + free.size)
+        self.keys += free.size
         return free
 
     def _grow(self, cap: int) -> None:
-        for name in ("live", "next", "ctx", "cached", "home", "tier", "last", "turns", "first"):
+        names = ("live", "next", "ctx", "cached", "home", "tier", "last", "turns", "first", "key")
+        for name in names:
             old = getattr(self, name)
             fill = {"next": np.inf, "home": -1}.get(name, 0)
             new = np.full(cap, fill, dtype=old.dtype)
@@ -492,8 +498,10 @@ class Simulator:
     ) -> None:
         if sum(x is not None for x in (workload, trace, sessions)) != 1:
             raise ValueError("give exactly one of workload, trace or sessions")
-        if sessions is None and not isinstance(cfg.routing, CacheAwareRouting):
-            raise ValueError("keyed routing needs real sessions (their session key)")
+        if isinstance(cfg.routing, ManualRouting) and sessions is None:
+            raise ValueError("manual routing needs real sessions (two cached copies per session)")
+        if isinstance(cfg.routing, ConsistentHashRouting) and trace is not None:
+            raise ValueError("keyed routing needs sessions (a trace's requests carry no key)")
         self.cfg, self.wl, self.trace, self.policy = cfg, workload, trace, policy
         self.traffic = sessions
         self.caches = [InstanceCache(GHOST_BLOCKS) for _ in range(cfg.max_prefill)]
@@ -572,8 +580,13 @@ class Simulator:
         biased = lognormal(rng, pause * math.exp(sigma * sigma), sigma, k) + (cycle - pause)
         S.next[sid] = rng.uniform(0.0, 1.0, k) * biased
         # warm caches: each session homed on a ready prefill instance holding its last prefix
+        # (at random, or where a keyed router sends it)
         ready = np.flatnonzero(self.P.state == READY)
-        S.home[sid] = np.where(done > 0, ready[rng.integers(0, ready.size, k)], -1)
+        homes = ready[rng.integers(0, ready.size, k)]
+        if isinstance(self.cfg.routing, ConsistentHashRouting):
+            rt = self.cfg.routing
+            homes = np.array([self._ring_owner(rt, f"s{key}", ready) for key in S.key[sid]])
+        S.home[sid] = np.where(done > 0, homes, -1)
         S.tier[sid] = np.where(done > 0, 1, 0)
         S.cached[sid] = np.where(done > 0, np.maximum(S.ctx[sid] - per_turn, 0.0), 0.0)
         S.last[sid] = S.next[sid] - biased
@@ -665,7 +678,7 @@ class Simulator:
         shared = np.maximum(np.minimum(self.shared, inp - 1.0), 0.0)
         warm = np.maximum(np.minimum(prev, inp - 1.0), 0.0)
         held = (~S.first[sid]) & (home >= 0) & (S.tier[sid] > 0) & ready_p[safe_home]
-        inst, hit = self._route_sessions(held, home, warm, inp, t0, ready_p)
+        inst, hit = self._route_sessions(held, home, warm, inp, t0, ready_p, S.key[sid])
         cached = np.where(hit, warm, shared)
         host = np.where(hit & (S.tier[sid] == 2), cached, 0.0)
         load = prof.host_load_s_per_token * host
@@ -706,15 +719,21 @@ class Simulator:
         inp: np.ndarray,
         now: float,
         ready_p: np.ndarray,
+        keys: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """(instance, hit) per arrival, as the product's router places them
-        (`CacheAwareRouting`) over the session-level caches: home when the prefix it holds
-        (``held``, ``warm`` tokens) covers more than the threshold of the prompt, else the
-        instance holding the fewest cached tokens, one arrival after the other; all to the
-        least loaded while the in-prefill loads are imbalanced."""
+        """(instance, hit) per arrival, as the router places them over the session-level
+        caches. `CacheAwareRouting`: home when the prefix it holds (``held``, ``warm`` tokens)
+        covers more than the threshold of the prompt, else the instance holding the fewest
+        cached tokens, one arrival after the other; all to the least loaded while the
+        in-prefill loads are imbalanced. `ConsistentHashRouting`: the ring's owner of the
+        session's id (``keys``), a hit when that is where its prefix is cached."""
         rt, S, P = self.cfg.routing, self.S, self.P
-        assert isinstance(rt, CacheAwareRouting)  # (`__init__`)
         ready = np.flatnonzero(ready_p)
+        if isinstance(rt, ConsistentHashRouting):
+            owner = [self._ring_owner(rt, f"s{k}", ready) for k in keys.tolist()]
+            inst = np.array(owner, dtype=np.int64)
+            return inst, held & (inst == home)
+        assert isinstance(rt, CacheAwareRouting)  # (`__init__`: manual needs real sessions)
         loads = np.array([self._in_prefill(i, now) for i in ready.tolist()], dtype=float)
         if loads.max() - loads.min() > rt.balance_abs_threshold and loads.max() > (
             rt.balance_rel_threshold * loads.min()

@@ -195,13 +195,32 @@ def test_manual_routing_keeps_a_map_per_router_pod() -> None:
     assert spread.count(2) >= 5  # behind two pods most sessions were split
 
 
-def test_keyed_routing_needs_real_sessions() -> None:
-    """Synthetic sessions carry no session key: a keyed router is refused, not ignored."""
-    with pytest.raises(ValueError, match="keyed routing"):
-        Simulator(
-            _cfg(2, 1, 60.0, routing=ConsistentHashRouting()),
-            workload=SessionWorkload(SessionMix(session_rate=0.1)),
-        )
+def test_synthetic_sessions_follow_the_ring_and_what_keyed_routing_refuses() -> None:
+    """Synthetic sessions carry an id of their own (a reused slot gets a new one), so
+    consistent hashing places them as it places real ones: every turn on the ring's owner of
+    the session's id, a returning turn a hit only there. `manual` needs real sessions (it
+    caches a session twice, which the session-level caches cannot hold), and an open-loop trace
+    carries no key: both are refused, not ignored."""
+    rt = ConsistentHashRouting()
+    wl = SessionWorkload(SessionMix(session_rate=0.2), seed=1)
+    sim = Simulator(_cfg(4, 2, 600.0, routing=rt), workload=wl)
+    routed: list[tuple[int, int]] = []
+    route = sim._route_sessions
+
+    def logged(*args: Any) -> Any:
+        inst, hit = route(*args)
+        routed.extend(zip(args[-1].tolist(), inst.tolist(), strict=True))
+        return inst, hit
+
+    sim._route_sessions = logged  # type: ignore[method-assign]
+    hit = sim.run().goodput(3.0, 50.0)["hit_rate"]
+    aware = Simulator(_cfg(4, 2, 600.0), workload=wl).run().goodput(3.0, 50.0)["hit_rate"]
+    assert len(routed) > 100 and hit > 0.9 * aware  # (caches start cold: both are low here)
+    ready = np.arange(4)
+    assert all(inst == sim._ring_owner(rt, f"s{key}", ready) for key, inst in routed)
+    assert len({key for key, _ in routed}) > len({inst for _, inst in routed})
+    with pytest.raises(ValueError, match="manual routing needs real sessions"):
+        Simulator(_cfg(2, 1, 60.0, routing=ManualRouting()), workload=wl)
 
 
 def _tokens(scope: str, ids: list[int], total: int) -> list[int]:
