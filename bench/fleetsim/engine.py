@@ -505,7 +505,7 @@ class Simulator:
         self.cfg, self.wl, self.trace, self.policy = cfg, workload, trace, policy
         self.traffic = sessions
         self.caches = [InstanceCache(GHOST_BLOCKS) for _ in range(cfg.max_prefill)]
-        self._rings: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+        self._ring: tuple[tuple[int, ...], list[tuple[int, int]]] = ((), [])  # ready set, ring
         self._manual: dict[int, dict[str, int]] = {}  # per router pod: session key -> instance
         self.route_rng = np.random.default_rng(cfg.seed + 7919)  # routing draws only
         self.rng = np.random.default_rng(cfg.seed)
@@ -856,23 +856,24 @@ class Simulator:
         gpu_blocks = int(prof.kv_capacity_tokens // BLOCK_SIZE)
         any_blocks = int((prof.kv_capacity_tokens + prof.host_cache_tokens) // BLOCK_SIZE)
         found: dict[int, list[Overlap]] = {}
-        best, best_blocks = -1, 0
-        for i in ready.tolist():
-            if caches[i].holds(scope):
-                ovs = caches[i].lookup(scope, trie, leaf)
-                found[i] = ovs
-                m = sum(ov.within(any_blocks) for ov in ovs)
-                if m > best_blocks:
-                    best, best_blocks = i, m
-        if isinstance(rt, ConsistentHashRouting):
+        if isinstance(rt, ConsistentHashRouting):  # keyed: only the chosen cache is read
             choice = self._ring_owner(rt, scope, ready)
         elif isinstance(rt, ManualRouting):
             choice = self._manual_owner(rt, scope, ready)
         else:
+            best, best_blocks = -1, 0
+            for i in ready.tolist():
+                if caches[i].holds(scope):
+                    found[i] = caches[i].lookup(scope, trie, leaf)
+                    m = sum(ov.within(any_blocks) for ov in found[i])
+                    if m > best_blocks:
+                        best, best_blocks = i, m
             cover = best_blocks * BLOCK_SIZE > rt.cache_threshold * inp
             choice = self._cache_aware_choice(
                 rt, best if cover else -1, any_blocks, now, ready, routed
             )
+        if choice not in found and caches[choice].holds(scope):
+            found[choice] = caches[choice].lookup(scope, trie, leaf)
         ovs = found.get(choice, [])
         gpu = sum(ov.within(gpu_blocks) for ov in ovs) * BLOCK_SIZE
         hit = sum(ov.within(any_blocks) for ov in ovs) * BLOCK_SIZE
@@ -907,10 +908,9 @@ class Simulator:
         """The first ready instance clockwise of ``key`` on the hash ring
         (`ConsistentHashRouting`); the ring of a set of ready instances is built once."""
         members = tuple(ready.tolist())
-        ring = self._rings.get(members)
-        if ring is None:
-            ring = sorted(pt for i in members for pt in rt.points(i))
-            self._rings = {members: ring}  # the latest set only: the ready set changes rarely
+        if self._ring[0] != members:  # the ready set changes rarely: the latest one's ring
+            self._ring = (members, sorted(pt for i in members for pt in rt.points(i)))
+        ring = self._ring[1]
         k = bisect.bisect_left(ring, (_ring_hash(key), -1))
         return ring[k % len(ring)][1]
 
