@@ -59,12 +59,10 @@ from bench.fleetsim import FleetConfig, Modifier, SessionMix, SessionWorkload
 from bench.fleetsim.calibration import simulated_prompts
 from bench.fleetsim.engine import (
     ADMISSION_BURST_S,
-    CacheAwareRouting,
-    ConsistentHashRouting,
+    ROUTINGS,
     FleetView,
     Limit,
     Metrics,
-    Routing,
     SimResult,
     Simulator,
 )
@@ -129,14 +127,11 @@ class Scenario:
         return p, d
 
 
-# How a fleet picks a prefill instance (``--router``): sglang-router's `cache_aware`, or smg's
-# `consistent_hashing` on the session's id (bench.planner_traces adds `manual` for real
-# sessions). The admission of each method is its own (`ours`: sglang-router's, `ours-smg`:
-# smg's), so the router changes only the routing.
-ROUTINGS: dict[str, Routing] = {
-    "cache_aware": CacheAwareRouting(),
-    "consistent_hashing": ConsistentHashRouting(),
-}
+# How a fleet picks a prefill instance (``--router``, a key of the simulator's `ROUTINGS` but
+# `manual`, which needs real sessions: bench.planner_traces): sglang-router's `cache_aware`, or
+# smg's `consistent_hashing` on the session's id. The admission of each method is its own
+# (`ours`: sglang-router's, `ours-smg`: smg's), so the router changes only the routing.
+SYNTHETIC_ROUTINGS = ("cache_aware", "consistent_hashing")
 
 
 def scenarios(quick: bool, routing: str = "cache_aware") -> list[Scenario]:
@@ -802,7 +797,7 @@ def main() -> None:
         "--only", action="append", default=[], help="run only this scenario (repeatable)"
     )
     ap.add_argument(
-        "--router", default="cache_aware", choices=sorted(ROUTINGS), help="how fleets route"
+        "--router", default="cache_aware", choices=SYNTHETIC_ROUTINGS, help="how fleets route"
     )
     args = ap.parse_args()
     t0 = time.perf_counter()

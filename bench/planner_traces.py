@@ -53,14 +53,7 @@ from typing import Any
 import numpy as np
 
 from bench.fleetsim import FleetConfig
-from bench.fleetsim.engine import (
-    CacheAwareRouting,
-    ConsistentHashRouting,
-    ManualRouting,
-    Routing,
-    SimResult,
-    Simulator,
-)
+from bench.fleetsim.engine import ROUTINGS, Routing, SimResult, Simulator
 from bench.fleetsim.policies import MeanBasedPolicy, RatioPlannerPolicy, SwitchPolicy
 from bench.fleetsim.sessions import (
     Placement,
@@ -101,9 +94,9 @@ LAYOUTS = {"cp1": (1, False), "cp4": (4, False), "cp4-layersplit": (4, True)}
 # bucket (`bench.planner.with_admission`). The default is what docs/traffic.md recommends for
 # real coding-agent traffic: smg with its default keyed policy.
 ROUTERS: dict[str, tuple[Routing, bool]] = {
-    "smg/consistent_hashing": (ConsistentHashRouting(), True),
-    "sglang-router/manual": (ManualRouting(), False),
-    "sglang-router/cache_aware": (CacheAwareRouting(), False),
+    "smg/consistent_hashing": (ROUTINGS["consistent_hashing"], True),
+    "sglang-router/manual": (ROUTINGS["manual"], False),
+    "sglang-router/cache_aware": (ROUTINGS["cache_aware"], False),
 }
 DEFAULT_ROUTER = "smg/consistent_hashing"
 

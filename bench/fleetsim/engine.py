@@ -124,6 +124,12 @@ class ManualRouting:
 
 
 Routing = CacheAwareRouting | ConsistentHashRouting | ManualRouting
+# The routers' policies by the name `router.policy` gives them (the benchmarks' ``--router``).
+ROUTINGS: dict[str, Routing] = {
+    "cache_aware": CacheAwareRouting(),
+    "consistent_hashing": ConsistentHashRouting(),
+    "manual": ManualRouting(),
+}
 
 
 @dataclass(frozen=True)
@@ -584,8 +590,7 @@ class Simulator:
         ready = np.flatnonzero(self.P.state == READY)
         homes = ready[rng.integers(0, ready.size, k)]
         if isinstance(self.cfg.routing, ConsistentHashRouting):
-            rt = self.cfg.routing
-            homes = np.array([self._ring_owner(rt, f"s{key}", ready) for key in S.key[sid]])
+            homes = self._ring_owners(self.cfg.routing, S.key[sid], ready)
         S.home[sid] = np.where(done > 0, homes, -1)
         S.tier[sid] = np.where(done > 0, 1, 0)
         S.cached[sid] = np.where(done > 0, np.maximum(S.ctx[sid] - per_turn, 0.0), 0.0)
@@ -730,8 +735,7 @@ class Simulator:
         rt, S, P = self.cfg.routing, self.S, self.P
         ready = np.flatnonzero(ready_p)
         if isinstance(rt, ConsistentHashRouting):
-            owner = [self._ring_owner(rt, f"s{k}", ready) for k in keys.tolist()]
-            inst = np.array(owner, dtype=np.int64)
+            inst = self._ring_owners(rt, keys, ready)
             return inst, held & (inst == home)
         assert isinstance(rt, CacheAwareRouting)  # (`__init__`: manual needs real sessions)
         loads = np.array([self._in_prefill(i, now) for i in ready.tolist()], dtype=float)
@@ -913,6 +917,13 @@ class Simulator:
         ring = self._ring[1]
         k = bisect.bisect_left(ring, (_ring_hash(key), -1))
         return ring[k % len(ring)][1]
+
+    def _ring_owners(
+        self, rt: ConsistentHashRouting, keys: np.ndarray, ready: np.ndarray
+    ) -> np.ndarray:
+        """`_ring_owner` of synthetic sessions by their ids (`_Sessions.key`)."""
+        owners = [self._ring_owner(rt, f"s{k}", ready) for k in keys.tolist()]
+        return np.array(owners, dtype=np.int64)
 
     def _manual_owner(self, rt: ManualRouting, key: str, ready: np.ndarray) -> int:
         """`ManualRouting`'s pick: the instance the router pod taking this request keeps for
