@@ -140,7 +140,7 @@ class RatioPlannerPolicy:
     rates: RateHistory = field(default_factory=RateHistory)  # every tick's (`operator_inputs`)
     metric_window_s: float = METRIC_WINDOW_S  # the fleet's (`FleetConfig.metric_window_s`)
 
-    def _workload(self, m: Metrics, rate: float) -> WorkloadInputs:
+    def _workload(self, m: Metrics, rate: float, rate_cv: float | None = None) -> WorkloadInputs:
         if self.operator_inputs is not None:
             if m.avg_input_tokens > 0 and m.avg_output_tokens > 0:
                 self.kept = kept_shape(self.kept, (m.avg_input_tokens, m.avg_output_tokens))
@@ -148,6 +148,7 @@ class RatioPlannerPolicy:
                 avg_input_tokens=self.kept[0] if self.kept else None,
                 avg_output_tokens=self.kept[1] if self.kept else None,
                 reuse=None if m.reuse is None else quantized_profile(m.reuse),
+                rate_cv=rate_cv,
             )
             return planner_workload(self.operator_inputs, rate, shape)
         return WorkloadInputs(
@@ -268,7 +269,7 @@ class RatioPlannerPolicy:
         observed = replace(observed, hit_rate=hit.hit_rate, prefill_replicas=fleet.prefill)
         with_ttft = self._with_ttft(observed, m, fleet)
         assert with_ttft is not None
-        return self._workload(m, rate), with_ttft
+        return self._workload(m, rate, ahead.rate_cv), with_ttft
 
     def _prefill_changed_at(self) -> float:
         """As `autoscale.loop.prefill_changed_at`: the loop's last prefill change, or the

@@ -473,6 +473,8 @@ def test_a_rising_arrival_rate_is_planned_one_pod_start_ahead() -> None:
     for i in range(24):
         flat.tick([res], now=T0 + 30.0 * i)
     assert "forecastRate" not in sections(flat, "a")["autoscaler"]["observed"]
+    # the steady rise is a trend, not variation: the decode KV cliff is not widened for it
+    assert observed["rateVariation"] == 0.0 and planned.rate_cv == 0.0
 
 
 def test_auto_plans_without_the_hit_rate_of_a_prefill_pool_it_changed_minutes_ago() -> None:

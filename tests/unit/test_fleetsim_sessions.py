@@ -287,8 +287,8 @@ def test_the_operator_fed_planner_reads_the_engines_reuse_times() -> None:
     )  # fmt: skip
     plan = policy._workload
 
-    def spy(m: Any, rate: float) -> Any:
-        wl = plan(m, rate)
+    def spy(m: Any, rate: float, rate_cv: float | None = None) -> Any:
+        wl = plan(m, rate, rate_cv)
         seen.append(wl)
         return wl
 

@@ -14,10 +14,12 @@ import pytest
 
 from cas_operator.autoscale.model import ObservedSignals
 from cas_operator.autoscale.signals import (
+    RATE_CV_STEP,
     TREND_HISTORY_S,
     TREND_MIN_SAMPLES,
     RateHistory,
     forecast,
+    rate_variation,
     rising_slope,
 )
 from cas_operator.desired.recommend import PLAN_HEADROOM, planned_rate
@@ -112,3 +114,49 @@ def test_the_history_keeps_the_last_fifteen_minutes_of_rates() -> None:
         h = h.add(float(now), 5.0)
     h = h.add(2000.0, None)
     assert [t for t, _ in h.samples] == [float(t) for t in range(1100, 2000, 100)]
+
+
+def _levels(seed: int, cv: float, hold_s: float = 600.0):
+    """A rate that jumps every ``hold_s`` to a new level around 10 req/s (coefficient of
+    variation ``cv``, lognormal): a load whose mean moves from one stretch to the next."""
+    rng = np.random.default_rng(seed)
+    sigma = float(np.sqrt(np.log(1.0 + cv * cv)))
+    levels = 10.0 * rng.lognormal(-sigma * sigma / 2.0, sigma, 100)
+    return lambda t: float(levels[int(t // hold_s) % 100])
+
+
+def test_a_steady_rate_reads_as_no_variation_and_a_swinging_one_as_its_own() -> None:
+    """Regression (issue 39, the Mooncake-shaped surge): the decode KV cliff read only the mean
+    rate. `rate_variation` measures how much the rate moves from window to window beyond the
+    counting noise of a rate measured over the window (1 minute here, 5-s ticks):
+    - a steady Poisson 2 req/s reads 0 in the median run (its windows' counting noise alone
+      spreads the rates by 0.086 in the median run: read as variation, decode would be padded
+      on every load);
+    - a rate whose level moves every 2 minutes with a coefficient of variation of 0.2 reads
+      0.15 in the median run (the windows average over a jump; 15 minutes hold only a
+      few levels) and over 0.09 in most;
+    - a ramp of 6 -> 9 req/s is a trend, not variation (its rates' own spread is 0.1).
+    `forecast` carries it in `rate_cv`, in steps of `RATE_CV_STEP`."""
+    window = 60.0
+    steady = [_measured(s, lambda t: 2.0, window) for s in range(40)]
+    read = [rate_variation(h, window) or 0.0 for h in steady]
+    spread = [float(np.std([r for _, r in h.samples], ddof=1)) / 2.0 for h in steady]
+    assert float(np.median(read)) < 0.02 and max(read) < 0.08
+    assert float(np.median(spread)) > 0.07  # the counting noise: what taking it out guards
+    swings = [
+        rate_variation(_measured(s, _levels(s, 0.2, hold_s=120.0), window), window) or 0.0
+        for s in range(40)
+    ]
+    assert 0.12 < float(np.median(swings)) < 0.22
+    assert sum(v > 0.09 for v in swings) >= 36
+    ramp = _measured(2, lambda t: 6.0 + 0.0033 * (t - (10_000.0 - TREND_HISTORY_S)), window)
+    assert (rate_variation(ramp, window) or 0.0) < 0.04
+    assert float(np.std([r for _, r in ramp.samples], ddof=1)) / 7.5 > 0.09  # the trend
+    seen = ObservedSignals(arrival_rate=10.0)
+    swinging = _measured(1, _levels(1, 0.2, hold_s=120.0), window)
+    carried = forecast(seen, swinging, window, 600.0).rate_cv
+    found = rate_variation(swinging, window)
+    assert carried is not None and found is not None
+    assert round(carried / RATE_CV_STEP, 6) == round(carried / RATE_CV_STEP)
+    assert carried == pytest.approx(found, abs=RATE_CV_STEP / 2 + 1e-9)
+    assert rate_variation(RateHistory(), window) is None

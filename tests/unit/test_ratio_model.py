@@ -174,6 +174,46 @@ def test_cap_split_weighs_decode_overflow_against_prefill_attainment() -> None:
     assert rec.goodput_rps == pytest.approx(good(26))
 
 
+def test_a_rate_that_swings_between_windows_widens_the_decode_kv_cliff() -> None:
+    """Regression (issue 39, bench.planner_traces' Mooncake-shaped surge on real sessions): the
+    cliff's probability counted the requests on a decode instance as Poisson around the mean
+    rate, so at the surge's 11.5 req/s the plan was 27P:5D, where the simulator served 4.7
+    req/s against 8.3 at 26P:6D: the bursts, not the mean, overflow decode KV. With the rate's
+    measured window-to-window variation (`rate_cv`: 0.10-0.16 on the surge, at most 0.06 on
+    the steady middle load) the count is a mixed Poisson and the plan is 26P:6D; a steady load
+    keeps 27P:5D."""
+    p = replace(PREFILL, pod_start_s=600.0)
+    d = replace(DECODE, pod_start_s=600.0)
+    bounds = Bounds(max_prefill=31, max_decode=31, gpu_budget=256)
+
+    def load(rate_cv: float) -> WorkloadInputs:
+        return WorkloadInputs(
+            request_rate=11.5,
+            avg_input_tokens=126_800,
+            avg_output_tokens=441,
+            p95_input_tokens=228_240,
+            prefix_cache_hit_rate=0.9,
+            rate_cv=rate_cv,
+        )
+
+    def split(rate_cv: float) -> tuple[int, int]:
+        rec = recommend(load(rate_cv), SLO, p, d, bounds)
+        return rec.n_prefill, rec.n_decode
+
+    assert split(0.0) == split(0.06) == (27, 5)
+    assert split(0.14) == (26, 6)
+    # the variance the moving mean adds: (cv * active * m)^2 on top of the compound Poisson's
+    wl, moving = load(0.0).resolved(), load(0.14).resolved()
+    sd = (wl.p95_input_tokens - wl.avg_input_tokens) / 1.645
+    m = wl.avg_input_tokens + wl.avg_output_tokens
+    spread = math.sqrt(20 * (m * m + sd * sd) + (0.14 * 20 * m) ** 2)
+    cap = 3.3e6
+    assert kv_overflow(moving, 20.0, cap) == pytest.approx(
+        1 - NormalDist().cdf((cap - 20 * m) / spread)
+    )
+    assert kv_overflow(moving, 20.0, cap) > kv_overflow(wl, 20.0, cap)
+
+
 def test_layer_split_capacity_factor() -> None:
     """Guards LayerSplit capacity: GLM-5's 78 layers over cp=8 leave 10 layers of KV and indexer
     plus one scratch layer per rank (SGLang 0.5.23 splits the indexer too), 78/11 = 7.09x one

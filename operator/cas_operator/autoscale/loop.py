@@ -112,7 +112,10 @@ class Autoscaler:
         engine_pods = pods()
         planning = self._forecast(uid, planning, window, pod_start_seconds(engine_pods), now)
         shown = replace(
-            observed, demand_rate=planning.demand_rate, forecast_rate=planning.forecast_rate
+            observed,
+            demand_rate=planning.demand_rate,
+            forecast_rate=planning.forecast_rate,
+            rate_cv=planning.rate_cv,
         )
         entry: Status = {"observed": observed_status(shown)}
         if uid in self.unthrottled:
@@ -297,5 +300,6 @@ def observed_status(o: ObservedSignals) -> Status:
         "refusedPerSecond": o.refused_rate,
         "demandRate": o.demand_rate,
         "forecastRate": o.forecast_rate,
+        "rateVariation": o.rate_cv,
     }
     return {k: v for k, v in fields.items() if v is not None}

@@ -85,6 +85,9 @@ class WorkloadInputs:
     context_sigma: float = 0.0  # lognormal log-sd of returning turns' contexts (0: all avg)
     prefix_cache_hit_rate: float | None = None  # declared; used only by mean-based baselines
     reuse: ReuseProfile | None = None  # measured prompt reuse times: the hit-rate curve's input
+    # the arrival rate's variation from one metrics window to the next beyond counting noise
+    # (coefficient of variation; `signals.rate_variation`): the decode KV cliff counts it
+    rate_cv: float = 0.0
 
     def resolved(self) -> WorkloadInputs:
         """Fill derived fields: p95 = 1.8 x mean, first turn = half the mean context, and new
@@ -189,6 +192,7 @@ class ObservedSignals:
     demand_rate: float | None = None  # the rate to plan for while arrivals are throttled
     reuse: ReuseProfile | None = None  # prefill pods' prompt reuse times (cas_prefix_*), summed
     forecast_rate: float | None = None  # where a rising rate will be one pod start from now
+    rate_cv: float | None = None  # the rate's window-to-window variation (`WorkloadInputs`)
 
 
 # ---------------------------------------------------------------- outputs
@@ -599,7 +603,13 @@ def kv_overflow(wl: WorkloadInputs, active: float, capacity_tokens: float) -> fl
     each other, M/G/inf), each request's context drawn from the measured mix, so the sum is a
     compound Poisson of mean ``active * m`` and variance ``active * E[X^2] = active * (m^2 +
     sd^2)`` (normal approximation). The count's own variance dominates at the few to tens of
-    requests an instance of long-context agents holds: ``_kv_need``'s fixed count misses it."""
+    requests an instance of long-context agents holds: ``_kv_need``'s fixed count misses it.
+
+    When the rate itself varies from minute to minute (``rate_cv``, measured), the count is a
+    mixed Poisson whose mean moves with it: its variance gains ``(rate_cv * active)^2``, so the
+    sum's gains ``(rate_cv * active * m)^2``. Why: a decode pool held on its expected count
+    sat on the cliff in the bursts of a Mooncake-shaped load, which no mean reveals
+    (bench.planner_traces' surge: 27P:5D served 4.7 req/s where 26P:6D served 8.3)."""
     if not math.isfinite(active):
         return 1.0
     if active <= 0.0:
@@ -607,7 +617,8 @@ def kv_overflow(wl: WorkloadInputs, active: float, capacity_tokens: float) -> fl
     w = wl.resolved()
     mean = w.avg_input_tokens + w.avg_output_tokens
     sd = max((w.p95_input_tokens or mean) - w.avg_input_tokens, 0.0) / Z95
-    spread = math.sqrt(active * (mean * mean + sd * sd))
+    moving = w.rate_cv * active * mean
+    spread = math.sqrt(active * (mean * mean + sd * sd) + moving * moving)
     return 1.0 - NormalDist().cdf((capacity_tokens - active * mean) / spread)
 
 

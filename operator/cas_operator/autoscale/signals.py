@@ -10,12 +10,15 @@ held within a band; the autoscale loop keeps it per resource, `status.admission.
 across restarts) -> `planning_load` (the arrival rate raised to the last unthrottled window's
 while the routers refuse or the fleet is behind; the loop keeps that rate per resource) ->
 `forecast` (while the arrival rate rises significantly over the last `TREND_HISTORY_S`, where
-it will be one pod start from now; the loop keeps the rates per resource) -> the planner
+it will be one pod start from now; and how much it moves from window to window beyond counting
+noise, `rate_variation`, which the decode KV cliff reads; the loop keeps the rates per
+resource) -> the planner
 (`desired.recommend`) and the replica controller (`autoscale.controller`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -219,6 +222,7 @@ TREND_HISTORY_S = 900.0  # the measured arrival rates a rising trend is fitted o
 TREND_MIN_SAMPLES = 10
 TREND_SIGNIFICANCE = 3.0  # a slope counts when it exceeds this many standard errors
 TREND_MAX_RISE = 1.0  # the forecast adds at most this share of the rate
+RATE_CV_STEP = 0.02  # the rate's measured variation, in steps of this
 
 
 @dataclass(frozen=True)
@@ -240,52 +244,92 @@ class RateHistory:
         return RateHistory(kept, first)
 
 
-def rising_slope(history: RateHistory, window_s: float) -> float:
-    """How fast the arrival rate rises (req/s per second) when it rises significantly, else 0.
+@dataclass(frozen=True)
+class _Line:
+    """A least-squares line through (time, rate) points."""
 
-    A least-squares line through the history; its slope counts when it is over
-    `TREND_SIGNIFICANCE` standard errors. Consecutive ticks measure overlapping windows, so
-    the error counts one independent sample per metrics window (``window_s``), not one per
-    tick: a flat, noisy load does not read as a trend. The rates of the first window after
-    arrivals began are left out: a window that reaches back before the traffic (a new fleet)
-    reads a rate that climbs until it is full, whatever the load does (and after an operator
-    restart, its first window is only a delay)."""
+    n: int
+    mean_rate: float
+    slope: float
+    stt: float  # sum of squared time deviations
+    residual_var: float  # the rates' variance around the line (n - 2 degrees of freedom)
+    span_s: float
+
+
+def _fitted(history: RateHistory, window_s: float) -> _Line | None:
+    """The line through the history's rates, those of the first window after arrivals began
+    left out (a window that reaches back before the traffic, a new fleet, reads a rate that
+    climbs until it is full, whatever the load does; after an operator restart its first
+    window is only a delay); None with fewer than `TREND_MIN_SAMPLES` of them."""
     if history.first_arrivals is None:
-        return 0.0
+        return None
     start = history.first_arrivals + window_s
     pts = tuple(p for p in history.samples if p[0] >= start)
-    if len(pts) < TREND_MIN_SAMPLES:
-        return 0.0
     n = len(pts)
+    if n < TREND_MIN_SAMPLES:
+        return None
     t_mean = sum(t for t, _ in pts) / n
     r_mean = sum(r for _, r in pts) / n
     stt = sum((t - t_mean) ** 2 for t, _ in pts)
     if stt <= 0.0:
-        return 0.0
+        return None
     slope = sum((t - t_mean) * (r - r_mean) for t, r in pts) / stt
     resid = sum((r - r_mean - slope * (t - t_mean)) ** 2 for t, r in pts) / (n - 2)
-    span = pts[-1][0] - pts[0][0]
-    independent = min(float(n), max(2.0, span / max(window_s, 1e-9)))
-    stderr = (resid / (stt * independent / n)) ** 0.5
-    return slope if slope > TREND_SIGNIFICANCE * stderr else 0.0
+    return _Line(n, r_mean, slope, stt, resid, pts[-1][0] - pts[0][0])
+
+
+def rising_slope(history: RateHistory, window_s: float) -> float:
+    """How fast the arrival rate rises (req/s per second) when it rises significantly, else 0.
+
+    A least-squares line through the history (`_fitted`); its slope counts when it is over
+    `TREND_SIGNIFICANCE` standard errors. Consecutive ticks measure overlapping windows, so
+    the error counts one independent sample per metrics window (``window_s``), not one per
+    tick: a flat, noisy load does not read as a trend."""
+    line = _fitted(history, window_s)
+    if line is None:
+        return 0.0
+    independent = min(float(line.n), max(2.0, line.span_s / max(window_s, 1e-9)))
+    stderr = (line.residual_var / (line.stt * independent / line.n)) ** 0.5
+    return line.slope if line.slope > TREND_SIGNIFICANCE * stderr else 0.0
+
+
+RATE_CV_MAX = 0.5  # a larger measured variation is read as this much
+
+
+def rate_variation(history: RateHistory, window_s: float) -> float | None:
+    """How much the arrival rate moves from one metrics window to the next, beyond the
+    counting noise of measuring a rate over ``window_s``: the coefficient of variation of the
+    history's rates around their least-squares line (a trend is not variation), with the
+    Poisson counting variance of a rate measured over the window (``rate / window_s``)
+    taken out; None without enough history (`_fitted`), at most `RATE_CV_MAX`. The decode KV
+    cliff counts it (`model.kv_overflow`): a pool sized on the mean rate sits on the cliff in
+    the bursts."""
+    line = _fitted(history, window_s)
+    if line is None or line.mean_rate <= 0.0:
+        return None
+    beyond = max(line.residual_var - line.mean_rate / max(window_s, 1.0), 0.0)
+    return min(RATE_CV_MAX, math.sqrt(beyond) / line.mean_rate)
 
 
 def forecast(
     o: ObservedSignals, history: RateHistory, window_s: float, horizon_s: float
 ) -> ObservedSignals:
-    """`o` with `forecast_rate` while the arrival rate rises (`rising_slope`): the rate the
-    planner sizes for (`demand_rate`, else the arrivals) plus the rise over ``horizon_s``
-    (the pods' start time: a plan made now serves when the pods it starts are Ready), at most
-    `TREND_MAX_RISE` more. Why: the planner plans for the measured rate, and every move waits
-    a pod start, so under a ramp of session starts it lagged behind the load for the whole run
-    (real sessions, bench.planner_traces' ramp: 70% of the online bound; with the forecast
-    85%, docs/planner.md)."""
+    """`o` with what the recent rates tell: `rate_cv`, how much the rate varies from window to
+    window (`rate_variation`, in steps of `RATE_CV_STEP` so a steady load plans from the same
+    inputs tick after tick), and `forecast_rate` while the arrival rate rises
+    (`rising_slope`): the rate the planner sizes for (`demand_rate`, else the arrivals) plus
+    the rise over ``horizon_s`` (the pods' start time: a plan made now serves when the pods it
+    starts are Ready), at most `TREND_MAX_RISE` more. Why: the planner plans for the measured
+    rate, and every move waits a pod start, so under a ramp of session starts it lagged behind
+    the load for the whole run (real sessions, bench.planner_traces' ramp: 70% of the online
+    bound; with the forecast 85%, docs/planner.md)."""
+    varies = _step(rate_variation(history, window_s), RATE_CV_STEP)
     base = o.demand_rate or o.arrival_rate
     slope = rising_slope(history, window_s)
     if not base or slope <= 0.0:
-        return replace(o, forecast_rate=None)
+        return replace(o, forecast_rate=None, rate_cv=varies)
     rise = min(slope * horizon_s, TREND_MAX_RISE * base)
-    return replace(o, forecast_rate=_significant(base + rise))
+    return replace(o, forecast_rate=_significant(base + rise), rate_cv=varies)
 
 
 HIT_SETTLE_S = 600.0  # after a prefill pool change, its measured hit rate is a transient this long
@@ -375,4 +419,5 @@ def quantized(o: ObservedSignals) -> ObservedSignals:
         demand_rate=_significant(o.demand_rate),
         reuse=None if o.reuse is None else quantized_profile(o.reuse),
         forecast_rate=_significant(o.forecast_rate),
+        rate_cv=o.rate_cv,
     )

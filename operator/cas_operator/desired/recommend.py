@@ -175,7 +175,8 @@ def planner_workload(
     generated tokens per request; the autoscale loop holds it within `signals.SHAPE_BAND`,
     `signals.kept_shape`) in place of the declared lengths once it has measured one, else the
     declared lengths; and the prefill pods' measured prompt reuse times, from which the model
-    draws the hit-rate curve (`autoscale.reuse`; Che's approximation until they are measured).
+    draws the hit-rate curve (`autoscale.reuse`; Che's approximation until they are measured);
+    and how much the rate varies from window to window (`rate_cv`, the decode KV cliff's).
     The admission limit is sized for the same shape (`desired.admission`):
     a fleet whose answers grew 4x is planned for them, not for the spec's estimate, and the
     plan moves with the limit, only when the shape really changed."""
@@ -186,6 +187,7 @@ def planner_workload(
         avg_output_tokens=float(out),
         prefix_cache_hit_rate=declared.prefix_cache_hit_rate,
         reuse=observed.reuse if observed is not None else None,
+        rate_cv=(observed.rate_cv or 0.0) if observed is not None else 0.0,
     )
     if wl.reuse is None:
         return wl
