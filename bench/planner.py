@@ -66,7 +66,12 @@ from bench.fleetsim.engine import (
     SimResult,
     Simulator,
 )
-from bench.fleetsim.policies import MeanBasedPolicy, RatioPlannerPolicy, SwitchPolicy
+from bench.fleetsim.policies import (
+    METRIC_WINDOW_S,
+    MeanBasedPolicy,
+    RatioPlannerPolicy,
+    SwitchPolicy,
+)
 from cas_operator.api.models import WorkloadSpec
 from cas_operator.autoscale import profiles as pf
 from cas_operator.autoscale.model import (
@@ -271,6 +276,10 @@ class AdmissionVariant:
 PRODUCT = AdmissionVariant()
 
 
+# the run start (`run_start`) of this benchmark's method names
+_BASE_METHOD = {"exhaustive-point": "fixed", "ours-smg": "ours", "ours-operator": "ours"}
+
+
 def _run(
     sc: Scenario,
     method: str,
@@ -279,44 +288,20 @@ def _run(
     variant: AdmissionVariant = PRODUCT,
 ) -> dict[str, Any]:
     p, d = sc.profiles()
-    bounds = _bounds(sc)
-    policy: Any = None
-    admission: Any = None
     n = sc.budget // 8
-    if method in ("fixed", "exhaustive-point"):
-        assert split is not None
-        n_p, n_d = split
-    elif method == "fixed-admitted":  # a static split behind the product's admission
-        assert split is not None
-        n_p, n_d = split
-        static = SwitchPolicy(split, split, math.inf, n, p, d)
-        policy, admission = with_admission(static, _declared(sc), variant=variant)
-    elif method in ("switch", "switch-admitted"):
-        assert split is not None and sc.shift_s is not None
-        (n_p, post) = split
-        n_d = n - n_p
-        policy = SwitchPolicy((n_p, n_d), (post, n - post), sc.shift_s, n, p, d)
-        if method == "switch-admitted":
-            policy, admission = with_admission(policy, _declared(sc))
-    elif method in ("ours", "ours-smg", "ours-operator"):
-        rec = recommend(_declared(sc), SLO, p, d, bounds)
-        n_p, n_d = rec.n_prefill, rec.n_decode
-        inputs = _workload_fields(sc) if method == "ours-operator" else None
-        policy, admission = with_admission(
-            RatioPlannerPolicy(p, d, SLO, bounds, operator_inputs=inputs),
-            _declared(sc),
-            method == "ours-smg",
-            variant,
-        )
-    elif method == "mean-based":
-        policy = MeanBasedPolicy(p, d, SLO, bounds)
-        wl = _declared(sc)
-        isl = wl.avg_input_tokens
-        n_p = math.ceil(wl.request_rate * isl / policy.prefill_thpt(isl))
-        n_d = math.ceil(wl.request_rate * wl.avg_output_tokens / policy.decode_thpt(isl))
-        n_p, n_d = policy._clamp(n_p, n_d)
-    else:
-        raise ValueError(method)
+    start = run_start(
+        _BASE_METHOD.get(method, method),
+        split,
+        (p, d),
+        _declared(sc),
+        _bounds(sc),
+        n,
+        switch_at=sc.shift_s,
+        in_flight_bound=method == "ours-smg",
+        operator_inputs=_workload_fields(sc) if method == "ours-operator" else None,
+        variant=variant,
+    )
+    n_p, n_d = start.n_prefill, start.n_decode
     cfg = FleetConfig(
         prefill=p,
         decode=d,
@@ -327,12 +312,12 @@ def _run(
         duration_s=sc.duration_s,
         warmup_s=sc.warmup_s,
         seed=seed,
-        admission=admission,
+        admission=start.admission,
         routing=ROUTINGS[sc.routing],
     )
     wl = SessionWorkload(sc.mix, sc.modifiers, seed=seed)
     t0 = time.perf_counter()
-    res = Simulator(cfg, workload=wl, policy=policy).run()
+    res = Simulator(cfg, workload=wl, policy=start.policy).run()
     g = res.goodput(SLO.ttft_s, SLO.itl_ms)
     g.update(
         wall_s=time.perf_counter() - t0,
@@ -529,6 +514,80 @@ def with_admission(
         return limit(n_p, n_d, round(shape[0], 1), round(shape[1], 1))
 
     return observing, admission
+
+
+@dataclass(frozen=True)
+class RunStart:
+    """A benchmark run's first replica counts, the policy that moves them (None: they stay)
+    and the admission in front of the fleet (None: none)."""
+
+    n_prefill: int
+    n_decode: int
+    policy: Any = None
+    admission: Any = None
+
+
+def run_start(
+    method: str,
+    split: tuple[int, int] | None,
+    profiles: tuple[InstanceProfile, InstanceProfile],
+    declared: WorkloadInputs,
+    bounds: Bounds,
+    instances: int,
+    *,
+    switch_at: float | None = None,
+    in_flight_bound: bool = False,
+    operator_inputs: WorkloadSpec | None = None,
+    metric_window_s: float = METRIC_WINDOW_S,
+    variant: AdmissionVariant = PRODUCT,
+) -> RunStart:
+    """How a run of ``method`` starts, for both planner benchmarks (this one's synthetic
+    scenarios and `bench.planner_traces`' real sessions), ``instances`` being the budget's:
+    - ``fixed``: ``split`` (prefill, decode) throughout, no admission;
+    - ``fixed-admitted``: the same behind the product's admission (`with_admission`);
+    - ``switch`` / ``switch-admitted``: ``split`` is (prefill before, prefill after) of the
+      instances, switched at ``switch_at`` (`SwitchPolicy`), without or behind admission;
+    - ``ours``: the planner's plan for ``declared``, then Auto (`RatioPlannerPolicy`, fed
+      ``operator_inputs``, the resource's workload fields, when given: it then plans through
+      the operator's own functions from what the operator measures) behind the product's
+      admission, smg's when ``in_flight_bound``;
+    - ``mean-based``: `MeanBasedPolicy` from its own first sizing.
+    ``variant`` swaps in a candidate admission (`AdmissionVariant`)."""
+    p, d = profiles
+    n = instances
+    if method in ("fixed", "fixed-admitted"):
+        assert split is not None
+        if method == "fixed":
+            return RunStart(*split)
+        static = SwitchPolicy(split, split, math.inf, n, p, d)
+        return RunStart(*split, *with_admission(static, declared, in_flight_bound, variant))
+    if method in ("switch", "switch-admitted"):
+        assert split is not None and switch_at is not None
+        before, after = split
+        switch = SwitchPolicy((before, n - before), (after, n - after), switch_at, n, p, d)
+        if method == "switch":
+            return RunStart(before, n - before, switch)
+        admitted = with_admission(switch, declared, in_flight_bound, variant)
+        return RunStart(before, n - before, *admitted)
+    if method == "ours":
+        rec = recommend(declared, SLO, p, d, bounds)
+        planner = RatioPlannerPolicy(
+            p,
+            d,
+            SLO,
+            bounds,
+            operator_inputs=operator_inputs,
+            metric_window_s=metric_window_s,
+        )
+        admitted = with_admission(planner, declared, in_flight_bound, variant)
+        return RunStart(rec.n_prefill, rec.n_decode, *admitted)
+    if method == "mean-based":
+        mean = MeanBasedPolicy(p, d, SLO, bounds)
+        isl = declared.avg_input_tokens
+        n_p = math.ceil(declared.request_rate * isl / mean.prefill_thpt(isl))
+        n_d = math.ceil(declared.request_rate * declared.avg_output_tokens / mean.decode_thpt(isl))
+        return RunStart(*mean._clamp(n_p, n_d), mean)
+    raise ValueError(method)
 
 
 def _exhaustive(pool: ProcessPoolExecutor, sc: Scenario, seed: int, stride: int):

@@ -57,7 +57,6 @@ import numpy as np
 
 from bench.fleetsim import FleetConfig
 from bench.fleetsim.engine import ROUTINGS, Routing, SimResult, Simulator
-from bench.fleetsim.policies import MeanBasedPolicy, RatioPlannerPolicy, SwitchPolicy
 from bench.fleetsim.sessions import (
     Placement,
     SessionTraffic,
@@ -66,7 +65,7 @@ from bench.fleetsim.sessions import (
     mean_duration,
     requests_per_session_second,
 )
-from bench.planner import SLO, SPEC, with_admission
+from bench.planner import SLO, SPEC, run_start
 from bench.traces import (
     mooncake_arrivals,
     placement_order,
@@ -84,7 +83,6 @@ from cas_operator.autoscale.model import (
     evaluate,
 )
 from cas_operator.autoscale.reuse import quantized_profile
-from cas_operator.autoscale.search import recommend
 from cas_operator.desired.recommend import planner_workload
 
 DEFAULT_SESSIONS = "../shared/traces/claude-code-sessions.tar.gz"
@@ -245,48 +243,25 @@ def run(
     paths: Paths,
     layout: str = "cp1",
 ) -> dict[str, Any]:
-    """One simulation of ``sc`` under ``method`` (module doc); ``split`` is the static one
-    (``fixed``) or (before, after) prefill counts (``switch``)."""
+    """One simulation of ``sc`` under ``method`` (`bench.planner.run_start`: ``fixed``,
+    ``fixed-admitted``, ``switch`` at the middle, ``ours`` fed what the operator measures behind
+    the router's admission, ``mean-based``); ``split`` is the static one or (before, after)
+    prefill counts (``switch``)."""
     p, d = sc.profiles(layout)
     n = sc.budget // 8
-    policy: Any = None
-    admission: Any = None
-    if method == "fixed":
-        assert split is not None
-        n_p, n_d = split
-    elif method == "switch":
-        assert split is not None
-        before, after = split
-        n_p, n_d = before, n - before
-        policy = SwitchPolicy((before, n - before), (after, n - after), sc.middle_s, n, p, d)
-    elif method == "admitted":
-        assert split is not None
-        n_p, n_d = split
-        held = SwitchPolicy(split, split, math.inf, n, p, d)
-        router_bound = ROUTERS[sc.router][1]
-        policy, admission = with_admission(held, declared(sc, paths), in_flight_bound=router_bound)
-    elif method == "ours":
-        wl = declared(sc, paths)
-        rec = recommend(wl, SLO, p, d, bounds(sc))
-        n_p, n_d = rec.n_prefill, rec.n_decode
-        planner = RatioPlannerPolicy(
-            p,
-            d,
-            SLO,
-            bounds(sc),
-            operator_inputs=workload_fields(sc, paths),
-            metric_window_s=sc.window_s,
-        )
-        policy, admission = with_admission(planner, wl, in_flight_bound=ROUTERS[sc.router][1])
-    elif method == "mean-based":
-        policy = MeanBasedPolicy(p, d, SLO, bounds(sc))
-        wl = declared(sc, paths)
-        isl = wl.avg_input_tokens
-        n_p = math.ceil(wl.request_rate * isl / policy.prefill_thpt(isl))
-        n_d = math.ceil(wl.request_rate * wl.avg_output_tokens / policy.decode_thpt(isl))
-        n_p, n_d = policy._clamp(n_p, n_d)
-    else:
-        raise ValueError(method)
+    start = run_start(
+        method,
+        split,
+        (p, d),
+        declared(sc, paths),
+        bounds(sc),
+        n,
+        switch_at=sc.middle_s,
+        in_flight_bound=ROUTERS[sc.router][1],
+        operator_inputs=workload_fields(sc, paths),
+        metric_window_s=sc.window_s,
+    )
+    n_p, n_d = start.n_prefill, start.n_decode
     cfg = FleetConfig(
         prefill=p,
         decode=d,
@@ -297,13 +272,13 @@ def run(
         duration_s=sc.duration_s,
         warmup_s=sc.warmup_s,
         seed=seed,
-        admission=admission,
+        admission=start.admission,
         routing=ROUTERS[sc.router][0],
         metric_window_s=sc.window_s,
     )
     traffic = SessionTraffic(sessions_of(paths), placements(sc, paths, seed))
     t0 = time.perf_counter()
-    res = Simulator(cfg, policy=policy, sessions=traffic).run()
+    res = Simulator(cfg, policy=start.policy, sessions=traffic).run()
     g: dict[str, Any] = res.goodput(SLO.ttft_s, SLO.itl_ms)
     end = res.series[-1] if res.series else {"prefill": n_p, "decode": n_d}
     g.update(
@@ -494,7 +469,7 @@ def run_bench(
                 "mean-based": pool.submit(run, sc, "mean-based", None, seed, paths),
                 "ours": pool.submit(run, sc, "ours", None, seed, paths),
                 "exhaustive-admitted": pool.submit(
-                    run, sc, "admitted", (best, n - best), seed, paths
+                    run, sc, "fixed-admitted", (best, n - best), seed, paths
                 ),
             }
             rows = {k: f.result() for k, f in jobs.items()}

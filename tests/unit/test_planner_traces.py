@@ -88,7 +88,7 @@ def test_a_static_split_behind_the_admission_ours_runs_behind() -> None:
     ours, behind admission, only with static splits without it, so on the Mooncake-shaped
     surge 8% of ours' shortfall was the admission's (docs/planner.md, "Limits")."""
     sc = _small(next(s for s in pt.scenarios(True) if s.name == "real-mid"))
-    admitted = pt.run(sc, "admitted", (7, 1), 1, _paths())
+    admitted = pt.run(sc, "fixed-admitted", (7, 1), 1, _paths())
     bare = pt.run(sc, "fixed", (7, 1), 1, _paths())
     assert admitted["shed"] > 0 and bare["shed"] == 0
     assert admitted["start"] == admitted["end"] == "7P:1D"
