@@ -15,8 +15,10 @@ import pytest
 
 from cas_operator.anomaly.drain import ANNOTATION_DRAINING_SINCE
 from cas_operator.api import constants as c
+from cas_operator.api.models import WorkloadSpec
 from cas_operator.autoscale.loop import Autoscaler
 from cas_operator.autoscale.signals import HIT_SETTLE_S
+from cas_operator.desired.recommend import planner_workload
 from cas_operator.fleet_tick import FleetTick, PodSnapshot
 from cas_operator.observe.types import PodSignals
 from cas_operator.types import rfc3339
@@ -475,6 +477,29 @@ def test_a_rising_arrival_rate_is_planned_one_pod_start_ahead() -> None:
     assert "forecastRate" not in sections(flat, "a")["autoscaler"]["observed"]
     # the steady rise is a trend, not variation: the decode KV cliff is not widened for it
     assert observed["rateVariation"] == 0.0 and planned.rate_cv == 0.0
+
+
+def test_a_rate_that_swings_between_windows_reaches_the_plan_as_its_variation() -> None:
+    """Regression (issue 39, the Mooncake-shaped surge): the decode KV cliff read only the mean
+    rate, so a load whose rate swings by half from one window to the next was planned for its
+    mean. The loop measures the swing from its tick rates (`signals.rate_variation`), shows it
+    (`status.autoscaler.observed.rateVariation`) and hands it to the planner's workload
+    (`planner_workload`: `WorkloadInputs.rate_cv`), which `model.kv_overflow` reads."""
+    store, source = pd_fleet()
+    g, _ = guard(store, source)
+    res = resource("a")
+    res["spec"] = AUTO
+    for i in range(24):  # 0.3 and 0.6 req/s in turn, a window each (the default 300 s)
+        for name in ("a-d0", "a-d1"):
+            count = 45.0 if (i // 10) % 2 == 0 else 90.0
+            source.by_name[name] = replace(HEALTHY, requests=count, token_usage=0.4)
+        g.tick([res], now=T0 + 30.0 * i)
+    shown = sections(g, "a")["autoscaler"]["observed"]["rateVariation"]
+    planned = g.measured["uid-a"].observed
+    assert planned is not None and planned.rate_cv == shown
+    assert shown > 0.1  # (a steady rise reads 0: the test above)
+    declared = WorkloadSpec.model_validate(AUTO["workload"])
+    assert planner_workload(declared, 0.6, planned).rate_cv == shown
 
 
 def test_auto_plans_without_the_hit_rate_of_a_prefill_pool_it_changed_minutes_ago() -> None:
