@@ -56,6 +56,7 @@ import numpy as np
 from cas_engine.prefixreuse import DEFAULT_GHOST_ENTRIES, DEFAULT_SAMPLE_RATE, REUSE_BUCKETS_S
 from cas_operator.autoscale.model import InstanceProfile
 from cas_operator.autoscale.reuse import ReuseProfile, profile_from_counts
+from cas_operator.observe.types import rate_window
 
 from .prefixcache import BlockTrie, InstanceCache, Overlap
 from .sessions import BLOCK_SIZE, SessionTraffic
@@ -214,6 +215,9 @@ class Metrics:
     # the prefill engines' prompt reuse times over the window (real sessions only), as the
     # operator sums `cas_prefix_*` (`autoscale.signals.prompt_reuse`)
     reuse: ReuseProfile | None = None
+    # arrivals over the last `observe.types.rate_window` of the window, as the operator counts
+    # `recent_requests` (what its trend and variation read)
+    recent_arrival_rate: float | None = None
 
 
 Policy = Callable[[float, Metrics, FleetView], tuple[int, int]]
@@ -1182,6 +1186,9 @@ class Simulator:
         lo = max(0, hi - int(cfg.metric_window_s / cfg.dt))
         span = max((hi - lo) * cfg.dt, cfg.dt)
         arr = b["arr"][lo:hi].sum()
+        recent_lo = max(0, hi - int(rate_window(cfg.metric_window_s) / cfg.dt))
+        recent_span = max((hi - recent_lo) * cfg.dt, cfg.dt)
+        recent = b["arr"][recent_lo:hi].sum() / recent_span
         inp = b["inp"][lo:hi].sum()
         t_hi, t_lo = hi * cfg.dt, lo * cfg.dt
         done = np.concatenate(self.done_time) if self.done_time else np.empty(0)
@@ -1212,6 +1219,7 @@ class Simulator:
             decode_waiting=int((self.wait["ready"] <= now).sum()),
             refused_rate=float(b["shed"][lo:hi].sum() / span),
             reuse=self._reuse(lo, hi) if self.traffic is not None else None,
+            recent_arrival_rate=float(recent),
         )
 
     def _reuse(self, lo: int, hi: int) -> ReuseProfile | None:

@@ -68,6 +68,7 @@ from cas_operator.autoscale.signals import (
     kept_shape,
     planning_load,
     settled_hit_rate,
+    trend_reading,
 )
 from cas_operator.desired.recommend import planned_rate, planner_workload
 
@@ -106,6 +107,11 @@ class SwitchPolicy:
         if d > fleet.decode:
             d = max(fleet.decode, min(d, self.budget - max(fleet.prefill_pods, p)))
         return p, d
+
+
+def _rates_of(m: Metrics) -> ObservedSignals:
+    """The window's and the recent arrival rate, as the operator measures them."""
+    return ObservedSignals(arrival_rate=m.arrival_rate, recent_arrival_rate=m.recent_arrival_rate)
 
 
 @dataclass
@@ -259,7 +265,8 @@ class RatioPlannerPolicy:
         load = planning_load(seen, self.unthrottled_rate, self.slo.ttft_s)
         self.unthrottled_rate = load.unthrottled_rate
         window = self.metric_window_s
-        ahead = forecast(load.observed, self.rates, window, self.prefill.pod_start_s)
+        _, counted_over = trend_reading(_rates_of(m), window)
+        ahead = forecast(load.observed, self.rates, counted_over, self.prefill.pod_start_s)
         rate = planned_rate(None, ahead)
         assert rate is not None  # `_slow` plans only from a window with arrivals
         hit = settled_hit_rate(load.observed, self._prefill_changed_at(), now, window)
@@ -281,7 +288,8 @@ class RatioPlannerPolicy:
 
     def __call__(self, now: float, m: Metrics, fleet: FleetView) -> tuple[int, int]:
         if self.operator_inputs is not None:  # the operator keeps every tick's arrival rate
-            self.rates = self.rates.add(now, m.arrival_rate)
+            rate, _ = trend_reading(_rates_of(m), self.metric_window_s)
+            self.rates = self.rates.add(now, rate)
         observed = ObservedSignals(
             ttft_p90_s=m.ttft_p90_s,
             prefill_queue_depth=m.prefill_backlog_s - self.slo.ttft_s,

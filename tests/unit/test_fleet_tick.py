@@ -479,6 +479,29 @@ def test_a_rising_arrival_rate_is_planned_one_pod_start_ahead() -> None:
     assert observed["rateVariation"] == 0.0 and planned.rate_cv == 0.0
 
 
+def test_the_trend_reads_the_rate_of_the_short_window_the_engines_are_counted_over() -> None:
+    """Regression (issue 39, real sessions' ramp with the operator's default 300-s window): the
+    trend read the window's rate, whose consecutive readings overlap for 5 minutes, so it found
+    three independent readings in 15 minutes and planned a ramp late (73% of the online bound
+    against 87% with the trend read from 60-s rates). The loop adds each tick's rate over the
+    short window (`recent_requests`, `signals.trend_reading`) to its history: a rise the
+    window's rate does not show yet is planned for."""
+    store, source = pd_fleet()
+    g, _ = guard(store, source)
+    res = resource("a")
+    res["spec"] = AUTO
+    for i in range(24):  # the last minute's rate rises 0.2 -> 0.66 req/s; the window's is flat
+        for name in ("a-d0", "a-d1"):
+            source.by_name[name] = replace(
+                HEALTHY, requests=60.0, recent_requests=6.0 + 0.6 * i, token_usage=0.4
+            )
+        g.tick([res], now=T0 + 30.0 * i)
+    observed = sections(g, "a")["autoscaler"]["observed"]
+    assert observed["arrivalRate"] == 0.4
+    # 0.02 req/s more every 30 s, over the default pod start (600 s) on the planning rate
+    assert observed["forecastRate"] == pytest.approx(0.4 + 0.02 / 30.0 * 600.0, rel=0.05)
+
+
 def test_a_rate_that_swings_between_windows_reaches_the_plan_as_its_variation() -> None:
     """Regression (issue 39, the Mooncake-shaped surge): the decode KV cliff read only the mean
     rate, so a load whose rate swings by half from one window to the next was planned for its

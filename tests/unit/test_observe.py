@@ -20,6 +20,7 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 
 from cas_operator.observe import Observation, PodTarget, PrometheusSource, ScrapeSource
+from cas_operator.observe import types as m
 from cas_operator.observe.prometheus import promql_string
 from cas_operator.observe.scrape import Scrape, parse_exposition, windowed_increase
 from cas_operator.observe.types import signals_from
@@ -166,6 +167,9 @@ def test_prometheus_joins_signals_per_pod(serve: Callable[[Server], Server]) -> 
     assert p0.checked is None and p0.trips_low_accept is None and p0.queued == 9.0
     assert p0.kv_transfers == 3.0 and d0.kv_transfers is None  # no PD queue series: not PD
     windowed = [q for q in srv.seen if "increase(" in q]
+    recent = [q for q in windowed if "[60s]" in q]  # the requests over the short rate window
+    assert len(recent) == 1 and "sglang:num_requests_total" in recent[0]
+    windowed = [q for q in windowed if q not in recent]
     assert windowed and all("[300s]" in q and 'namespace="ns"' in q for q in windowed)
     assert all('pod=~"d0|d1|p0"' in q for q in srv.seen)
 
@@ -488,3 +492,55 @@ def test_scrape_keeps_ttft_and_itl_buckets_apart() -> None:
     signals = signals_from(scrape.counters, scrape.gauges, has_guard=True)
     assert signals.itl_buckets == ((0.05, 4.0), (math.inf, 5.0))
     assert signals.ttft_buckets == ((math.inf, 2.0),)
+
+
+REQUESTS_ONLY = """# TYPE sglang:num_requests_total counter
+sglang:num_requests_total{{model_name="m"}} {n}
+"""
+
+
+def test_scrape_counts_the_recent_requests_over_the_short_rate_window(
+    serve: Callable[[Server], Server],
+) -> None:
+    """Regression (issue 39): the trend and the variation the planner reads need a rate
+    counted over a short window (`RATE_WINDOW_S`, 60 s): over the 300-s anomaly window
+    consecutive readings overlap for 5 minutes. The scrape source counts `recent_requests` over
+    the last 60 s of its history and `requests` over the whole window; a window shorter than
+    60 s counts both over itself."""
+    text = [REQUESTS_ONLY.format(n=0)]
+    srv = metrics_server(serve, text)
+    clock = Clock()
+    source = ScrapeSource(clock=clock)
+    target = [PodTarget("d0", "decode", "ns", "127.0.0.1", srv.port)]
+    for t, n in ((1000.0, 0), (1100.0, 100), (1200.0, 200), (1260.0, 500)):
+        clock.t, text[0] = t, REQUESTS_ONLY.format(n=n)
+        last = source.observe(target, 300).signals["d0"]
+    assert last.requests == 500.0 and last.recent_requests == 300.0
+    assert m.rate_window(300) == 60.0 and m.rate_window(30) == 30.0
+    clock.t, text[0] = 1280.0, REQUESTS_ONLY.format(n=520)
+    short = source.observe(target, 30).signals["d0"]
+    assert short.requests == short.recent_requests == 20.0
+
+
+def test_prometheus_asks_for_the_recent_requests_over_the_short_rate_window(
+    serve: Callable[[Server], Server],
+) -> None:
+    """The PromQL source asks for `sglang:num_requests_total` over the anomaly window and over
+    the short rate window (`rate_window`), and joins the second per pod as `recent_requests`."""
+
+    def respond(path: str, query: dict[str, list[str]]) -> tuple[int, bytes]:
+        q = query["query"][0]
+        if "timestamp(up" in q:
+            return 200, vector([(pod("d0"), 2.0)])
+        if "(up{" in q:
+            return 200, vector([(pod("d0"), 1.0)])
+        if "sglang:num_requests_total" in q and "[60s]" in q:
+            return 200, vector([(pod("d0"), 30.0)])
+        if "sglang:num_requests_total" in q and "[300s]" in q:
+            return 200, vector([(pod("d0"), 120.0)])
+        return 200, vector([])
+
+    srv = serve(Server(respond))
+    obs = PrometheusSource(f"http://127.0.0.1:{srv.port}").observe(TARGETS[:1], 300)
+    d0 = obs.signals["d0"]
+    assert d0.requests == 120.0 and d0.recent_requests == 30.0

@@ -21,6 +21,7 @@ from cas_operator.autoscale.signals import (
     forecast,
     rate_variation,
     rising_slope,
+    trend_reading,
 )
 from cas_operator.desired.recommend import PLAN_HEADROOM, planned_rate
 
@@ -160,3 +161,13 @@ def test_a_steady_rate_reads_as_no_variation_and_a_swinging_one_as_its_own() -> 
     assert round(carried / RATE_CV_STEP, 6) == round(carried / RATE_CV_STEP)
     assert carried == pytest.approx(found, abs=RATE_CV_STEP / 2 + 1e-9)
     assert rate_variation(RateHistory(), window) is None
+
+
+def test_the_trend_reads_the_short_windows_rate_when_measured() -> None:
+    """`trend_reading`: the rate over the short window (`rate_window`: 60 s, or the metrics
+    window when shorter) and that window when the engines' recent requests were measured,
+    else the window's own rate and window (an engine without the counter's recent increase)."""
+    both = ObservedSignals(arrival_rate=4.0, recent_arrival_rate=6.0)
+    assert trend_reading(both, 300.0) == (6.0, 60.0)
+    assert trend_reading(both, 30.0) == (6.0, 30.0)
+    assert trend_reading(ObservedSignals(arrival_rate=4.0), 300.0) == (4.0, 300.0)

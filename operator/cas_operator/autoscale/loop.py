@@ -166,11 +166,13 @@ class Autoscaler:
         self, uid: str, planning: ObservedSignals, window: float, horizon: float, now: float
     ) -> ObservedSignals:
         """The planning load with where a rising arrival rate will be one pod start from now
-        (`signals.forecast`), from this process's rates of the last ticks (a restarted operator
-        starts a new history: no forecast for its first ticks)."""
-        history = self.rates.get(uid, signals.RateHistory()).add(now, planning.arrival_rate)
+        and how much it varies (`signals.forecast`), from this process's rates of the last
+        ticks, each over the short rate window when measured (`signals.trend_reading`; a
+        restarted operator starts a new history: no forecast for its first ticks)."""
+        rate, counted_over = signals.trend_reading(planning, window)
+        history = self.rates.get(uid, signals.RateHistory()).add(now, rate)
         self.rates[uid] = history
-        return signals.forecast(planning, history, window, horizon)
+        return signals.forecast(planning, history, counted_over, horizon)
 
     def _auto_step(
         self,

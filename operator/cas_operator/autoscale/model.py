@@ -176,6 +176,9 @@ class ObservedSignals:
     """Measured fleet state; every field optional. Rates per second, latencies in seconds."""
 
     arrival_rate: float | None = None
+    # the arrival rate over the last `observe.types.RATE_WINDOW_S` (or the window when shorter):
+    # what the trend and the variation read (`signals.forecast`)
+    recent_arrival_rate: float | None = None
     hit_rate: float | None = None
     prefill_replicas: int | None = None
     prefill_queue_depth: float | None = None

@@ -90,6 +90,10 @@ class PrometheusSource:
                 "router 429", f"sum {by} ({born_counted(refused, window, up_sel, pod)})"
             ),
         }
+        recent = f"[{int(max(m.rate_window(window), 1))}s]"
+        counters[m.RECENT_REQUESTS] = self._query(
+            "recent requests", f"sum {by} (increase({m.REQUESTS}{sel}{recent}))"
+        )
         failures = "|".join(m.KV_FAILURE_COUNTERS)
         counters[m.KV_FAILURES] = self._query(
             "kv failures", f'sum {by} (increase({{__name__=~"{failures}",{sel[1:]}{w}))'

@@ -181,5 +181,8 @@ class ScrapeSource:
             inc = windowed_increase(hist.samples, key, window)
             if inc is not None:
                 counters[key] = inc
+        recent = windowed_increase(hist.samples, m.REQUESTS, m.rate_window(window))
+        if recent is not None:
+            counters[m.RECENT_REQUESTS] = recent
         has_guard = m.CHECKED in counters
         return m.signals_from(counters, result.gauges, has_guard=has_guard)

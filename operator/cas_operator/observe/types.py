@@ -20,6 +20,10 @@ QUEUED: Final = "sglang:num_queue_reqs"
 ABORTED: Final = "sglang:num_aborted_requests_total"
 TOKEN_USAGE: Final = "sglang:token_usage"
 REQUESTS: Final = "sglang:num_requests_total"
+# REQUESTS over the last RATE_WINDOW_S (the counters' key): the arrival rate the planner's trend
+# and variation read, which a long anomaly window would smooth away (`signals.forecast`)
+RECENT_REQUESTS: Final = "recent_requests"
+RATE_WINDOW_S: Final = 60.0
 PROMPT_TOKENS: Final = "sglang:prompt_tokens_total"
 CACHED_TOKENS: Final = "sglang:cached_tokens_total"
 GENERATION_TOKENS: Final = "sglang:generation_tokens_total"  # metrics_collector.py:1860
@@ -89,6 +93,8 @@ class PodSignals:
     token_usage: float | None = None
     kv_transfers: float | None = None  # requests in the PD queues (KV_TRANSFER_QUEUES)
     requests: float | None = None  # finished requests in the window (load, for the autoscaler)
+    # finished requests in the last `rate_window` (the window, when shorter than RATE_WINDOW_S)
+    recent_requests: float | None = None
     prompt_tokens: float | None = None
     cached_tokens: float | None = None
     generation_tokens: float | None = None
@@ -187,12 +193,19 @@ def _buckets(
     return tuple(sorted(found)) or None
 
 
+def rate_window(window_seconds: float) -> float:
+    """The window `PodSignals.recent_requests` counts over: `RATE_WINDOW_S`, or the metrics
+    window when that is shorter."""
+    return min(window_seconds, RATE_WINDOW_S)
+
+
 def signals_from(
     counters: dict[str, float], gauges: dict[str, float], *, has_guard: bool
 ) -> PodSignals:
     """Assemble PodSignals from windowed increases and latest gauges of one pod.
 
-    `counters` keys: CHECKED, REASON_LOW, REASON_HIGH, ABORTED, LOAD_COUNTERS, REUSE_COUNTERS,
+    `counters` keys: CHECKED, REASON_LOW, REASON_HIGH, ABORTED, LOAD_COUNTERS, RECENT_REQUESTS
+    (`rate_window`'s increase of REQUESTS), REUSE_COUNTERS,
     KV_FAILURES, RESPONSES, ERRORS_5XX, REFUSED and `bucket_key(le, histogram)` per TTFT, ITL and
     reuse bucket (absent = series missing); `gauges`
     keys: GAUGES and KV_TRANSFERS (the sum of the pod's KV_TRANSFER_QUEUES; absent outside PD).
@@ -211,6 +224,7 @@ def signals_from(
         token_usage=gauges.get(TOKEN_USAGE),
         kv_transfers=gauges.get(KV_TRANSFERS),
         requests=counters.get(REQUESTS),
+        recent_requests=counters.get(RECENT_REQUESTS),
         prompt_tokens=counters.get(PROMPT_TOKENS),
         cached_tokens=counters.get(CACHED_TOKENS),
         generation_tokens=counters.get(GENERATION_TOKENS),
