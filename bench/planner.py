@@ -251,11 +251,17 @@ def _workload_fields(sc: Scenario) -> WorkloadSpec:
     )
 
 
-def _bounds(sc: Scenario) -> Bounds:
-    n = sc.budget // 8
+def budget_bounds(budget: int) -> Bounds:
+    """The replica bounds of a fleet of 8-GPU instances within ``budget`` GPUs: each pool at
+    least one instance, the GPU budget the cap."""
+    n = budget // 8
     return Bounds(
-        min_prefill=1, max_prefill=n - 1, min_decode=1, max_decode=n - 1, gpu_budget=sc.budget
+        min_prefill=1, max_prefill=n - 1, min_decode=1, max_decode=n - 1, gpu_budget=budget
     )
+
+
+def _bounds(sc: Scenario) -> Bounds:
+    return budget_bounds(sc.budget)
 
 
 @dataclass(frozen=True)
@@ -294,8 +300,7 @@ def _run(
         split,
         (p, d),
         _declared(sc),
-        _bounds(sc),
-        n,
+        sc.budget,
         switch_at=sc.shift_s,
         in_flight_bound=method == "ours-smg",
         operator_inputs=_workload_fields(sc) if method == "ours-operator" else None,
@@ -532,8 +537,7 @@ def run_start(
     split: tuple[int, int] | None,
     profiles: tuple[InstanceProfile, InstanceProfile],
     declared: WorkloadInputs,
-    bounds: Bounds,
-    instances: int,
+    budget: int,
     *,
     switch_at: float | None = None,
     in_flight_bound: bool = False,
@@ -542,7 +546,8 @@ def run_start(
     variant: AdmissionVariant = PRODUCT,
 ) -> RunStart:
     """How a run of ``method`` starts, for both planner benchmarks (this one's synthetic
-    scenarios and `bench.planner_traces`' real sessions), ``instances`` being the budget's:
+    scenarios and `bench.planner_traces`' real sessions), on ``budget`` GPUs of 8-GPU
+    instances (`budget_bounds`):
     - ``fixed``: ``split`` (prefill, decode) throughout, no admission;
     - ``fixed-admitted``: the same behind the product's admission (`with_admission`);
     - ``switch`` / ``switch-admitted``: ``split`` is (prefill before, prefill after) of the
@@ -554,7 +559,8 @@ def run_start(
     - ``mean-based``: `MeanBasedPolicy` from its own first sizing.
     ``variant`` swaps in a candidate admission (`AdmissionVariant`)."""
     p, d = profiles
-    n = instances
+    bounds = budget_bounds(budget)
+    n = budget // 8
     if method in ("fixed", "fixed-admitted"):
         assert split is not None
         if method == "fixed":

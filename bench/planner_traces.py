@@ -76,7 +76,6 @@ from bench.traces import (
 from cas_operator.api.models import WorkloadSpec
 from cas_operator.autoscale import profiles as pf
 from cas_operator.autoscale.model import (
-    Bounds,
     InstanceProfile,
     ObservedSignals,
     WorkloadInputs,
@@ -225,13 +224,6 @@ def workload_fields(sc: TraceScenario, paths: Paths) -> WorkloadSpec:
     )
 
 
-def bounds(sc: TraceScenario) -> Bounds:
-    n = sc.budget // 8
-    return Bounds(
-        min_prefill=1, max_prefill=n - 1, min_decode=1, max_decode=n - 1, gpu_budget=sc.budget
-    )
-
-
 # ---------------------------------------------------------------- one run
 
 
@@ -254,8 +246,7 @@ def run(
         split,
         (p, d),
         declared(sc, paths),
-        bounds(sc),
-        n,
+        sc.budget,
         switch_at=sc.middle_s,
         in_flight_bound=ROUTERS[sc.router][1],
         operator_inputs=workload_fields(sc, paths),

@@ -1183,12 +1183,9 @@ class Simulator:
         """Window aggregates ending ``metric_lag_s`` before ``now``."""
         cfg, b = self.cfg, self.bins
         hi = max(0, step - int(cfg.metric_lag_s / cfg.dt))
-        lo = max(0, hi - int(cfg.metric_window_s / cfg.dt))
-        span = max((hi - lo) * cfg.dt, cfg.dt)
+        lo, span = self._window(hi, cfg.metric_window_s)
+        recent_lo, recent_span = self._window(hi, rate_window(cfg.metric_window_s))
         arr = b["arr"][lo:hi].sum()
-        recent_lo = max(0, hi - int(rate_window(cfg.metric_window_s) / cfg.dt))
-        recent_span = max((hi - recent_lo) * cfg.dt, cfg.dt)
-        recent = b["arr"][recent_lo:hi].sum() / recent_span
         inp = b["inp"][lo:hi].sum()
         t_hi, t_lo = hi * cfg.dt, lo * cfg.dt
         done = np.concatenate(self.done_time) if self.done_time else np.empty(0)
@@ -1219,8 +1216,14 @@ class Simulator:
             decode_waiting=int((self.wait["ready"] <= now).sum()),
             refused_rate=float(b["shed"][lo:hi].sum() / span),
             reuse=self._reuse(lo, hi) if self.traffic is not None else None,
-            recent_arrival_rate=float(recent),
+            recent_arrival_rate=float(b["arr"][recent_lo:hi].sum() / recent_span),
         )
+
+    def _window(self, hi: int, seconds: float) -> tuple[int, float]:
+        """The first step of the ``seconds`` ending before step ``hi``, and their length."""
+        dt = self.cfg.dt
+        lo = max(0, hi - int(seconds / dt))
+        return lo, max((hi - lo) * dt, dt)
 
     def _reuse(self, lo: int, hi: int) -> ReuseProfile | None:
         """The window's prompt reuse over every prefill instance, as the operator sums the

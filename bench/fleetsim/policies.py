@@ -255,8 +255,8 @@ class RatioPlannerPolicy:
         (``signals.planning_load``), with the operator's headroom (``planned_rate``) and no
         forecast; the hit rate rescales the model's once the prefill pool has settled after
         its last change (``signals.settled_hit_rate``)."""
-        seen = ObservedSignals(
-            arrival_rate=m.arrival_rate,
+        seen = replace(
+            _rates_of(m),
             ttft_p90_s=m.ttft_p90_s,
             refused_rate=m.refused_rate,
             decode_kv_usage=m.decode_kv_usage,
@@ -265,7 +265,7 @@ class RatioPlannerPolicy:
         load = planning_load(seen, self.unthrottled_rate, self.slo.ttft_s)
         self.unthrottled_rate = load.unthrottled_rate
         window = self.metric_window_s
-        _, counted_over = trend_reading(_rates_of(m), window)
+        _, counted_over = trend_reading(seen, window)
         ahead = forecast(load.observed, self.rates, counted_over, self.prefill.pod_start_s)
         rate = planned_rate(None, ahead)
         assert rate is not None  # `_slow` plans only from a window with arrivals
