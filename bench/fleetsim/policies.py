@@ -186,6 +186,9 @@ class RatioPlannerPolicy:
             wl, observed = self._operator_load(now, m, fleet)
         else:
             wl, observed = self._forecast(m, fleet)
+        if self.last_rec is not None:  # kept at the cap unless beaten (as Auto's status does)
+            before = (self.last_rec.n_prefill, self.last_rec.n_decode)
+            observed = replace(observed or ObservedSignals(), planned_before=before)
         rec = recommend(
             wl,
             self.slo,

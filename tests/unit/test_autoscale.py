@@ -262,6 +262,9 @@ def test_decode_kv_exhaustion_adds_decode() -> None:
 def test_state_round_trips_through_status() -> None:
     state = AutoState(3, 5, ControlState(T0, -math.inf, None, T0 + 5, T0 - 60, -math.inf), "why")
     assert AutoState.from_status(state.to_status()) == state
+    planned = replace(state, planned=(4, 4))  # the planner's counts, which the next plan keeps
+    assert AutoState.from_status(planned.to_status()) == planned
+    assert AutoState.from_status({**state.to_status(), "planned": {"prefill": 0}}) == state
     assert AutoState.from_status({"prefill": "x"}) is None
     assert AutoState.from_status(None) is None
     # a status written before growth was kept apart: its last change holds growth as well

@@ -572,3 +572,29 @@ def test_a_prefill_pod_ready_minutes_ago_also_holds_back_the_hit_rate() -> None:
     settled.tick([resource("a") | {"spec": AUTO}], now=T0 + HIT_SETTLE_S)
     planned = settled.measured["uid-a"].observed
     assert planned is not None and planned.hit_rate == 0.8
+
+
+def test_the_planners_last_split_reaches_its_next_plan_and_survives_a_restart() -> None:
+    """Regression (issue 39, bench.planner_traces' steady middle load on real sessions): each
+    plan at the GPU cap was made afresh, so Auto followed its inputs' noise between
+    neighbouring splits. The planner's counts are kept in `status.autoscaler.planned`, and the
+    next plan reads them (`ObservedSignals.planned_before`), keeping that split unless another
+    scores clearly more (`search._kept_split`); a restarted operator reads them from status."""
+    store, source = pd_fleet()
+    g, _ = guard(store, source)
+    res = resource("a")
+    res["spec"] = AUTO
+    g.tick([res], now=T0)
+    first = g.measured["uid-a"].observed
+    assert first is not None and first.planned_before is None  # nothing planned before
+    planned = sections(g, "a")["autoscaler"]["planned"]
+    assert planned["prefill"] > 0 and planned["decode"] > 0
+    g.tick([res], now=T0 + 30.0)
+    second = g.measured["uid-a"].observed
+    assert second is not None
+    assert second.planned_before == (planned["prefill"], planned["decode"])
+    kept = {"autoscaler": {"prefill": 3, "decode": 2, "planned": {"prefill": 5, "decode": 3}}}
+    restarted, _ = guard(*pd_fleet())
+    restarted.tick([resource("a", status=kept) | {"spec": AUTO}], now=T0)
+    after = restarted.measured["uid-a"].observed
+    assert after is not None and after.planned_before == (5, 3)

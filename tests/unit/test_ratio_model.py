@@ -9,6 +9,7 @@ from statistics import NormalDist
 import pytest
 
 from cas_operator.autoscale import profiles as pf
+from cas_operator.autoscale import search
 from cas_operator.autoscale.controller import (
     decode_saturated,
     failing_sides,
@@ -152,8 +153,11 @@ def test_cap_split_weighs_decode_overflow_against_prefill_attainment() -> None:
     """Regression (issue 39, bench.planner_traces on real Claude Code sessions, high load, 256
     GPUs): the plan at the cap took the smallest decode pool the hard KV bound passed and gave
     the rest to prefill, 25P:7D, where the simulator served 9.14 req/s at 26P:6D (9.01 at
-    25P:7D, 4.98 at 27P:5D: the cliff). Now the split with the most requests within the SLOs
-    when decode KV overflow is a probability: 26P:6D, neither neighbour scoring more."""
+    25P:7D, 4.98 at 27P:5D: the cliff). At the measured rate, the split with the most requests
+    within the SLOs when decode KV overflow is a probability is 26P:6D, neither neighbour
+    scoring more. The plan scores each split over the rates it may serve (the next test), and
+    26P:6D sits on the cliff's edge at 20% more: it plans 25P:7D, 1.4% under 26P:6D in the
+    simulator at this steady rate, where 26P:6D would lose half its goodput to a 20% rise."""
     p = replace(PREFILL, pod_start_s=600.0)
     d = replace(DECODE, pod_start_s=600.0)
     wl = WorkloadInputs(
@@ -164,27 +168,99 @@ def test_cap_split_weighs_decode_overflow_against_prefill_attainment() -> None:
         prefix_cache_hit_rate=0.9,
     )
     bounds = Bounds(max_prefill=31, max_decode=31, gpu_budget=256)
-    rec = recommend(wl, SLO, p, d, bounds)
-    assert (rec.n_prefill, rec.n_decode) == (26, 6)
 
-    def good(n_p: int) -> float:
-        return evaluate(wl, SLO, p, d, n_p, 32 - n_p).cliff_goodput(wl.request_rate)
+    def good(n_p: int, rate: float = wl.request_rate) -> float:
+        at = replace(wl, request_rate=rate)
+        return evaluate(at, SLO, p, d, n_p, 32 - n_p).cliff_goodput(rate)
 
     assert good(26) >= max(good(25), good(27))
-    assert rec.goodput_rps == pytest.approx(good(26))
+    assert good(26, 1.2 * wl.request_rate) < 0.5 * good(25, 1.2 * wl.request_rate)
+    rec = recommend(wl, SLO, p, d, bounds)
+    assert (rec.n_prefill, rec.n_decode) == (25, 7)
+    assert rec.goodput_rps == pytest.approx(good(25))
+
+
+def test_the_split_at_the_cap_is_scored_over_the_rates_it_may_serve() -> None:
+    """Regression (issue 39, bench.planner_traces' Mooncake-shaped surge on real sessions): the
+    split at the cap was the best at the measured rate, 27P:5D at the surge's first 11.5
+    req/s, a percent over 26P:6D; 20% more, and its decode KV overflowed (the static 27P:5D
+    served 4.7 req/s through the surge, 25P:7D 8.4). A plan serves for a pod start or more,
+    so each split is scored by its goodput averaged over the rate +-`RATE_SPREAD` (three-point
+    Gauss-Hermite weights 1/6, 2/3, 1/6): 26P:6D. Far from the cliff (9 req/s) the spread
+    changes nothing: 27P:5D."""
+    p = replace(PREFILL, pod_start_s=600.0)
+    d = replace(DECODE, pod_start_s=600.0)
+    bounds = Bounds(max_prefill=31, max_decode=31, gpu_budget=256)
+
+    def load(rate: float) -> WorkloadInputs:
+        return WorkloadInputs(
+            request_rate=rate,
+            avg_input_tokens=126_800,
+            avg_output_tokens=441,
+            p95_input_tokens=228_240,
+            prefix_cache_hit_rate=0.9,
+        )
+
+    def good(n_p: int, rate: float) -> float:
+        return evaluate(load(rate), SLO, p, d, n_p, 32 - n_p).cliff_goodput(rate)
+
+    def split(rate: float) -> tuple[int, int]:
+        rec = recommend(load(rate), SLO, p, d, bounds)
+        return rec.n_prefill, rec.n_decode
+
+    assert good(27, 11.5) > good(26, 11.5)  # the measured rate alone would pick 27P:5D
+    assert split(11.5) == (26, 6)
+    assert good(27, 9.0) >= good(26, 9.0) and split(9.0) == (27, 5)
+    ctx = search._Ctx(SLO, p, d, bounds, ModelLimits(), 1.0)
+    expected = (good(27, 0.8 * 11.5) + 4 * good(27, 11.5) + good(27, 1.2 * 11.5)) / 6
+    assert search._spread_goodput(ctx, load(11.5).resolved(), 27, 5) == pytest.approx(expected)
+
+
+def test_the_last_split_at_the_cap_is_kept_unless_another_scores_clearly_more() -> None:
+    """Regression (issue 39, bench.planner_traces' steady middle load on real sessions): the
+    plan at the cap followed its inputs' tick-to-tick noise between 27P:5D, 26P:6D and 25P:7D,
+    neighbours within a few percent, and Auto changed the fleet seven times in 40 minutes
+    where the best static split needed none, each move idling an instance for a pod start.
+    The planner's last split (`ObservedSignals.planned_before`) stays unless another scores
+    `MOVE_MARGIN` more; its decode count is kept and prefill takes the rest of the cap."""
+    p = replace(PREFILL, pod_start_s=600.0)
+    d = replace(DECODE, pod_start_s=600.0)
+    bounds = Bounds(max_prefill=31, max_decode=31, gpu_budget=256)
+    wl = WorkloadInputs(
+        request_rate=10.0,
+        avg_input_tokens=126_800,
+        avg_output_tokens=441,
+        p95_input_tokens=228_240,
+        prefix_cache_hit_rate=0.9,
+    )
+
+    def split(before: tuple[int, int] | None) -> tuple[int, int]:
+        rec = recommend(wl, SLO, p, d, bounds, ObservedSignals(planned_before=before))
+        return rec.n_prefill, rec.n_decode
+
+    ctx = search._Ctx(SLO, p, d, bounds, ModelLimits(), 1.0)
+    score = {
+        n_p: search._spread_goodput(ctx, wl.resolved(), n_p, 32 - n_p) for n_p in range(24, 30)
+    }
+    assert split(None) == (27, 5)
+    assert score[26] < score[27] and score[26] >= (1 - search.MOVE_MARGIN) * score[27]
+    assert split((26, 6)) == (26, 6)  # within the margin: kept
+    assert split((20, 6)) == (26, 6)  # planned under a smaller cap: its decode count, refilled
+    assert score[28] < (1 - search.MOVE_MARGIN) * score[27]
+    assert split((28, 4)) == (27, 5)  # clearly beaten: replaced
+    assert split((30, 2)) == (27, 5)
 
 
 def test_a_rate_that_swings_between_windows_widens_the_decode_kv_cliff() -> None:
     """Regression (issue 39, bench.planner_traces' Mooncake-shaped surge on real sessions): the
     cliff's probability counted the requests on a decode instance as Poisson around the mean
-    rate, so at the surge's 11.5 req/s the plan was 27P:5D, where the simulator served 4.7
-    req/s against 8.3 at 26P:6D: the bursts, not the mean, overflow decode KV. With the rate's
-    measured window-to-window variation (`rate_cv`: 0.10-0.16 on the surge, at most 0.06 on
-    the steady middle load) the count is a mixed Poisson and the plan is 26P:6D; a steady load
-    keeps 27P:5D."""
+    rate, so at the surge's 11.5 req/s the best split at the measured rate was 27P:5D, where
+    the simulator served 4.7 req/s against 8.3 at 26P:6D: the bursts, not the mean, overflow
+    decode KV. With the rate's measured window-to-window variation (`rate_cv`: 0.10-0.16 on
+    the surge, at most 0.06 on the steady middle load) the count is a mixed Poisson and
+    26P:6D scores more at the measured rate too; a steady load's 27P:5D still scores more."""
     p = replace(PREFILL, pod_start_s=600.0)
     d = replace(DECODE, pod_start_s=600.0)
-    bounds = Bounds(max_prefill=31, max_decode=31, gpu_budget=256)
 
     def load(rate_cv: float) -> WorkloadInputs:
         return WorkloadInputs(
@@ -196,12 +272,11 @@ def test_a_rate_that_swings_between_windows_widens_the_decode_kv_cliff() -> None
             rate_cv=rate_cv,
         )
 
-    def split(rate_cv: float) -> tuple[int, int]:
-        rec = recommend(load(rate_cv), SLO, p, d, bounds)
-        return rec.n_prefill, rec.n_decode
+    def good(n_p: int, rate_cv: float) -> float:
+        return evaluate(load(rate_cv), SLO, p, d, n_p, 32 - n_p).cliff_goodput(11.5)
 
-    assert split(0.0) == split(0.06) == (27, 5)
-    assert split(0.14) == (26, 6)
+    assert good(27, 0.0) > good(26, 0.0)
+    assert good(27, 0.14) < good(26, 0.14)
     # the variance the moving mean adds: (cv * active * m)^2 on top of the compound Poisson's
     wl, moving = load(0.0).resolved(), load(0.14).resolved()
     sd = (wl.p95_input_tokens - wl.avg_input_tokens) / 1.645

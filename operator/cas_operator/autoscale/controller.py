@@ -647,12 +647,15 @@ STATUS_KEY = "autoscaler"
 
 @dataclass(frozen=True)
 class AutoState:
-    """The replicas Auto mode set, the controller's memory, and why (status.autoscaler)."""
+    """The replicas Auto mode set, the controller's memory, the planner's counts it stepped
+    toward (which the next plan keeps unless beaten: `ObservedSignals.planned_before`), and why
+    (status.autoscaler)."""
 
     prefill: int
     decode: int
     control: ControlState = field(default_factory=ControlState)
     reason: str = ""
+    planned: tuple[int, int] | None = None
 
     def to_status(self) -> dict[str, Any]:
         cs = self.control
@@ -666,6 +669,7 @@ class AutoState:
             "downSinceDecode": cs.down_since_decode,
             "lastPrefillGrowth": _finite(cs.last_prefill_growth),
             "lastDecodeGrowth": _finite(cs.last_decode_growth),
+            "planned": _counts_status(self.planned),
         }
 
     @classmethod
@@ -687,7 +691,9 @@ class AutoState:
                 ),
                 last_decode_growth=_epoch(raw.get("lastDecodeGrowth", raw.get("lastDecodeChange"))),
             )
-            return cls(int(raw["prefill"]), int(raw["decode"]), control, str(raw.get("reason", "")))
+            reason = str(raw.get("reason", ""))
+            planned = _counts(raw.get("planned"))
+            return cls(int(raw["prefill"]), int(raw["decode"]), control, reason, planned)
         except (KeyError, TypeError, ValueError):
             return None
 
@@ -698,6 +704,22 @@ class AutoState:
 
 def _finite(value: float) -> float | None:
     return None if math.isinf(value) else round(value, 3)
+
+
+def _counts_status(counts: tuple[int, int] | None) -> dict[str, int] | None:
+    return None if counts is None else {"prefill": counts[0], "decode": counts[1]}
+
+
+def _counts(raw: Any) -> tuple[int, int] | None:
+    """Counts `_counts_status` wrote; None when absent or not two positive counts (a status
+    written before the planner's counts were kept has none)."""
+    if not isinstance(raw, dict):
+        return None
+    try:
+        p, d = int(raw["prefill"]), int(raw["decode"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return (p, d) if p > 0 and d > 0 else None
 
 
 def _epoch(value: Any) -> float:
@@ -827,4 +849,4 @@ def auto_step(
     why = f"target {want[0]}:{want[1]} (planner {planned[0]}:{planned[1]}); {decision.reason}"
     if (p, d) != (decision.prefill, decision.decode):
         why += f"; {decision.prefill}:{decision.decode} held by ratio bounds"
-    return AutoState(p, d, control, why)
+    return AutoState(p, d, control, why, planned)

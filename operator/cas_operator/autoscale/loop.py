@@ -14,7 +14,9 @@ routers refuse or the fleet is behind, the planner sizes for the last unthrottle
 rate, not the admitted one (`signals.planning_load`), and for a hit rate measured only once the
 prefill pool settled after its last change (Auto's, or a prefill pod that became Ready:
 `prefill_changed_at`, `signals.settled_hit_rate`), and while the arrival rate rises, for where
-it will be one pod start from now (`signals.forecast`, from the rates of the last ticks).
+it will be one pod start from now (`signals.forecast`, from the rates of the last ticks); in
+Auto, with the split the planner chose last (`AutoState.planned`), which it keeps at the GPU
+cap unless another scores clearly more (`ObservedSignals.planned_before`).
 Ownership: `Autoscaler.pressure`, `.auto`, `.shapes`, `.unthrottled` and `.rates` (per uid, memory
 only; `status.autoscaler` and `status.admission.requestShape` are the durable copies a
 restarted operator resumes from). No I/O here.
@@ -132,6 +134,8 @@ class Autoscaler:
         if canary is not None:
             entry["held"] = f"canary {canary} rolling out: Auto keeps its counts until it ends"
             return AutoscaleResult(scale, entry, planning, auto.replicas if auto else None)
+        # the planner keeps its last split at the cap unless another is clearly better
+        planning = replace(planning, planned_before=auto.planned if auto else None)
         numbers = plan_for(planning)
         if numbers is None:  # the spec is invalid: the reconcile reports it
             return AutoscaleResult(scale, entry, planning, auto.replicas if auto else None)
@@ -187,7 +191,8 @@ class Autoscaler:
     ) -> AutoState:
         if current is None or current.replicas != numbers.replicas:
             p, d = numbers.replicas
-            current = AutoState(p, d, current.control if current else ControlState())
+            control = current.control if current else ControlState()
+            current = AutoState(p, d, control, planned=current.planned if current else None)
         inputs = AutoInputs(
             current=current,
             prefill_pods=instances(pods, c.ROLE_PREFILL, numbers.prefill_nodes),

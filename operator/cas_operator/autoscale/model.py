@@ -196,6 +196,9 @@ class ObservedSignals:
     reuse: ReuseProfile | None = None  # prefill pods' prompt reuse times (cas_prefix_*), summed
     forecast_rate: float | None = None  # where a rising rate will be one pod start from now
     rate_cv: float | None = None  # the rate's window-to-window variation (`WorkloadInputs`)
+    # the split the planner chose at its last tick (Auto's `status.autoscaler.planned`): a
+    # split at the GPU cap replaces it only when it scores `search.MOVE_MARGIN` more
+    planned_before: tuple[int, int] | None = None
 
 
 # ---------------------------------------------------------------- outputs

@@ -4,8 +4,9 @@ Choice: the fewest GPUs meeting both SLOs, or - when that exceeds the budget - t
 SLO-meeting requests within it, decode first: near the smallest decode pool that holds at the
 full rate, the split of the cap with the most requests meeting both SLOs when the decode KV
 cliff is a probability (a short decode pool is a cliff under closed-loop agent traffic, a short
-prefill pool a longer TTFT tail; `_cliff_split`); when the budget cannot hold both, the highest
-sustainable rate's plan with the leftover spent decode first.
+prefill pool a longer TTFT tail; `_cliff_split`), scored over the rates the plan may serve
+and kept from the last tick unless another split scores clearly more; when the budget cannot
+hold both, the highest sustainable rate's plan with the leftover spent decode first.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class _Ctx:
     limits: ModelLimits
     hit_scale: float
     ttft_scale: float = 1.0
+    planned_before: tuple[int, int] | None = None  # `ObservedSignals.planned_before`
 
     def eval(self, wl: WorkloadInputs, n_p: int, n_d: int) -> PlanEvaluation:
         return evaluate(
@@ -134,13 +136,43 @@ def _goodput_plan(ctx: _Ctx, wl: WorkloadInputs, budget: int) -> tuple[PlanEvalu
 
 CLIFF_REACH = 2  # decode sizes tried either side of the smallest that holds the load
 
+# The rate a split at the cap is scored over (`_spread_goodput`): three-point Gauss-Hermite
+# nodes of a normal around the planned rate with a relative sd of RATE_SPREAD / sqrt(3)
+# (11.5%). A plan serves for a pod start or more, and the rate over that time is not the rate
+# just measured: on Mooncake's hour of arrivals the mean rate of the next 10-20 minutes was
+# within a relative sd of 10% of the last minute's (docs/planner.md, "How it decides").
+RATE_SPREAD = 0.2
+_RATE_NODES = ((1.0 - RATE_SPREAD, 1.0 / 6.0), (1.0, 2.0 / 3.0), (1.0 + RATE_SPREAD, 1.0 / 6.0))
+
+# A split at the cap other than the planner's last one must score this much more to replace
+# it (`_kept_split`): every move idles the instances it moves for a pod start, and
+# neighbouring splits score within a few percent of each other, less than their inputs move
+# from tick to tick.
+MOVE_MARGIN = 0.05
+
+
+def _spread_goodput(ctx: _Ctx, wl: WorkloadInputs, n_p: int, n_d: int) -> float:
+    """`PlanEvaluation.cliff_goodput` of (n_p, n_d) averaged over the rates the plan may
+    serve (`RATE_SPREAD`). Why: the decode KV cliff is one-sided. A split on its edge at the
+    measured rate scores a percent or two over its neighbour with one decode instance more,
+    and loses half its goodput when the rate is 20% higher; on real sessions the static
+    25P:7D served 8.4 req/s through a Mooncake-shaped surge where 27P:5D, the best split at
+    its first minutes' rate, served 4.7 (bench.planner_traces)."""
+    total = 0.0
+    for factor, weight in _RATE_NODES:
+        rate = wl.request_rate * factor
+        total += weight * ctx.eval(replace(wl, request_rate=rate), n_p, n_d).cliff_goodput(rate)
+    return total
+
 
 def _cliff_split(ctx: _Ctx, wl: WorkloadInputs, budget: int, n_d: int) -> PlanEvaluation:
     """The split of the cap near ``n_d`` (the smallest decode pool whose KV and ITL hold the
     offered rate), every other GPU on prefill, with the most requests meeting both SLOs when
-    the decode KV cliff is a probability (`PlanEvaluation.cliff_goodput`): decode takes an
-    instance more while the overflow it avoids costs more requests than the TTFT attainment a
-    prefill instance buys, one less while a prefill instance buys more.
+    the decode KV cliff is a probability (`PlanEvaluation.cliff_goodput`) and the rate is
+    known to `RATE_SPREAD` (`_spread_goodput`): decode takes an instance more while the
+    overflow it avoids costs more requests than the TTFT attainment a prefill instance buys,
+    one less while a prefill instance buys more. The planner's last split stays unless this
+    one scores `MOVE_MARGIN` more (`_kept_split`).
 
     Why: the hard bound (the 95th percentile of a fixed count of requests under 70% of the
     KV) is a yes/no answer at one rate: decode sat one instance from the cliff where prefill
@@ -155,10 +187,35 @@ def _cliff_split(ctx: _Ctx, wl: WorkloadInputs, budget: int, n_d: int) -> PlanEv
         n_p = min(b.max_prefill, (budget - size * gd) // gp)
         nd = min(b.max_decode, (budget - n_p * gp) // gd)
         if n_p >= b.min_prefill and nd >= b.min_decode:
-            splits.append(ctx.eval(wl, n_p, nd))
+            splits.append((n_p, nd))
     if not splits:  # (n_d fits at the minimum prefill: the caller found it there)
         return ctx.eval(wl, b.min_prefill, n_d)
-    return max(splits, key=lambda ev: ev.cliff_goodput(wl.request_rate))
+    scored = [(_spread_goodput(ctx, wl, n_p, nd), (n_p, nd)) for n_p, nd in splits]
+    score, best = max(scored, key=lambda s: s[0])
+    kept = _kept_split(ctx, wl, budget, best, score)
+    return ctx.eval(wl, *(best if kept is None else kept))
+
+
+def _kept_split(
+    ctx: _Ctx, wl: WorkloadInputs, budget: int, best: tuple[int, int], score: float
+) -> tuple[int, int] | None:
+    """The planner's last split at this cap (its decode count, every other GPU on prefill)
+    when it still keeps up and scores within `MOVE_MARGIN` of ``best``; else None. Why: on
+    real sessions at a steady load the plan followed its inputs' noise between 27P:5D, 26P:6D
+    and 25P:7D, changing the fleet seven times in 40 minutes where the best static split
+    needed none, and a move reversed before its pods were Ready idled them for nothing
+    (bench.planner_traces)."""
+    if ctx.planned_before is None:
+        return None
+    b, gp, gd = ctx.bounds, ctx.prefill.gpus, ctx.decode.gpus
+    n_d = ctx.planned_before[1]
+    n_p = min(b.max_prefill, (budget - n_d * gd) // gp)
+    if (n_p, n_d) == best or n_p < b.min_prefill or not b.min_decode <= n_d <= b.max_decode:
+        return None
+    ev = ctx.eval(wl, n_p, n_d)
+    if ev.prefill_util >= 1.0 or ev.link_util >= 1.0:
+        return None
+    return (n_p, n_d) if _spread_goodput(ctx, wl, n_p, n_d) >= (1 - MOVE_MARGIN) * score else None
 
 
 def _best_split(ctx: _Ctx, wl: WorkloadInputs, budget: int) -> tuple[PlanEvaluation, float]:
@@ -307,7 +364,8 @@ def recommend(
     ``observed.hit_rate`` measured at ``observed.prefill_replicas`` rescales the modelled
     returning-turn hit probability (clamped to [0.5, 1.5]); ``observed.decode_kv_usage`` at
     ``observed.decode_replicas`` rescales the modelled decode KV need (clamped to [1.0, 2.5]);
-    ``observed.ttft_p90_s`` at both stretches the modelled TTFT (`ttft_scale`).
+    ``observed.ttft_p90_s`` at both stretches the modelled TTFT (`ttft_scale`);
+    ``observed.planned_before`` is kept at the GPU cap unless a split beats it (`_kept_split`).
     Other prefill shapes are compared by ``cas_operator.desired.recommend.shape_advice``.
     """
     wl = workload.resolved()
@@ -318,7 +376,8 @@ def recommend(
     scale = hit_scale(seen, slo, prefill, decode, bounds, observed, limits)
     limits = replace(limits, kv_scale=_kv_scale(seen, decode, observed))
     stretch = ttft_scale(seen, slo, prefill, decode, observed, limits, scale)
-    ctx = _Ctx(slo, prefill, decode, bounds, limits, scale, stretch)
+    before = observed.planned_before if observed is not None else None
+    ctx = _Ctx(slo, prefill, decode, bounds, limits, scale, stretch, before)
     ev, rate, meets = _plan(ctx, wl)
     return RatioRecommendation(
         n_prefill=ev.n_prefill,
