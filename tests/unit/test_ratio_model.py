@@ -249,6 +249,14 @@ def test_the_last_split_at_the_cap_is_kept_unless_another_scores_clearly_more() 
     assert score[28] < (1 - search.MOVE_MARGIN) * score[27]
     assert split((28, 4)) == (27, 5)  # clearly beaten: replaced
     assert split((30, 2)) == (27, 5)
+    # where no split serves any within the SLOs every score is 0: the tie goes to the smallest
+    # decode pool that holds the rate, not to a last split short of decode (bench.planner's
+    # transfer-bound: a kept 28P:4D filled decode KV to 134%)
+    unreachable = SloInputs(ttft_s=0.01, itl_ms=SLO.itl_ms)
+    fresh = recommend(wl, unreachable, p, d, bounds)
+    kept = recommend(wl, unreachable, p, d, bounds, ObservedSignals(planned_before=(30, 2)))
+    assert fresh.goodput_rps == 0.0
+    assert (kept.n_prefill, kept.n_decode) == (fresh.n_prefill, fresh.n_decode) != (30, 2)
 
 
 def test_a_rate_that_swings_between_windows_widens_the_decode_kv_cliff() -> None:

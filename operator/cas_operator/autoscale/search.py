@@ -200,12 +200,14 @@ def _kept_split(
     ctx: _Ctx, wl: WorkloadInputs, budget: int, best: tuple[int, int], score: float
 ) -> tuple[int, int] | None:
     """The planner's last split at this cap (its decode count, every other GPU on prefill)
-    when it still keeps up and scores within `MOVE_MARGIN` of ``best``; else None. Why: on
+    when it still keeps up and scores within `MOVE_MARGIN` of ``best``; else None (also when
+    ``best`` serves none: every split ties at zero, and the tie goes to the smallest decode
+    pool that holds the rate, not to a last split that may be short of decode). Why: on
     real sessions at a steady load the plan followed its inputs' noise between 27P:5D, 26P:6D
     and 25P:7D, changing the fleet seven times in 40 minutes where the best static split
     needed none, and a move reversed before its pods were Ready idled them for nothing
     (bench.planner_traces)."""
-    if ctx.planned_before is None:
+    if ctx.planned_before is None or score <= 0.0:  # nothing serves: no margin to keep within
         return None
     b, gp, gd = ctx.bounds, ctx.prefill.gpus, ctx.decode.gpus
     n_d = ctx.planned_before[1]
