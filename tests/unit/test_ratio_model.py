@@ -149,6 +149,24 @@ def test_kv_overflow_counts_the_varying_number_of_requests() -> None:
     assert kv_overflow(wl, math.inf, 13_000) == 1.0
 
 
+# real Claude Code sessions at the cap (bench.planner_traces): 256 GPUs of 8-GPU instances
+REAL_P = replace(PREFILL, pod_start_s=600.0)
+REAL_D = replace(DECODE, pod_start_s=600.0)
+REAL_CAP = Bounds(max_prefill=31, max_decode=31, gpu_budget=256)
+
+
+def real_sessions(rate: float, rate_cv: float = 0.0) -> WorkloadInputs:
+    """The real sessions' measured shape at ``rate`` req/s (and rate variation)."""
+    return WorkloadInputs(
+        request_rate=rate,
+        avg_input_tokens=126_800,
+        avg_output_tokens=441,
+        p95_input_tokens=228_240,
+        prefix_cache_hit_rate=0.9,
+        rate_cv=rate_cv,
+    )
+
+
 def test_cap_split_weighs_decode_overflow_against_prefill_attainment() -> None:
     """Regression (issue 39, bench.planner_traces on real Claude Code sessions, high load, 256
     GPUs): the plan at the cap took the smallest decode pool the hard KV bound passed and gave
@@ -158,16 +176,9 @@ def test_cap_split_weighs_decode_overflow_against_prefill_attainment() -> None:
     scoring more. The plan scores each split over the rates it may serve (the next test), and
     26P:6D sits on the cliff's edge at 20% more: it plans 25P:7D, 1.4% under 26P:6D in the
     simulator at this steady rate, where 26P:6D would lose half its goodput to a 20% rise."""
-    p = replace(PREFILL, pod_start_s=600.0)
-    d = replace(DECODE, pod_start_s=600.0)
-    wl = WorkloadInputs(
-        request_rate=14.17,
-        avg_input_tokens=126_800,
-        avg_output_tokens=441,
-        p95_input_tokens=228_240,
-        prefix_cache_hit_rate=0.9,
-    )
-    bounds = Bounds(max_prefill=31, max_decode=31, gpu_budget=256)
+    p, d = REAL_P, REAL_D
+    wl = real_sessions(14.17)
+    bounds = REAL_CAP
 
     def good(n_p: int, rate: float = wl.request_rate) -> float:
         at = replace(wl, request_rate=rate)
@@ -188,18 +199,10 @@ def test_the_split_at_the_cap_is_scored_over_the_rates_it_may_serve() -> None:
     so each split is scored by its goodput averaged over the rate +-`RATE_SPREAD` (three-point
     Gauss-Hermite weights 1/6, 2/3, 1/6): 26P:6D. Far from the cliff (9 req/s) the spread
     changes nothing: 27P:5D."""
-    p = replace(PREFILL, pod_start_s=600.0)
-    d = replace(DECODE, pod_start_s=600.0)
-    bounds = Bounds(max_prefill=31, max_decode=31, gpu_budget=256)
+    p, d = REAL_P, REAL_D
+    bounds = REAL_CAP
 
-    def load(rate: float) -> WorkloadInputs:
-        return WorkloadInputs(
-            request_rate=rate,
-            avg_input_tokens=126_800,
-            avg_output_tokens=441,
-            p95_input_tokens=228_240,
-            prefix_cache_hit_rate=0.9,
-        )
+    load = real_sessions
 
     def good(n_p: int, rate: float) -> float:
         return evaluate(load(rate), SLO, p, d, n_p, 32 - n_p).cliff_goodput(rate)
@@ -223,16 +226,9 @@ def test_the_last_split_at_the_cap_is_kept_unless_another_scores_clearly_more() 
     where the best static split needed none, each move idling an instance for a pod start.
     The planner's last split (`ObservedSignals.planned_before`) stays unless another scores
     `MOVE_MARGIN` more; its decode count is kept and prefill takes the rest of the cap."""
-    p = replace(PREFILL, pod_start_s=600.0)
-    d = replace(DECODE, pod_start_s=600.0)
-    bounds = Bounds(max_prefill=31, max_decode=31, gpu_budget=256)
-    wl = WorkloadInputs(
-        request_rate=10.0,
-        avg_input_tokens=126_800,
-        avg_output_tokens=441,
-        p95_input_tokens=228_240,
-        prefix_cache_hit_rate=0.9,
-    )
+    p, d = REAL_P, REAL_D
+    bounds = REAL_CAP
+    wl = real_sessions(10.0)
 
     def split(before: tuple[int, int] | None) -> tuple[int, int]:
         rec = recommend(wl, SLO, p, d, bounds, ObservedSignals(planned_before=before))
@@ -267,18 +263,10 @@ def test_a_rate_that_swings_between_windows_widens_the_decode_kv_cliff() -> None
     decode KV. With the rate's measured window-to-window variation (`rate_cv`: 0.10-0.16 on
     the surge, at most 0.06 on the steady middle load) the count is a mixed Poisson and
     26P:6D scores more at the measured rate too; a steady load's 27P:5D still scores more."""
-    p = replace(PREFILL, pod_start_s=600.0)
-    d = replace(DECODE, pod_start_s=600.0)
+    p, d = REAL_P, REAL_D
 
     def load(rate_cv: float) -> WorkloadInputs:
-        return WorkloadInputs(
-            request_rate=11.5,
-            avg_input_tokens=126_800,
-            avg_output_tokens=441,
-            p95_input_tokens=228_240,
-            prefix_cache_hit_rate=0.9,
-            rate_cv=rate_cv,
-        )
+        return real_sessions(11.5, rate_cv)
 
     def good(n_p: int, rate_cv: float) -> float:
         return evaluate(load(rate_cv), SLO, p, d, n_p, 32 - n_p).cliff_goodput(11.5)

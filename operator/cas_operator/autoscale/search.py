@@ -140,7 +140,8 @@ CLIFF_REACH = 2  # decode sizes tried either side of the smallest that holds the
 # nodes of a normal around the planned rate with a relative sd of RATE_SPREAD / sqrt(3)
 # (11.5%). A plan serves for a pod start or more, and the rate over that time is not the rate
 # just measured: on Mooncake's hour of arrivals the mean rate of the next 10-20 minutes was
-# within a relative sd of 10% of the last minute's (docs/planner.md, "How it decides").
+# within a relative sd of 10% of the last minute's (docs/planner.md, "The search and its
+# calibrations").
 RATE_SPREAD = 0.2
 _RATE_NODES = ((1.0 - RATE_SPREAD, 1.0 / 6.0), (1.0, 2.0 / 3.0), (1.0 + RATE_SPREAD, 1.0 / 6.0))
 
