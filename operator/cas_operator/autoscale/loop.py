@@ -191,8 +191,7 @@ class Autoscaler:
     ) -> AutoState:
         if current is None or current.replicas != numbers.replicas:
             p, d = numbers.replicas
-            control = current.control if current else ControlState()
-            current = AutoState(p, d, control, planned=current.planned if current else None)
+            current = AutoState(p, d, current.control if current else ControlState())
         inputs = AutoInputs(
             current=current,
             prefill_pods=instances(pods, c.ROLE_PREFILL, numbers.prefill_nodes),

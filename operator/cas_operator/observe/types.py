@@ -205,10 +205,10 @@ def signals_from(
     """Assemble PodSignals from windowed increases and latest gauges of one pod.
 
     `counters` keys: CHECKED, REASON_LOW, REASON_HIGH, ABORTED, LOAD_COUNTERS, RECENT_REQUESTS
-    (`rate_window`'s increase of REQUESTS), REUSE_COUNTERS,
-    KV_FAILURES, RESPONSES, ERRORS_5XX, REFUSED and `bucket_key(le, histogram)` per TTFT, ITL and
-    reuse bucket (absent = series missing); `gauges`
-    keys: GAUGES and KV_TRANSFERS (the sum of the pod's KV_TRANSFER_QUEUES; absent outside PD).
+    (`rate_window`'s increase of REQUESTS), REUSE_COUNTERS, KV_FAILURES, RESPONSES, ERRORS_5XX,
+    REFUSED and `bucket_key(le, histogram)` per TTFT, ITL and reuse bucket (absent = series
+    missing); `gauges` keys: GAUGES and KV_TRANSFERS (the sum of the pod's KV_TRANSFER_QUEUES;
+    absent outside PD).
     A pod without guard series (a prefill, or an engine without the guard) gets None trip fields,
     which the planner reads as "insufficient data", not as healthy.
     """
