@@ -62,9 +62,11 @@ from cas_operator.autoscale.model import (
 from cas_operator.autoscale.reuse import quantized_profile
 from cas_operator.autoscale.search import recommend
 from cas_operator.autoscale.signals import (
+    MoveHold,
     RateHistory,
     Shape,
     forecast,
+    held_while_short,
     kept_shape,
     planning_load,
     settled_hit_rate,
@@ -144,6 +146,7 @@ class RatioPlannerPolicy:
     kept: Shape | None = None  # the request shape held within its band (`operator_inputs`)
     unthrottled_rate: float | None = None  # `signals.planning_load`'s (`operator_inputs`)
     rates: RateHistory = field(default_factory=RateHistory)  # every tick's (`operator_inputs`)
+    hold: MoveHold = field(default_factory=MoveHold)  # `signals.held_while_short`'s
     metric_window_s: float = METRIC_WINDOW_S  # the fleet's (`FleetConfig.metric_window_s`)
 
     def _workload(self, m: Metrics, rate: float, rate_cv: float | None = None) -> WorkloadInputs:
@@ -255,9 +258,11 @@ class RatioPlannerPolicy:
     ) -> tuple[WorkloadInputs, ObservedSignals]:
         """What the operator plans for, through its own functions: the measured rate, or while
         the routers refuse or TTFT is over twice the SLO the last unthrottled window's
-        (``signals.planning_load``), with the operator's headroom (``planned_rate``) and no
-        forecast; the hit rate rescales the model's once the prefill pool has settled after
-        its last change (``signals.settled_hit_rate``)."""
+        (``signals.planning_load``), while it rises where it will be a pod start from now
+        (``signals.forecast``), while the fleet is short of its plan no less than the rate
+        sized for before (``signals.held_while_short``), with the operator's headroom
+        (``planned_rate``); the hit rate rescales the model's once the prefill pool has
+        settled after its last change (``signals.settled_hit_rate``)."""
         seen = replace(
             _rates_of(m),
             ttft_p90_s=m.ttft_p90_s,
@@ -270,6 +275,7 @@ class RatioPlannerPolicy:
         window = self.metric_window_s
         _, counted_over = trend_reading(seen, window)
         ahead = forecast(load.observed, self.rates, counted_over, self.prefill.pod_start_s)
+        ahead = self._held_while_short(ahead, now, fleet)
         rate = planned_rate(None, ahead)
         assert rate is not None  # `_slow` plans only from a window with arrivals
         hit = settled_hit_rate(load.observed, self._prefill_changed_at(), now, window)
@@ -280,6 +286,18 @@ class RatioPlannerPolicy:
         with_ttft = self._with_ttft(observed, m, fleet)
         assert with_ttft is not None
         return self._workload(m, rate, ahead.rate_cv), with_ttft
+
+    def _held_while_short(
+        self, ahead: ObservedSignals, now: float, fleet: FleetView
+    ) -> ObservedSignals:
+        """As `autoscale.loop.Autoscaler._held_while_short`: short while fewer instances are
+        Ready than the spec asks on a side."""
+        ready_p = fleet.prefill if fleet.ready_prefill is None else fleet.ready_prefill
+        ready_d = fleet.decode if fleet.ready_decode is None else fleet.ready_decode
+        short = ready_p < fleet.prefill or ready_d < fleet.decode
+        held = held_while_short(ahead, self.hold, short, now, self.prefill.pod_start_s)
+        self.hold = held.hold
+        return held.observed
 
     def _prefill_changed_at(self) -> float:
         """As `autoscale.loop.prefill_changed_at`: the loop's last prefill change, or the

@@ -598,3 +598,31 @@ def test_the_planners_last_split_reaches_its_next_plan_and_survives_a_restart() 
     restarted.tick([resource("a", status=kept) | {"spec": AUTO}], now=T0)
     after = restarted.measured["uid-a"].observed
     assert after is not None and after.planned_before == (5, 3)
+
+
+def test_a_fleet_short_of_its_plan_is_planned_for_the_rate_it_had_at_its_plan() -> None:
+    """Regression (issue 39, real sessions' Mooncake-shaped surge): while a move's pods
+    started, arrivals fell (a short fleet answers slower, and agent sessions wait for their
+    answers) and the planner reversed the move before its pods were Ready. The loop reads
+    short from the pools' desired and Ready counts (status.prefill / status.decode) and
+    holds the rate it sized for at the plan (`status.autoscaler.observed.demandRate`)."""
+    store, source = pd_fleet()
+    g, _ = guard(store, source)
+
+    def fleet(decode_ready: int) -> Any:
+        pools = {
+            "prefill": {"replicas": 1, "readyReplicas": 1},
+            "decode": {"replicas": 3, "readyReplicas": decode_ready},
+        }
+        return resource("a", status=pools) | {"spec": AUTO}
+
+    g.tick([fleet(3)], now=T0)  # at its plan: 0.4 req/s
+    for name in ("a-d0", "a-d1"):  # arrivals halve while a decode pod starts
+        source.by_name[name] = replace(HEALTHY, requests=30.0, token_usage=0.4)
+    g.tick([fleet(2)], now=T0 + 30.0)
+    observed = sections(g, "a")["autoscaler"]["observed"]
+    assert observed["arrivalRate"] == 0.2 and observed["demandRate"] == 0.4
+    planned = g.measured["uid-a"].observed
+    assert planned is not None and planned.demand_rate == 0.4
+    g.tick([fleet(3)], now=T0 + 60.0)  # the pod is Ready: the measured rate counts again
+    assert "demandRate" not in sections(g, "a")["autoscaler"]["observed"]

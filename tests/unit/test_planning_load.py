@@ -6,7 +6,12 @@ the fleet let in."""
 from __future__ import annotations
 
 from cas_operator.autoscale.model import ObservedSignals
-from cas_operator.autoscale.signals import planning_load
+from cas_operator.autoscale.signals import (
+    MOVE_HOLD_POD_STARTS,
+    MoveHold,
+    held_while_short,
+    planning_load,
+)
 from cas_operator.desired.recommend import PLAN_HEADROOM, planned_rate
 
 SLO_TTFT = 3.0
@@ -55,3 +60,44 @@ def test_nothing_measured_leaves_the_declared_rate() -> None:
     assert load.observed.demand_rate is None and load.unthrottled_rate == 20.0
     assert planned_rate(12.0, load.observed) == 12.0
     assert planned_rate(None, ObservedSignals(arrival_rate=0.0)) is None
+
+
+POD_START = 600.0
+
+
+def test_a_fleet_short_of_its_plan_is_planned_for_the_rate_before_it_fell_short() -> None:
+    """Regression (issue 39, real sessions' Mooncake-shaped surge, seed 2): a move drained two
+    prefill instances for 24P:8D; while the decode pods started, the short fleet answered
+    slower, the agent sessions' next turns came later, and arrivals fell from 13 to 8 req/s
+    (the static 25P:7D saw 13-17 in the same minutes); the planner read that as less load and
+    turned back to 26P:6D before the move's pods were Ready. While short, the rate sized for
+    at the plan (its forecast too) is held; a rise is taken; at its plan again the measured
+    rate counts."""
+    at_plan = held_while_short(
+        ObservedSignals(arrival_rate=12.0, forecast_rate=13.0), MoveHold(), False, 0.0, POD_START
+    )
+    assert at_plan.hold == MoveHold(13.0) and at_plan.observed.demand_rate is None
+    fell = held_while_short(ObservedSignals(arrival_rate=8.0), at_plan.hold, True, 60.0, POD_START)
+    assert fell.observed.demand_rate == 13.0 and fell.observed.arrival_rate == 8.0
+    assert fell.hold == MoveHold(13.0, 60.0)
+    assert planned_rate(None, fell.observed) == 13.0 * PLAN_HEADROOM
+    rose = held_while_short(ObservedSignals(arrival_rate=15.0), fell.hold, True, 120.0, POD_START)
+    assert rose.observed.demand_rate is None and rose.hold == MoveHold(13.0, 60.0)
+    back = held_while_short(ObservedSignals(arrival_rate=8.0), rose.hold, False, 700.0, POD_START)
+    assert back.observed.demand_rate is None and back.hold == MoveHold(8.0)
+
+
+def test_a_fleet_short_for_longer_than_a_move_takes_is_stuck_and_not_held() -> None:
+    """Pods that never become Ready keep a fleet short for good: after
+    `MOVE_HOLD_POD_STARTS` pod starts the hold lapses and the measured rate counts again."""
+    hold = MoveHold(13.0, 0.0)
+    stuck_at = MOVE_HOLD_POD_STARTS * POD_START + 1.0
+    still = held_while_short(
+        ObservedSignals(arrival_rate=8.0), hold, True, stuck_at - 2.0, POD_START
+    )
+    assert still.observed.demand_rate == 13.0
+    stuck = held_while_short(ObservedSignals(arrival_rate=8.0), hold, True, stuck_at, POD_START)
+    assert stuck.observed.demand_rate is None and stuck.hold == hold
+    # nothing sized before the fleet fell short (a new fleet's pods starting): nothing held
+    new = held_while_short(ObservedSignals(arrival_rate=8.0), MoveHold(), True, 0.0, POD_START)
+    assert new.observed.demand_rate is None and new.hold == MoveHold(None, 0.0)

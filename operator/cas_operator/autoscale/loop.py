@@ -14,11 +14,13 @@ routers refuse or the fleet is behind, the planner sizes for the last unthrottle
 rate, not the admitted one (`signals.planning_load`), and for a hit rate measured only once the
 prefill pool settled after its last change (Auto's, or a prefill pod that became Ready:
 `prefill_changed_at`, `signals.settled_hit_rate`), and while the arrival rate rises, for where
-it will be one pod start from now (`signals.forecast`, from the rates of the last ticks); in
-Auto, with the split the planner chose last (`AutoState.planned`), which it keeps at the GPU
-cap unless another scores clearly more (`ObservedSignals.planned_before`).
-Ownership: `Autoscaler.pressure`, `.auto`, `.shapes`, `.unthrottled` and `.rates` (per uid, memory
-only; `status.autoscaler` and `status.admission.requestShape` are the durable copies a
+it will be one pod start from now (`signals.forecast`, from the rates of the last ticks); while
+the fleet is short of its plan (pods starting), for no less than the rate sized for before it
+fell short (`signals.held_while_short`); in Auto, with the split the planner chose last
+(`AutoState.planned`), which it keeps at the GPU cap unless another scores clearly more
+(`ObservedSignals.planned_before`).
+Ownership: `Autoscaler.pressure`, `.auto`, `.shapes`, `.unthrottled`, `.rates` and `.holds` (per
+uid, memory only; `status.autoscaler` and `status.admission.requestShape` are the durable copies a
 restarted operator resumes from). No I/O here.
 """
 
@@ -78,6 +80,7 @@ class Autoscaler:
     shapes: dict[str, signals.Shape] = field(default_factory=dict)  # kept request shapes
     unthrottled: dict[str, float] = field(default_factory=dict)  # last unthrottled arrivals
     rates: dict[str, signals.RateHistory] = field(default_factory=dict)  # recent arrival rates
+    holds: dict[str, signals.MoveHold] = field(default_factory=dict)  # the rate before a move
 
     def step(
         self,
@@ -112,7 +115,9 @@ class Autoscaler:
             return AutoscaleResult(scale, None, signals.shape_only(observed), None)
         planning = self._planning_load(uid, observed, spec, status)
         engine_pods = pods()
-        planning = self._forecast(uid, planning, window, pod_start_seconds(engine_pods), now)
+        pod_start = pod_start_seconds(engine_pods)
+        planning = self._forecast(uid, planning, window, pod_start, now)
+        planning = self._held_while_short(uid, planning, counts, pod_start, now)
         shown = replace(
             observed,
             demand_rate=planning.demand_rate,
@@ -178,6 +183,25 @@ class Autoscaler:
         self.rates[uid] = history
         return signals.forecast(planning, history, counted_over, horizon)
 
+    def _held_while_short(
+        self,
+        uid: str,
+        planning: ObservedSignals,
+        counts: PoolCounts | None,
+        pod_start: float,
+        now: float,
+    ) -> ObservedSignals:
+        """The planning load held at the rate sized for before the fleet fell short of its
+        plan, while its pods start (`signals.held_while_short`; memory only: a restarted
+        operator holds from its first tick at the plan)."""
+        short = counts is not None and (
+            counts.prefill_ready < counts.prefill or counts.decode_ready < counts.decode
+        )
+        hold = self.holds.get(uid, signals.MoveHold())
+        held = signals.held_while_short(planning, hold, short, now, pod_start)
+        self.holds[uid] = held.hold
+        return held.observed
+
     def _auto_step(
         self,
         uid: str,
@@ -213,7 +237,8 @@ class Autoscaler:
 
     def forget(self, live: set[str]) -> None:
         """Drop the state of resources that are gone."""
-        for states in (self.pressure, self.auto, self.shapes, self.unthrottled, self.rates):
+        kept = (self.pressure, self.auto, self.shapes, self.unthrottled, self.rates, self.holds)
+        for states in kept:
             for uid in set(states) - live:
                 del states[uid]
 

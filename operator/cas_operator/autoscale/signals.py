@@ -12,7 +12,9 @@ while the routers refuse or the fleet is behind; the loop keeps that rate per re
 `forecast` (while the arrival rate rises significantly over the last `TREND_HISTORY_S`, where
 it will be one pod start from now; and how much it moves from window to window beyond counting
 noise, `rate_variation`, which the decode KV cliff reads; the loop keeps the rates per
-resource) -> the planner
+resource) -> `held_while_short` (while the fleet has fewer Ready instances than its plan, the
+rate sized for before it fell short, at least; the loop keeps that rate per resource) -> the
+planner
 (`desired.recommend`) and the replica controller (`autoscale.controller`).
 """
 
@@ -347,6 +349,62 @@ def forecast(
         return replace(o, forecast_rate=None, rate_cv=varies)
     rise = min(slope * horizon_s, TREND_MAX_RISE * base)
     return replace(o, forecast_rate=_significant(base + rise), rate_cv=varies)
+
+
+# ---------------------------------------------------------------- a fleet short of its plan
+
+MOVE_HOLD_POD_STARTS = 2.0  # a fleet short of its plan this many pod starts is stuck: no hold
+
+
+@dataclass(frozen=True)
+class MoveHold:
+    """The rate the planner sized for at the last tick the fleet stood at its plan (None
+    before any), and since when the fleet has been short of its plan (None: it is not)."""
+
+    rate: float | None = None
+    short_since: float | None = None
+
+
+@dataclass(frozen=True)
+class HeldLoad:
+    """The planning load after `held_while_short`, and the hold the next tick reads."""
+
+    observed: ObservedSignals
+    hold: MoveHold
+
+
+def sized_rate(o: ObservedSignals) -> float | None:
+    """The measured rate the planner sizes for (`desired.recommend.planned_rate` before its
+    headroom): the demand (else the arrivals), or the forecast where it is higher."""
+    measured = o.demand_rate or o.arrival_rate
+    if not measured:
+        return None
+    return max(measured, o.forecast_rate or 0.0)
+
+
+def held_while_short(
+    o: ObservedSignals, hold: MoveHold, short: bool, now: float, pod_start_s: float
+) -> HeldLoad:
+    """`o`, and while the fleet is short of its plan (fewer Ready instances than desired on
+    a side: a move or a growth whose pods are starting) with `demand_rate` at least the rate
+    sized for at the last tick it stood at its plan. Why: a fleet short of instances answers
+    slower, and agent sessions wait for their answers before their next turn, so arrivals
+    fall exactly while a move is under way; read as less load, that fall reversed the move
+    before its pods were Ready (real sessions, bench.planner_traces' Mooncake-shaped surge,
+    seed 2: two prefill instances drained for 24P:8D, arrivals fell from 13 to 8 req/s
+    where the static 25P:7D saw 13-17 in the same minutes, and the plan turned back to
+    26P:6D; docs/planner.md, "Control"). Only a rise is taken while short. A fleet short
+    for `MOVE_HOLD_POD_STARTS` pod starts is stuck (pods that never become Ready), not
+    moving: the hold lapses and the measured rate counts again."""
+    rate = sized_rate(o)
+    if not short:
+        return HeldLoad(o, MoveHold(rate))
+    since = now if hold.short_since is None else hold.short_since
+    kept = MoveHold(hold.rate, since)
+    stuck = now - since > MOVE_HOLD_POD_STARTS * pod_start_s
+    if hold.rate is None or stuck or (rate is not None and rate >= hold.rate):
+        return HeldLoad(o, kept)
+    return HeldLoad(replace(o, demand_rate=hold.rate), kept)
 
 
 HIT_SETTLE_S = 600.0  # after a prefill pool change, its measured hit rate is a transient this long
