@@ -43,7 +43,7 @@ from cas_operator.autoscale.model import (
 from cas_operator.autoscale.profiles import ProfileSpec, decode_profile, load_spec, prefill_profile
 from cas_operator.autoscale.reuse import request_mix
 from cas_operator.autoscale.search import recommend
-from cas_operator.autoscale.signals import shape_of
+from cas_operator.autoscale.signals import shape_of, sized_rate
 from cas_operator.desired.resolve import Resolved, resolve
 from cas_operator.desired.shapes import InstanceShape
 
@@ -156,15 +156,12 @@ def planned_rate(declared: float | None, observed: ObservedSignals | None) -> fl
     """The rate the planner sizes for: the larger of the declared `workload.requestRate` and
     the measured rate (while the routers refuse or the fleet is behind, the demand held by
     `signals.planning_load`; while it rises, where it will be one pod start from now,
-    `signals.forecast`) with `PLAN_HEADROOM` to spare; the declared one until traffic is
-    measured (None when neither is there)."""
-    measured = None
-    if observed is not None:
-        measured = observed.demand_rate or observed.arrival_rate
-    if not measured:
+    `signals.forecast`; while the fleet is short of its plan, at least the rate sized for
+    before, `signals.held_while_short`; `signals.sized_rate`) with `PLAN_HEADROOM` to spare;
+    the declared one until traffic is measured (None when neither is there)."""
+    measured = None if observed is None else sized_rate(observed)
+    if measured is None:
         return declared
-    assert observed is not None
-    measured = max(measured, observed.forecast_rate or 0.0)
     return max(declared or 0.0, measured * PLAN_HEADROOM)
 
 
