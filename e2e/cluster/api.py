@@ -42,6 +42,13 @@ class Api:
         self.server = server.rstrip("/")
         self.ctx = ctx
         self.timeout = timeout
+        # One opener, no proxies: the apiserver is the local stack's. `urlopen` built an
+        # opener per request, reading the proxy variables from os.environ each time; from the
+        # e2e namespace reaper's thread that iteration raced pytest setting and deleting
+        # PYTEST_CURRENT_TEST in the main thread (KeyError in CI), and the reaper died.
+        self._opener = urllib.request.build_opener(
+            urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=ctx)
+        )
 
     def request(
         self,
@@ -57,7 +64,7 @@ class Api:
         if data is not None:
             req.add_header("Content-Type", content_type)
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout, context=self.ctx) as resp:
+            with self._opener.open(req, timeout=self.timeout) as resp:
                 raw = resp.read()
         except urllib.error.HTTPError as exc:
             raise ApiError(exc.code, exc.read().decode(errors="replace")[:500]) from None

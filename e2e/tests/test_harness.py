@@ -356,3 +356,28 @@ def test_only_a_kubeconfig_with_embedded_certificates_is_read_directly(tmp_path:
     path = tmp_path / "kubeconfig"
     path.write_text(yaml.safe_dump(token))
     assert Api.from_kubeconfig(path) is None
+
+
+def test_the_api_client_reads_no_environment_per_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (CI, the e2e namespace reaper's thread): `urlopen` built an opener per
+    request and read the proxy variables by iterating os.environ, which raced pytest setting
+    and deleting PYTEST_CURRENT_TEST in the main thread; the KeyError killed the reaper. The
+    client builds its opener once, without proxies: a request reads no environment."""
+    import socket
+    import ssl
+    import urllib.request
+
+    from e2e.cluster.api import Api, ApiError
+
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    api = Api(f"https://127.0.0.1:{port}", ssl.create_default_context(), timeout=2.0)
+
+    def no_environment() -> dict[str, str]:
+        raise AssertionError("a request read the proxy variables")
+
+    monkeypatch.setattr(urllib.request, "getproxies", no_environment)
+    with pytest.raises(ApiError) as refused:
+        api.get("/api/v1/namespaces/default")
+    assert refused.value.status == 0  # connection refused, answered as unreachable
