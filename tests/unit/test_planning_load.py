@@ -1,7 +1,8 @@
 """The load the planner sizes for (`autoscale.signals.planning_load`, `desired.recommend.
 planned_rate`): the measured arrival rate, with headroom, until the routers refuse or the fleet
 falls behind; then the last unthrottled window's rate, because what arrives then is only what
-the fleet let in."""
+the fleet let in; and while the fleet is short of its plan, no less than the rate sized for
+before it fell short (`signals.held_while_short`)."""
 
 from __future__ import annotations
 
