@@ -194,6 +194,12 @@ class FleetView:
     ready_prefill: int | None = None  # serving now (None: as `prefill`)
     ready_decode: int | None = None
 
+    @property
+    def ready(self) -> tuple[int, int]:
+        """(prefill, decode) instances serving now."""
+        p = self.prefill if self.ready_prefill is None else self.ready_prefill
+        return p, self.decode if self.ready_decode is None else self.ready_decode
+
 
 @dataclass(frozen=True)
 class Metrics:

@@ -244,8 +244,7 @@ class RatioPlannerPolicy:
     ) -> ObservedSignals | None:
         """`observed` with the window's TTFT p90 and the ready pools it was measured on, which
         stretch the model's TTFT (`search.ttft_scale`), as the operator passes them."""
-        ready_p = fleet.prefill if fleet.ready_prefill is None else fleet.ready_prefill
-        ready_d = fleet.decode if fleet.ready_decode is None else fleet.ready_decode
+        ready_p, ready_d = fleet.ready
         if m.ttft_p90_s <= 0 or not ready_p or not ready_d:
             return observed
         base = observed or ObservedSignals(arrival_rate=m.arrival_rate)
@@ -292,8 +291,7 @@ class RatioPlannerPolicy:
     ) -> ObservedSignals:
         """As `autoscale.loop.Autoscaler._held_while_short`: short while fewer instances are
         Ready than the spec asks on a side."""
-        ready_p = fleet.prefill if fleet.ready_prefill is None else fleet.ready_prefill
-        ready_d = fleet.decode if fleet.ready_decode is None else fleet.ready_decode
+        ready_p, ready_d = fleet.ready
         short = ready_p < fleet.prefill or ready_d < fleet.decode
         held = held_while_short(ahead, self.hold, short, now, self.prefill.pod_start_s)
         self.hold = held.hold
