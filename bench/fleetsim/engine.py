@@ -21,10 +21,13 @@ with numpy, and event times inside a step are kept exact where they are determin
   profile's time function), then sends its KV; its KV stays resident until the send is done
   (``kv_bounded_prefill``, the bound ``model.closed_throughput`` predicts).
 - KV transfer: the whole context leaves through the prefill instance's NIC, FIFO per instance.
-- Decode: a request is admitted when its context fits in a decode instance's free KV (else it
-  waits: that time counts toward TTFT); each step every instance advances its batch by
-  ``dt / step_time(batch, total context) * accept_length`` tokens; KV overflow from growth
-  retracts the newest requests back to the wait queue.
+- Decode: behind the keyed policies (`Routing.decode_round_robin`) the router gives each
+  request the next ready decode instance in turn and it waits there, FIFO, until its context
+  fits in that instance's free KV (SGLang's decode prealloc queue); otherwise it goes to the
+  instance with the most free KV when one has room. The wait counts toward TTFT. Each step
+  every instance advances its batch by ``dt / step_time(batch, total context) *
+  accept_length`` tokens; KV overflow from growth retracts the newest requests back to their
+  instance's queue.
 - Caches: per-instance LRU over sessions, recomputed every ``evict_every_s`` (GPU tier, then host
   tier); finished sessions keep occupying space until evicted.
 - Control: every ``tick_s`` a policy sees metrics from ``metric_lag_s`` ago and returns target
@@ -50,6 +53,7 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 
@@ -85,6 +89,10 @@ class CacheAwareRouting:
     cache_threshold: float = 0.3
     balance_abs_threshold: int = 64
     balance_rel_threshold: float = 1.5
+    # Decode: the instance with the most free KV, chosen again while a request waits. Not what
+    # sglang-router does (with no `--decode-policy` its cache_aware tree also picks decodes,
+    # by the session's prefix), kept as the synthetic benchmarks' placement.
+    decode_round_robin: ClassVar[bool] = False
 
 
 @dataclass(frozen=True)
@@ -99,6 +107,7 @@ class ConsistentHashRouting:
     in for blake3 (any stable, uniform hash places the same way on average)."""
 
     virtual_nodes: int = 150
+    decode_round_robin: ClassVar[bool] = True  # `ManualRouting.decode_round_robin`
 
     def points(self, instance: int) -> list[tuple[int, int]]:
         """The ring points of ``instance`` (a pod keeps its index, as its name, while it
@@ -122,6 +131,14 @@ class ManualRouting:
     a session's requests alternate between up to two instances (docs/traffic.md)."""
 
     replicas: int = 2
+    # Decodes round robin, and a request waits for KV on the decode it was given: the operator
+    # runs a keyed policy with `--decode-policy round_robin` (cas_operator.desired.resources.
+    # router.policy_args), and SGLang's decode admits its prealloc queue FIFO, stopping at the
+    # first request whose KV does not fit (sglang 0.5.23 srt/disaggregation/decode.py:1333,
+    # pop_preallocated; :1580). Pooled (any decode with room takes the next request), the
+    # simulator served 8.99 req/s at 26P:6D on real sessions' high load where round robin
+    # serves 7.86, and put the best split one decode instance short (bench.planner_traces).
+    decode_round_robin: ClassVar[bool] = True
 
 
 Routing = CacheAwareRouting | ConsistentHashRouting | ManualRouting
@@ -530,6 +547,7 @@ class Simulator:
         self.S = _Sessions(1024)
         self.wait = _Requests()
         self.act = _Requests()
+        self.decode_turn = 0  # the routers' round-robin counter over ready decode instances
         self.rec = _Records(1 << 16)
         self.done_t = np.empty(0)
         n_steps = math.ceil(cfg.duration_s / cfg.dt)
@@ -996,7 +1014,10 @@ class Simulator:
         order = np.argsort(rows["ready"], kind="stable")
         rows = {k: v[order] for k, v in rows.items()}
         n = rows["sid"].size
-        inst = spread(n, -free, ready_d)
+        if self.cfg.routing.decode_round_robin:
+            inst = self._decode_in_turn(rows["inst"], ready_d)
+        else:
+            inst = spread(n, -free, ready_d)
         if inst.size and inst[0] < 0:
             rows["tried"][:] = True
             W.put(rows)
@@ -1024,6 +1045,20 @@ class Simulator:
         waiting["tried"] = np.ones(int((~ok).sum()), dtype=bool)
         self.act.put(admitted)
         W.put(waiting)
+
+    def _decode_in_turn(self, placed: np.ndarray, ready_d: np.ndarray) -> np.ndarray:
+        """Each waiting request's decode instance: the one it was given while that one is
+        ready, else the next ready one in turn (round robin, in the order given); -1 for
+        all when none is ready."""
+        ready = np.flatnonzero(ready_d)
+        if ready.size == 0:
+            return np.full(placed.size, -1, dtype=np.int64)
+        inst = placed.copy()
+        unplaced = (inst < 0) | ~ready_d[np.maximum(inst, 0)]
+        k = int(unplaced.sum())
+        inst[unplaced] = ready[(self.decode_turn + np.arange(k)) % ready.size]
+        self.decode_turn += k
+        return inst
 
     def _progress_decode(self, step_idx: int, t0: float, t1: float) -> None:
         A, prof = self.act, self.cfg.decode

@@ -6,7 +6,8 @@ after the answer ends on the simulated fleet, a subagent after the parent reques
 it); sglang-router's cache-aware routing (a returning turn goes back to the instance holding its
 prefix, a new session to the least-filled instance); the keyed policies (smg's consistent
 hashing: one instance per session, about 1/N of the sessions moved by a scale step;
-sglang-router's manual: a map per router pod); the prefill engines' reuse measurement,
+sglang-router's manual: a map per router pod; decodes in turn behind both, each request
+waiting on its own); the prefill engines' reuse measurement,
 which must be what `cas_engine.prefixreuse` exports for the same routed requests; and the
 planner's operator-fed loop reading it."""
 
@@ -19,7 +20,13 @@ import numpy as np
 import pytest
 
 from bench.fleetsim import FleetConfig, SessionMix, SessionWorkload
-from bench.fleetsim.engine import ConsistentHashRouting, ManualRouting, Simulator
+from bench.fleetsim.engine import (
+    CacheAwareRouting,
+    ConsistentHashRouting,
+    ManualRouting,
+    Routing,
+    Simulator,
+)
 from bench.fleetsim.policies import RatioPlannerPolicy
 from bench.fleetsim.sessions import Placement, SessionTraffic, SimSession
 from bench.traces import parse_claude_session
@@ -296,3 +303,54 @@ def test_the_operator_fed_planner_reads_the_engines_reuse_times() -> None:
     Simulator(_cfg(2, 2, 400.0, prepopulate=False), policy=policy, sessions=traffic).run()
     assert seen and all(wl.reuse is not None for wl in seen)
     assert seen[-1].reuse.reused[-1][1] > 0.0  # blocks seen before were measured
+
+
+def _waiting(sim: Simulator, inputs: list[float], placed: list[int], ready_s: float) -> None:
+    """Requests whose KV is ready at ``ready_s``, each on the decode ``placed`` (-1: none)."""
+    n = len(inputs)
+    sim.wait.put(
+        {"sid": np.arange(n), "arr": np.zeros(n), "ready": np.full(n, ready_s),
+         "inp": np.array(inputs), "inp0": np.array(inputs), "cached": np.zeros(n),
+         "out": np.full(n, 100.0), "gen": np.zeros(n), "first": np.full(n, np.nan),
+         "inst": np.array(placed, dtype=np.int64), "tried": np.zeros(n, dtype=bool)}
+    )  # fmt: skip
+
+
+def _decode_sim(routing: Routing) -> Simulator:
+    """Two ready decode instances, the first holding all but 10% of its KV."""
+    traffic = SessionTraffic(_sessions(1), [Placement(1000.0, 0)])  # nothing arrives
+    sim = Simulator(_cfg(1, 2, 60.0, prepopulate=False, routing=routing), sessions=traffic)
+    _waiting(sim, [0.9 * D.kv_capacity_tokens - 100.0], [0], 0.0)
+    sim._admit_decode(0.0, 0.5)
+    assert len(sim.act) == 1 and sim.act["inst"][0] == 0
+    return sim
+
+
+@pytest.mark.parametrize("routing", [ConsistentHashRouting(), ManualRouting()])
+def test_keyed_routers_send_decodes_in_turn_and_a_request_waits_on_its_own(
+    routing: Routing,
+) -> None:
+    """Behind the keyed policies the operator runs `--decode-policy round_robin`
+    (desired.resources.router.policy_args) and an SGLang decode admits its own prealloc queue
+    FIFO: a request given a full decode waits there, and those behind it too, though another
+    decode has room. Regression: the simulator handed every waiting request to whichever
+    decode had the most free KV, a pool no router makes, and on real sessions it served 8.99
+    req/s at 26P:6D where round robin serves 7.86 (the best split moved to 24P:8D)."""
+    sim = _decode_sim(routing)
+    quarter = 0.25 * D.kv_capacity_tokens
+    _waiting(sim, [quarter], [0], 1.0)  # given the full decode: it waits there
+    _waiting(sim, [1000.0] * 4, [-1] * 4, 1.5)  # new ones: one decode each, in turn
+    sim._admit_decode(1.0, 2.0)
+    # two of the new ones were given the full decode and wait behind the first: FIFO
+    assert sim.wait["inst"].tolist() == [0, 0, 0], sim.wait["inst"]
+    assert sorted(sim.wait["inp"].tolist()) == [1000.0, 1000.0, quarter]
+    assert sim.act["inst"].tolist() == [0, 1, 1]
+
+
+def test_cache_aware_decodes_take_any_decode_with_room() -> None:
+    """The synthetic benchmarks' placement (`CacheAwareRouting.decode_round_robin`): a
+    waiting request goes to the decode with the most free KV."""
+    sim = _decode_sim(CacheAwareRouting())
+    _waiting(sim, [0.25 * D.kv_capacity_tokens], [0], 1.0)
+    sim._admit_decode(1.0, 2.0)
+    assert len(sim.wait) == 0 and sim.act["inst"].tolist() == [0, 1]
