@@ -32,7 +32,7 @@ from cas_operator.autoscale.model import (
     hit_probabilities,
     kv_overflow,
 )
-from cas_operator.autoscale.search import recommend, scale_down_ok
+from cas_operator.autoscale.search import leaned_to_decode, recommend, scale_down_ok
 
 SPEC = pf.load_spec("glm5-fp8-h200")
 PREFILL = pf.prefill_profile(SPEC, cp=1)
@@ -191,14 +191,17 @@ def test_cap_split_weighs_decode_overflow_against_prefill_attainment() -> None:
     assert rec.goodput_rps == pytest.approx(good(25))
 
 
-def test_the_split_at_the_cap_is_scored_over_the_rates_it_may_serve() -> None:
+def test_the_split_at_the_cap_is_scored_over_the_rates_it_may_serve(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Regression (issue 39, bench.planner_traces' Mooncake-shaped surge on real sessions): the
     split at the cap was the best at the measured rate, 27P:5D at the surge's first 11.5
     req/s, a percent over 26P:6D; 20% more, and its decode KV overflowed (the static 27P:5D
     served 4.7 req/s through the surge, 25P:7D 8.4). A plan serves for a pod start or more,
     so each split is scored by its goodput averaged over the rate +-`RATE_SPREAD` (three-point
     Gauss-Hermite weights 1/6, 2/3, 1/6): 26P:6D. Far from the cliff (9 req/s) the spread
-    changes nothing: 27P:5D."""
+    changes nothing: 27P:5D. (Without the lean to decode among near-ties, tested on its own.)"""
+    monkeypatch.setattr(search, "CLIFF_LEAN", 0.0)
     p, d = REAL_P, REAL_D
     bounds = REAL_CAP
 
@@ -219,13 +222,17 @@ def test_the_split_at_the_cap_is_scored_over_the_rates_it_may_serve() -> None:
     assert search._spread_goodput(ctx, load(11.5).resolved(), 27, 5) == pytest.approx(expected)
 
 
-def test_the_last_split_at_the_cap_is_kept_unless_another_scores_clearly_more() -> None:
+def test_the_last_split_at_the_cap_is_kept_unless_another_scores_clearly_more(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Regression (issue 39, bench.planner_traces' steady middle load on real sessions): the
     plan at the cap followed its inputs' tick-to-tick noise between 27P:5D, 26P:6D and 25P:7D,
     neighbours within a few percent, and Auto changed the fleet seven times in 40 minutes
     where the best static split needed none, each move idling an instance for a pod start.
     The planner's last split (`ObservedSignals.planned_before`) stays unless another scores
-    `MOVE_MARGIN` more; its decode count is kept and prefill takes the rest of the cap."""
+    `MOVE_MARGIN` more; its decode count is kept and prefill takes the rest of the cap.
+    (Without the lean to decode among near-ties, tested on its own.)"""
+    monkeypatch.setattr(search, "CLIFF_LEAN", 0.0)
     p, d = REAL_P, REAL_D
     bounds = REAL_CAP
     wl = real_sessions(10.0)
@@ -536,8 +543,8 @@ def test_fast_adjust_at_the_cap_lets_a_fleet_behind_its_load_rebalance_toward_pr
     assert fast_adjust((16, 16), (14, 18), behind, slo) == (16, 18)
     near = replace(behind, ttft_p90_s=5.5)
     assert fast_adjust((16, 16), (14, 18), near, slo, at_budget=True) == (16, 18)
-    full = replace(behind, decode_kv_usage=0.97)
-    assert fast_adjust((16, 16), (14, 18), full, slo, at_budget=True) == (16, 19)
+    full = replace(behind, decode_kv_usage=0.97)  # both failing: no raise, the floor holds
+    assert fast_adjust((16, 16), (14, 18), full, slo, at_budget=True) == (16, 18)
 
 
 def test_fast_adjust_at_the_cap_does_not_take_from_a_side_the_plan_wants_to_grow() -> None:
@@ -556,6 +563,40 @@ def test_fast_adjust_at_the_cap_does_not_take_from_a_side_the_plan_wants_to_grow
     assert fast_adjust((24, 7), (24, 8), hot, slo, at_budget=True) == (25, 7)
     assert fast_adjust((24, 8), (24, 8), hot, slo, at_budget=True) == (24, 8)
     assert fast_adjust((24, 8), (24, 8), hot, slo) == (25, 8)  # off the cap: raised
+
+
+def test_fast_adjust_at_the_cap_with_both_sides_failing_leaves_the_plan_to_move() -> None:
+    """Regression (real sessions behind round-robin decodes, bench.planner_traces' ramp, seed
+    1): at the cap, prefill's TTFT and decode's KV wait failed together in most windows, and
+    the fast loop raised prefill each time: the raise could not grow (no donor) but reset the
+    hold of prefill's lower target, so the rebalance to the plan's 26P:6D never came and the
+    fleet held 28P:4D for the whole run. Both failing at the cap, the target stands; off the
+    cap both are raised."""
+    slo = SloInputs(ttft_s=3.0, itl_ms=50.0)
+    both = ObservedSignals(
+        ttft_p90_s=14.8, prefill_queue_depth=7.8, decode_kv_usage=0.61, decode_queue_depth=3.0
+    )
+    assert fast_adjust((26, 6), (28, 4), both, slo, at_budget=True) == (26, 6)
+    assert fast_adjust((26, 6), (28, 4), both, slo) == (29, 6)
+
+
+def test_the_plan_takes_the_most_decode_of_splits_the_model_scores_alike() -> None:
+    """Regression (real sessions behind round-robin decodes, bench.planner_traces' ramp, seed
+    1): the first plan scored 28P:4D 4.17, 27P:5D 4.14 and 26P:6D 4.11 (a 1.5% spread, less
+    than the model's error) and took 28P:4D, the edge of the decode KV cliff the ramp then
+    ran into; the online bound was 26P:6D throughout. Within `CLIFF_LEAN` the plan leans to
+    decode; a clear lead, or no split serving any, still decides."""
+    first = [(4.17, (28, 4)), (4.14, (27, 5)), (4.11, (26, 6)), (3.95, (29, 3))]
+    assert leaned_to_decode(first) == (4.11, (26, 6))
+    assert leaned_to_decode([(4.17, (28, 4)), (4.0, (26, 6))]) == (4.17, (28, 4))
+    assert leaned_to_decode([(0.0, (28, 4)), (0.0, (26, 6))]) == (0.0, (28, 4))
+    # through the search: at the surge's first rate the spread's 26P:6D and 25P:7D score alike
+    ctx = search._Ctx(SLO, REAL_P, REAL_D, REAL_CAP, ModelLimits(), 1.0)
+    wl = real_sessions(11.5)
+    alike = [search._spread_goodput(ctx, wl.resolved(), n, 32 - n) for n in (25, 26)]
+    assert alike[1] > alike[0] >= (1 - search.CLIFF_LEAN) * alike[1]
+    rec = recommend(wl, SLO, REAL_P, REAL_D, REAL_CAP)
+    assert (rec.n_prefill, rec.n_decode) == (25, 7)
 
 
 def test_observed_decode_kv_use_recalibrates_decode() -> None:

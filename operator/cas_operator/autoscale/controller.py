@@ -299,7 +299,8 @@ def fast_adjust(
     pressure hint turns into prefill growth. Off the budget cap it never lowers anything; at
     the cap (``at_budget``) the side that is not failing gives up one instance so the other can
     grow after it drained, unless the slow loop's target wants that side to grow (decode: when
-    the target wants it smaller; see the code's comment).
+    the target wants it smaller; see the code's comment); with both failing at the cap
+    neither is raised and the slow loop's target stands.
     ``next_replicas`` then bounds the steps and orders them.
 
     Decode is never lowered below the size its observed KV use needs (used fraction x current
@@ -328,7 +329,15 @@ def fast_adjust(
         want_p = max(want_p, current[0] + 1)
     if decode_bad:
         want_d = max(want_d, current[1] + 1)
-    if at_budget and prefill_bad != decode_bad:
+    if at_budget and prefill_bad and decode_bad:
+        # Both failing at the cap: neither side has a donor, so neither is raised. A raise
+        # could not grow (the budget holds it) and only reset the other side's rebalance
+        # hold: on real sessions behind round-robin decodes, where prefill's TTFT and
+        # decode's KV wait fail together in most windows of a busy fleet, a ramp held 28P:4D
+        # for its whole run while every plan from minute 8 asked for 26P:6D
+        # (bench.planner_traces, seed 1: 85% of the online bound; 91% with both dropped).
+        want_p, want_d = target
+    elif at_budget and prefill_bad != decode_bad:
         # Only from a side the slow loop does not itself want to grow: the fast loop corrects
         # what the model misses, it does not overrule the model's own call that a side is short
         # (a closed-loop backlog keeps decode KV full at the right split; taking prefill for it
