@@ -610,7 +610,10 @@ def criteria(result: dict[str, Any]) -> list[str]:
             )
         if "online-bound" not in m:
             beaten = [k for k, v in statics.items() if v > ours]
-            line += "; >= every static split" if not beaten else f"; below {', '.join(beaten)}"
+            # the two named static splits; the exhaustive one is the share above
+            line += (
+                "; >= fixed-1:1 and best-fixed" if not beaten else f"; below {', '.join(beaten)}"
+            )
         line += (
             f"; hit rate predicted {hc['predicted']:.3f} vs simulated {hc['measured']:.3f} "
             f"({hc['error']:+.3f})"
