@@ -6,8 +6,8 @@ full rate, the split of the cap with the most requests meeting both SLOs when th
 cliff is a probability (a short decode pool is a cliff under closed-loop agent traffic, a short
 prefill pool a longer TTFT tail; `_cliff_split`), scored over the rates the plan may serve,
 the most decode of near-ties, and kept from the last tick unless another split scores clearly
-more; when the budget cannot
-hold both, the highest sustainable rate's plan with the leftover spent decode first.
+more; when the budget cannot hold both, the highest sustainable rate's plan with the leftover
+spent decode first.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ _RATE_NODES = ((1.0 - RATE_SPREAD, 1.0 / 6.0), (1.0, 2.0 / 3.0), (1.0 + RATE_SPR
 # in the product than the model's tail: behind round-robin decodes a request waits on its
 # own decode, and on real sessions neighbouring splits that scored within 1-2% differed by
 # 10-50% in the simulator on the short-of-decode side only (bench.planner_traces: the ramp
-# planned 28P:4D at its first minutes' rate, scored 1% over 26P:6D, and served 91% of the
+# planned 28P:4D at its first minutes' rate, scored 1.5% over 26P:6D, and served 91% of the
 # online bound; leaning, 98%).
 CLIFF_LEAN = 0.02
 
