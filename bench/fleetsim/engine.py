@@ -21,7 +21,7 @@ with numpy, and event times inside a step are kept exact where they are determin
   profile's time function), then sends its KV; its KV stays resident until the send is done
   (``kv_bounded_prefill``, the bound ``model.closed_throughput`` predicts).
 - KV transfer: the whole context leaves through the prefill instance's NIC, FIFO per instance.
-- Decode: behind the keyed policies (`Routing.decode_round_robin`) the router gives each
+- Decode: behind the keyed policies (`decodes_in_turn`) the router gives each
   request the next ready decode instance in turn and it waits there, FIFO, until its context
   fits in that instance's free KV (SGLang's decode prealloc queue); otherwise it goes to the
   instance with the most free KV when one has room. The wait counts toward TTFT. Each step
@@ -58,6 +58,7 @@ from typing import ClassVar
 import numpy as np
 
 from cas_engine.prefixreuse import DEFAULT_GHOST_ENTRIES, DEFAULT_SAMPLE_RATE, REUSE_BUCKETS_S
+from cas_operator.api.models import KEYED_POLICIES, RouterPolicy
 from cas_operator.autoscale.model import InstanceProfile
 from cas_operator.autoscale.reuse import ReuseProfile, profile_from_counts
 from cas_operator.observe.types import rate_window
@@ -89,10 +90,7 @@ class CacheAwareRouting:
     cache_threshold: float = 0.3
     balance_abs_threshold: int = 64
     balance_rel_threshold: float = 1.5
-    # Decode: the instance with the most free KV, chosen again while a request waits. Not what
-    # sglang-router does (with no `--decode-policy` its cache_aware tree also picks decodes,
-    # by the session's prefix), kept as the synthetic benchmarks' placement.
-    decode_round_robin: ClassVar[bool] = False
+    policy: ClassVar[RouterPolicy] = RouterPolicy.CACHE_AWARE
 
 
 @dataclass(frozen=True)
@@ -107,7 +105,7 @@ class ConsistentHashRouting:
     in for blake3 (any stable, uniform hash places the same way on average)."""
 
     virtual_nodes: int = 150
-    decode_round_robin: ClassVar[bool] = True  # `ManualRouting.decode_round_robin`
+    policy: ClassVar[RouterPolicy] = RouterPolicy.CONSISTENT_HASHING
 
     def points(self, instance: int) -> list[tuple[int, int]]:
         """The ring points of ``instance`` (a pod keeps its index, as its name, while it
@@ -131,17 +129,27 @@ class ManualRouting:
     a session's requests alternate between up to two instances (docs/traffic.md)."""
 
     replicas: int = 2
-    # Decodes round robin, and a request waits for KV on the decode it was given: the operator
-    # runs a keyed policy with `--decode-policy round_robin` (cas_operator.desired.resources.
-    # router.policy_args), and SGLang's decode admits its prealloc queue FIFO, stopping at the
-    # first request whose KV does not fit (sglang 0.5.23 srt/disaggregation/decode.py:1333,
-    # pop_preallocated; :1580). Pooled (any decode with room takes the next request), the
-    # simulator served 8.99 req/s at 26P:6D on real sessions' high load where round robin
-    # serves 7.86, and put the best split one decode instance short (bench.planner_traces).
-    decode_round_robin: ClassVar[bool] = True
+    policy: ClassVar[RouterPolicy] = RouterPolicy.MANUAL
 
 
 Routing = CacheAwareRouting | ConsistentHashRouting | ManualRouting
+
+
+def decodes_in_turn(routing: Routing) -> bool:
+    """Whether the fleet's decodes go round robin, each request waiting for KV on the decode it
+    was given: behind the keyed policies, which the operator runs with `--decode-policy
+    round_robin` (`cas_operator.desired.resources.router.policy_args`), since SGLang's decode
+    admits its prealloc queue FIFO, stopping at the first request whose KV does not fit
+    (sglang 0.5.23 srt/disaggregation/decode.py:1333, pop_preallocated; :1580). Pooled (any
+    decode with room takes the next request), the simulator served 8.99 req/s at 26P:6D on
+    real sessions' high load where round robin serves 7.86, and put the best split one decode
+    instance short (bench.planner_traces). Otherwise (`cache_aware`, the synthetic
+    benchmarks' router) the decode with the most free KV, chosen again while a request
+    waits: not what sglang-router does (with no `--decode-policy` its cache_aware tree also
+    picks decodes, by the session's prefix)."""
+    return routing.policy in KEYED_POLICIES
+
+
 # The routers' policies by the name `router.policy` gives them (the benchmarks' ``--router``).
 ROUTINGS: dict[str, Routing] = {
     "cache_aware": CacheAwareRouting(),
@@ -1014,7 +1022,7 @@ class Simulator:
         order = np.argsort(rows["ready"], kind="stable")
         rows = {k: v[order] for k, v in rows.items()}
         n = rows["sid"].size
-        if self.cfg.routing.decode_round_robin:
+        if decodes_in_turn(self.cfg.routing):
             inst = self._decode_in_turn(rows["inst"], ready_d)
         else:
             inst = spread(n, -free, ready_d)

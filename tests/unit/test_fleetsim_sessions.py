@@ -348,7 +348,7 @@ def test_keyed_routers_send_decodes_in_turn_and_a_request_waits_on_its_own(
 
 
 def test_cache_aware_decodes_take_any_decode_with_room() -> None:
-    """The synthetic benchmarks' placement (`CacheAwareRouting.decode_round_robin`): a
+    """The synthetic benchmarks' placement (`engine.decodes_in_turn`): a
     waiting request goes to the decode with the most free KV."""
     sim = _decode_sim(CacheAwareRouting())
     _waiting(sim, [0.25 * D.kv_capacity_tokens], [0], 1.0)
